@@ -1,0 +1,48 @@
+"""Compiles the CuTe DSL kernel for a GPU arch on a machine without a GPU; prints a JSON summary.
+
+Usage: python tests/compile_check.py ARCH K [--blocked] [--dump DIR]
+Run it in a subprocess: a compiler crash must not take the caller down.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("arch")
+    p.add_argument("k", type=int)
+    p.add_argument("--blocked", action="store_true")
+    p.add_argument("--dump", default=None)
+    p.add_argument("--tune", default="", help="e.g. batch=4,min_blocks=3,group=16")
+    args = p.parse_args()
+    # CuTe DSL compiles for --gpu-arch only when CUTE_DSL_ARCH names another arch.
+    os.environ["CUTE_DSL_ARCH"] = "sm_80" if args.arch != "sm_80" else "sm_86"
+    import cutlass.cutlass_dsl.cutlass as dsl_impl
+
+    # min_blocks_per_mp > 1 asks the driver for the SM's shared memory to set the carveout; answer
+    # with Hopper's/Blackwell's 228 KiB so that no GPU is needed.
+    dsl_impl.cuda_helpers.get_device_attribute = lambda attr, *a, **kw: 233472
+    import submission
+
+    dump = args.dump or tempfile.mkdtemp(prefix="nvfp4_cc_")
+    os.makedirs(dump, exist_ok=True)
+    tuning = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.tune.split(",") if kv}
+    fn = submission.compile_gemv(args.k, args.blocked, args.arch,
+                                 options=f"--gpu-arch {args.arch} --keep-cubin --dump-dir {dump}", **tuning)
+    cubin = fn.artifacts.CUBIN
+    path = os.path.join(dump, "kernel.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    print(json.dumps({"arch": args.arch, "k": args.k, "cubin": path, "bytes": len(cubin),
+                      "elf": cubin[:4] == b"\x7fELF"}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Inputs that exercise what the official generator does not: both nibbles, negative values, scales over
+many binades (subnormal e4m3 included), and layouts the kernel must honour."""
+
+import torch
+
+import reference
+
+
+def random_scales(shape, generator, device, min_exp=1, max_exp=9, signed=True):
+    """e4m3fn bytes with exponent field in [min_exp, max_exp] (0 = subnormal), random mantissa and sign;
+    never NaN (0x7F / 0xFF)."""
+    e = torch.randint(min_exp, max_exp + 1, shape, generator=generator)
+    mant = torch.randint(0, 8, shape, generator=generator)
+    sign = torch.randint(0, 2, shape, generator=generator) if signed else torch.zeros(shape, dtype=torch.long)
+    byte = (sign << 7) | (e << 3) | mant
+    return byte.to(torch.uint8).view(torch.float8_e4m3fn).to(device)
+
+
+def random_inputs(m, k, l, seed, device="cuda", min_exp=1, max_exp=9):
+    """Random signed NVFP4 data in the generator's layouts (permuted scales consistent with plain ones)."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(0, 256, (l, m, k // 2), generator=g, dtype=torch.uint8).permute(1, 2, 0)
+    b = torch.randint(0, 256, (l, 128, k // 2), generator=g, dtype=torch.uint8).permute(1, 2, 0)
+    sfk = k // 16
+    sfa = random_scales((l, m, sfk), g, "cpu", min_exp, max_exp).permute(1, 2, 0)
+    sfb = random_scales((l, 128, sfk), g, "cpu", min_exp, max_exp).permute(1, 2, 0)
+    c = torch.full((l, m, 1), float("nan"), dtype=torch.float16).permute(1, 2, 0)
+    data = [a.view(torch.float4_e2m1fn_x2), b.view(torch.float4_e2m1fn_x2), sfa, sfb,
+            permute_scales(sfa), permute_scales(sfb), c]
+    return tuple(t.to(device) for t in data)
+
+
+def permute_scales(sf):
+    """[mn, sf_k, l] -> [32, 4, mn/128, 4, sf_k/4, l] with the generator's memory layout."""
+    mn, sfk, l = sf.shape
+    out = torch.empty((l, mn // 128, sfk // 4, 32, 4, 4), dtype=torch.uint8, device=sf.device)
+    out = out.permute(3, 4, 1, 5, 2, 0)
+    u = sf.view(torch.uint8)
+    out.copy_(u.reshape(mn // 128, 4, 32, sfk // 4, 4, l).permute(2, 1, 0, 4, 3, 5))
+    return out.view(torch.float8_e4m3fn)
+
+
+def expected(data):
+    """float64 reference result for ``data`` (written into a copy of c)."""
+    return reference.portable_ref_kernel((*data[:6], data[6].clone()))
+
+
+def poisoned(data):
+    """``data`` with ``c`` replaced by a NaN-filled copy, so an unwritten element cannot pass."""
+    c = torch.full_like(data[6], float("nan"))
+    return (*data[:6], c)

@@ -1,0 +1,72 @@
+"""custom_kernel on a CUDA GPU: every task.yml shape, official and random signed inputs, both scale
+layouts, any stream. The output is poisoned with NaN before each run."""
+
+import os
+
+import pytest
+import torch
+
+import inputs
+import reference
+import submission
+from conftest import task_cases
+
+pytestmark = pytest.mark.gpu
+
+TASK_SHAPES = sorted({c[:3] for c in task_cases("tests") + task_cases("benchmarks")})
+EXTRA_SHAPES = [(128, 64, 1), (128, 128, 3), (256, 192, 2), (1152, 960, 5), (128, 32768, 1), (640, 2752, 3)]
+
+
+def run_and_check(data, **kw):
+    poisoned = inputs.poisoned(data)
+    out = submission.custom_kernel(poisoned)
+    torch.cuda.synchronize()
+    assert out.data_ptr() == poisoned[6].data_ptr(), "c must be written in place and returned"
+    ok, msg = reference.check_implementation(data, out)
+    assert ok, msg
+    assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("m,k,l,seed", task_cases("tests") + task_cases("benchmarks"))
+def test_official_inputs_match_reference(m, k, l, seed):
+    run_and_check(reference.generate_input(m, k, l, seed))
+
+
+@pytest.mark.parametrize("m,k,l", TASK_SHAPES + EXTRA_SHAPES)
+def test_random_signed_inputs_match_float64(m, k, l):
+    run_and_check(inputs.random_inputs(m, k, l, seed=m + k + l))
+
+
+@pytest.mark.parametrize("m,k,l", [(128, 256, 1), (2432, 4608, 2), (384, 7168, 2), (4096, 7168, 8)])
+def test_permuted_scales_used_when_plain_scales_are_on_cpu(m, k, l):
+    data = inputs.random_inputs(m, k, l, seed=3)
+    data = (*data[:2], data[2].cpu(), data[3].cpu(), *data[4:])
+    poisoned = inputs.poisoned(data)
+    out = submission.custom_kernel(poisoned)
+    ok, msg = reference.check_implementation(data, out)
+    assert ok, msg
+
+
+@pytest.mark.parametrize("m,k,l", [(128, 1536, 1), (512, 4096, 2)])
+def test_cute_path_forced_for_l1(m, k, l, monkeypatch):
+    monkeypatch.setenv(submission.FORCE_CUTE_ENV, "1")
+    run_and_check(inputs.random_inputs(m, k, l, seed=11))
+
+
+def test_runs_on_the_current_non_default_stream():
+    data = inputs.random_inputs(7168, 2048, 4, seed=5)
+    poisoned = inputs.poisoned(data)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(100_000_000)  # keeps s busy: the kernel must queue behind this
+        out = submission.custom_kernel(poisoned)
+    early = out.cpu()  # on the default stream, which does not wait for s
+    assert torch.isnan(early).all(), "the kernel ran before the work queued on its stream"
+    s.synchronize()
+    ok, msg = reference.check_implementation(data, out)
+    assert ok, msg
+
+
+def test_scales_wide_range_and_subnormal():
+    data = inputs.random_inputs(256, 4096, 2, seed=9, min_exp=0, max_exp=12)
+    run_and_check(data)
