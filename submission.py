@@ -273,7 +273,7 @@ class Nvfp4Gemv:
     threads = 256
     min_blocks = 4  # caps registers at 64: 1024 threads a SM, each with several 16-byte loads in flight
 
-    def __init__(self, k: int, blocked_scales: bool, group=None, batch=None, min_blocks=None):
+    def __init__(self, k: int, blocked_scales: bool, group=None, batch=None, min_blocks=None, probe=0):
         self.k = k
         self.blocked_scales = blocked_scales
         self.chunks = k // 32  # 16-byte chunks of a row: 32 values, 2 scale blocks
@@ -281,7 +281,11 @@ class Nvfp4Gemv:
         self.per_lane = self.chunks // self.group
         self.shuffle_offsets = [self.group >> (i + 1) for i in range(self.group.bit_length() - 1)]
         self.batch = batch or self._batch_size(self.per_lane)
+        if self.chunks % self.group or self.per_lane % self.batch:
+            raise ValueError(f"nvfp4_gemv: K={k}: group {self.group} and batch {self.batch} must divide "
+                             f"the {self.chunks} chunks of a row")
         self.min_blocks = min_blocks or self.min_blocks
+        self.probe = probe  # 1: skip the arithmetic (measures the memory side alone; wrong results)
         self.smem_bytes = 40 * self.chunks  # int8 b (32 B) + two fp32 sfb (8 B) per chunk
 
     @staticmethod
@@ -314,6 +318,8 @@ class Nvfp4Gemv:
     @cute.jit
     def _chunk_dot(self, acc, x, s16, c, s_b0, s_b1, s_sf, tbl):
         """acc + the scaled dot of one 16-byte chunk of ``a`` (32 values, 2 blocks) with ``b``."""
+        if cutlass.const_expr(self.probe):
+            return acc + cutlass.Float32(x[0] ^ x[1] ^ x[2] ^ x[3] ^ s16)
         wb0 = lds_v4(s_b0 + c * 16)
         wb1 = lds_v4(s_b1 + c * 16)
         sb0, sb1 = lds_f32x2(s_sf + c * 8)
@@ -373,25 +379,59 @@ class Nvfp4Gemv:
         sfa_base = sfa_ptr + l_idx * sfa_ls
         c_base = c_ptr + l_idx * c_ls
         tbl = cutlass.Int32(E2M1_TIMES2_LO)
-        for row in cutlass.range(bidx * rows_per_cta + tidx // G, m, gdimx * rows_per_cta):
-            row64 = cutlass.Int64(row)
-            a_row = a_base + row64 * a_rs
-            if cutlass.const_expr(self.blocked_scales):
-                sfa_row = sfa_base + (row64 >> 7) * sfa_rs + (row64 & 31) * 16 + ((row64 >> 5) & 3) * 4
-            else:
-                sfa_row = sfa_base + row64 * sfa_rs
-            acc = cutlass.Float32(0.0)
-            for bt in cutlass.range(self.per_lane // self.batch, unroll=1):
-                # A run-time loop: unrolled, ptxas would hoist every load of the row and spill.
-                c0 = lane + bt * (self.batch * G)
-                xs = [ldg_stream_v4(a_row + cutlass.Int64(c0 + i * G) * 16) for i in range(self.batch)]
-                ss = [ldg_u16(sfa_row + self._scale_offset(c0 + i * G)) for i in range(self.batch)]
-                for i in cutlass.range_constexpr(self.batch):
-                    acc = self._chunk_dot(acc, xs[i], ss[i], c0 + i * G, s_b0, s_b1, s_sf, tbl)
-            for off in self.shuffle_offsets:
-                acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off)
-            if lane == 0:
-                stg_f16(c_base + row64 * c_rs, acc)
+        nb = self.per_lane // self.batch
+        # Work units are (row, batch of chunks), grid-strided over rows. M % 128 == 0 makes the unit
+        # count warp-uniform, so the shuffles below run with every lane of the warp.
+        step = gdimx * rows_per_cta
+        warp_row0 = bidx * rows_per_cta + (tidx // 32) * (32 // G)
+        n_units = cutlass.Int32(0)
+        if warp_row0 < m:
+            n_units = (m - warp_row0 + step - 1) // step * nb
+        row = bidx * rows_per_cta + tidx // G
+        bt = cutlass.Int32(0)
+        # Software pipeline: the loads of unit u + 1 are in flight while unit u is computed.
+        cur = self._load_unit(row, bt, lane, a_base, sfa_base, a_rs, sfa_rs)
+        acc = cutlass.Float32(0.0)
+        for _u in cutlass.range(n_units, unroll=1):
+            nrow = row
+            nbt = bt + 1
+            if nbt == nb:
+                nbt = cutlass.Int32(0)
+                nrow = row + step
+            prow = nrow
+            if nrow >= m:
+                prow = row  # past the last unit: reload a valid one rather than read out of bounds
+            nxt = self._load_unit(prow, nbt, lane, a_base, sfa_base, a_rs, sfa_rs)
+            c0 = lane + bt * (self.batch * G)
+            for i in cutlass.range_constexpr(self.batch):
+                acc = self._chunk_dot(acc, cur[4 * i:4 * i + 4], cur[4 * self.batch + i], c0 + i * G,
+                                      s_b0, s_b1, s_sf, tbl)
+            if nbt == 0:
+                for off in self.shuffle_offsets:
+                    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off)
+                if lane == 0:
+                    stg_f16(c_base + cutlass.Int64(row) * c_rs, acc)
+                acc = cutlass.Float32(0.0)
+            row = nrow
+            bt = nbt
+            cur = nxt
+
+    @cute.jit
+    def _load_unit(self, row, bt, lane, a_base, sfa_base, a_rs, sfa_rs):
+        """Issues the loads of one work unit: ``batch`` chunks of ``a`` (4 words each), then their scales."""
+        row64 = cutlass.Int64(row)
+        a_row = a_base + row64 * a_rs
+        if cutlass.const_expr(self.blocked_scales):
+            sfa_row = sfa_base + (row64 >> 7) * sfa_rs + (row64 & 31) * 16 + ((row64 >> 5) & 3) * 4
+        else:
+            sfa_row = sfa_base + row64 * sfa_rs
+        c0 = lane + bt * (self.batch * self.group)
+        words = []
+        for i in cutlass.range_constexpr(self.batch):
+            words += ldg_stream_v4(a_row + cutlass.Int64(c0 + i * self.group) * 16)
+        for i in cutlass.range_constexpr(self.batch):
+            words.append(ldg_u16(sfa_row + self._scale_offset(c0 + i * self.group)))
+        return words
 
 
 # ----------------------------------------------------------------------------------------------------
