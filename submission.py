@@ -168,6 +168,16 @@ def ldg_stream_v4(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def cp_async_16(smem_addr, gmem_addr, *, loc=None, ip=None):
+    """16-byte global-to-shared copy that skips L1 (``a`` is read exactly once)."""
+    llvm.inline_asm(None, [cutlass.Int32(smem_addr).ir_value(loc=loc, ip=ip),
+                           cutlass.Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
+                    "cp.async.cg.shared.global [$0], [$1], 16;", "r,l",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                    loc=loc, ip=ip)
+
+
+@dsl_user_op
 def ldg_v4(addr, *, loc=None, ip=None):
     r = _asm([T.i32()] * 4, [cutlass.Int64(addr)],
              "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", loc, ip)
@@ -271,9 +281,11 @@ class Nvfp4Gemv:
     """Batched NVFP4 GEMV; one instance per (K, scale layout): see the module docstring."""
 
     threads = 256
-    min_blocks = 4  # caps registers at 64: 1024 threads a SM, each with several 16-byte loads in flight
+    min_blocks = 4  # caps registers at 64: 1024 threads a SM
+    stages = 4  # cp.async ring depth: stages - 1 work units of a thread are in flight while one computes
 
-    def __init__(self, k: int, blocked_scales: bool, group=None, batch=None, min_blocks=None, probe=0):
+    def __init__(self, k: int, blocked_scales: bool, group=None, batch=None, min_blocks=None, stages=None,
+                 probe=0):
         self.k = k
         self.blocked_scales = blocked_scales
         self.chunks = k // 32  # 16-byte chunks of a row: 32 values, 2 scale blocks
@@ -286,7 +298,10 @@ class Nvfp4Gemv:
                              f"the {self.chunks} chunks of a row")
         self.min_blocks = min_blocks or self.min_blocks
         self.probe = probe  # 1: skip the arithmetic (measures the memory side alone; wrong results)
-        self.smem_bytes = 40 * self.chunks  # int8 b (32 B) + two fp32 sfb (8 B) per chunk
+        self.stages = stages or self.stages
+        self.b_bytes = 40 * self.chunks  # int8 b (32 B) + two fp32 sfb (8 B) per chunk
+        self.ring_bytes = self.threads * self.stages * self.batch * 16  # a, per thread: stages x batch chunks
+        self.smem_bytes = self.b_bytes + self.ring_bytes
 
     @staticmethod
     def _group_size(chunks):
@@ -301,13 +316,12 @@ class Nvfp4Gemv:
 
     @staticmethod
     def _batch_size(per_lane):
-        # Chunks loaded before any is consumed: enough bytes in flight, bounded register use.
-        if per_lane <= 12:
-            return per_lane
-        return max(d for d in range(1, 9) if per_lane % d == 0)
+        # Chunks of a work unit (one cp.async group): the largest divisor of the lane's chunks up to 2.
+        return 2 if per_lane % 2 == 0 else 1
 
-    def rows_per_cta(self):
-        return self.threads // self.group
+    def ctas_per_sm(self):
+        # 228 KiB of shared memory a SM on sm_90 and sm_100, 1 KiB of it reserved for each CTA
+        return max(1, min(self.min_blocks, 233472 // (self.smem_bytes + 1024)))
 
     def _scale_offset(self, c):
         """Byte offset, from the row's base, of the two scales of chunk ``c`` (scales 2c and 2c+1)."""
@@ -357,8 +371,33 @@ class Nvfp4Gemv:
         s_b0 = s_buf.iterator.toint()  # int8 b, first 16 values of each chunk, 16 B apart
         s_b1 = s_b0 + 16 * C  # last 16 values of each chunk
         s_sf = s_b1 + 16 * C  # sfb / 4 as fp32, 2 per chunk
+        s_ring = s_b0 + self.b_bytes  # a: slot (stage, i) of thread t at ((stage * batch + i) * threads + t) * 16
 
         l_idx = cutlass.Int64(bidy)
+        lane = tidx % G
+        rows_per_cta = self.threads // G
+        a_base = a_ptr + l_idx * a_ls
+        sfa_base = sfa_ptr + l_idx * sfa_ls
+        c_base = c_ptr + l_idx * c_ls
+        nb = self.per_lane // self.batch
+        D = self.stages
+        # Work units are (row, batch of chunks), grid-strided over rows. M % 128 == 0 makes the unit
+        # count warp-uniform, so the shuffles below run with every lane of the warp.
+        step = gdimx * rows_per_cta
+        warp_row0 = bidx * rows_per_cta + (tidx // 32) * (32 // G)
+        n_units = cutlass.Int32(0)
+        if warp_row0 < m:
+            n_units = (m - warp_row0 + step - 1) // step * nb
+        row0 = bidx * rows_per_cta + tidx // G
+
+        # Each thread copies its own chunks of a into its own ring slots and reads only those, so
+        # cp.async.wait_group orders everything: no barrier. The first D - 1 units start before the
+        # prologue. Scales (2 bytes a chunk, below cp.async's 4) travel in registers, D - 1 units ahead.
+        sfs = []
+        for j in cutlass.range_constexpr(D - 1):
+            sfs.append(self._issue_unit(j, n_units, row0, step, lane, tidx, a_base, sfa_base, a_rs, sfa_rs,
+                                        s_ring))
+
         b_base = b_ptr + l_idx * b_ls
         sfb_base = sfb_ptr + l_idx * sfb_ls
         for c in cutlass.range(tidx, C, self.threads):
@@ -373,64 +412,59 @@ class Nvfp4Gemv:
             sts_f32x2(s_sf + c * 8, s0 * 0.25, s1 * 0.25)
         cute.arch.sync_threads()
 
-        lane = tidx % G
-        rows_per_cta = self.threads // G
-        a_base = a_ptr + l_idx * a_ls
-        sfa_base = sfa_ptr + l_idx * sfa_ls
-        c_base = c_ptr + l_idx * c_ls
         tbl = cutlass.Int32(E2M1_TIMES2_LO)
-        nb = self.per_lane // self.batch
-        # Work units are (row, batch of chunks), grid-strided over rows. M % 128 == 0 makes the unit
-        # count warp-uniform, so the shuffles below run with every lane of the warp.
-        step = gdimx * rows_per_cta
-        warp_row0 = bidx * rows_per_cta + (tidx // 32) * (32 // G)
-        n_units = cutlass.Int32(0)
-        if warp_row0 < m:
-            n_units = (m - warp_row0 + step - 1) // step * nb
-        row = bidx * rows_per_cta + tidx // G
-        bt = cutlass.Int32(0)
-        # Software pipeline: the loads of unit u + 1 are in flight while unit u is computed.
-        cur = self._load_unit(row, bt, lane, a_base, sfa_base, a_rs, sfa_rs)
         acc = cutlass.Float32(0.0)
-        for _u in cutlass.range(n_units, unroll=1):
-            nrow = row
-            nbt = bt + 1
-            if nbt == nb:
-                nbt = cutlass.Int32(0)
-                nrow = row + step
-            prow = nrow
-            if nrow >= m:
-                prow = row  # past the last unit: reload a valid one rather than read out of bounds
-            nxt = self._load_unit(prow, nbt, lane, a_base, sfa_base, a_rs, sfa_rs)
+        row = row0
+        bt = cutlass.Int32(0)
+        slot = cutlass.Int32(0)
+        for u in cutlass.range(n_units, unroll=1):
+            sfs.append(self._issue_unit(u + D - 1, n_units, row0, step, lane, tidx, a_base, sfa_base, a_rs,
+                                        sfa_rs, s_ring))
+            cute.arch.cp_async_wait_group(D - 1)
             c0 = lane + bt * (self.batch * G)
             for i in cutlass.range_constexpr(self.batch):
-                acc = self._chunk_dot(acc, cur[4 * i:4 * i + 4], cur[4 * self.batch + i], c0 + i * G,
-                                      s_b0, s_b1, s_sf, tbl)
-            if nbt == 0:
+                x = lds_v4(s_ring + ((slot * self.batch + i) * self.threads + tidx) * 16)
+                acc = self._chunk_dot(acc, x, sfs[0][i], c0 + i * G, s_b0, s_b1, s_sf, tbl)
+            sfs = sfs[1:]
+            bt = bt + 1
+            if bt == nb:
                 for off in self.shuffle_offsets:
                     acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off)
                 if lane == 0:
                     stg_f16(c_base + cutlass.Int64(row) * c_rs, acc)
                 acc = cutlass.Float32(0.0)
-            row = nrow
-            bt = nbt
-            cur = nxt
+                bt = cutlass.Int32(0)
+                row = row + step
+            slot = slot + 1
+            if slot == D:
+                slot = cutlass.Int32(0)
 
     @cute.jit
-    def _load_unit(self, row, bt, lane, a_base, sfa_base, a_rs, sfa_rs):
-        """Issues the loads of one work unit: ``batch`` chunks of ``a`` (4 words each), then their scales."""
-        row64 = cutlass.Int64(row)
+    def _issue_unit(self, u, n_units, row0, step, lane, tidx, a_base, sfa_base, a_rs, sfa_rs, s_ring):
+        """Starts the copies of work unit ``u`` (clamped to the last one, so reads stay in bounds) into
+        ring slot ``u % stages`` as one cp.async group; returns its scale words."""
+        uc = u
+        if u >= n_units:
+            uc = n_units - 1
+        if uc < 0:
+            uc = cutlass.Int32(0)
+        nb = self.per_lane // self.batch
+        row64 = cutlass.Int64(row0 + (uc // nb) * step)
+        c0 = lane + (uc % nb) * (self.batch * self.group)
         a_row = a_base + row64 * a_rs
         if cutlass.const_expr(self.blocked_scales):
             sfa_row = sfa_base + (row64 >> 7) * sfa_rs + (row64 & 31) * 16 + ((row64 >> 5) & 3) * 4
         else:
             sfa_row = sfa_base + row64 * sfa_rs
-        c0 = lane + bt * (self.batch * self.group)
+        slot = u % self.stages
         words = []
         for i in cutlass.range_constexpr(self.batch):
-            words += ldg_stream_v4(a_row + cutlass.Int64(c0 + i * self.group) * 16)
-        for i in cutlass.range_constexpr(self.batch):
-            words.append(ldg_u16(sfa_row + self._scale_offset(c0 + i * self.group)))
+            c = c0 + i * self.group
+            if u < n_units:
+                cp_async_16(s_ring + ((slot * self.batch + i) * self.threads + tidx) * 16,
+                            a_row + cutlass.Int64(c) * 16)
+            words.append(ldg_u16(sfa_row + self._scale_offset(c)))
+        cute.arch.cp_async_commit_group()
         return words
 
 
@@ -484,7 +518,7 @@ def _get_kernel(device_index, k, blocked_scales, tuning):
                 kw = dict(tuning)
                 op = Nvfp4Gemv(k, blocked_scales, **kw)
                 entry = (compile_gemv(k, blocked_scales, device_info(device_index)[0], **kw),
-                         op.threads // op.group, op.min_blocks)
+                         op.threads // op.group, op.ctas_per_sm())
                 _compiled[key] = entry
     return entry
 
