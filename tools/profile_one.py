@@ -1,0 +1,27 @@
+"""Runs one custom_kernel call (or a tuning variant) on one shape, for Nsight Compute:
+
+    ncu --clock-control none -k regex:kernel_cutlass python tools/profile_one.py 7168 16384 1 [name=value,...]
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+import reference  # noqa: E402
+import submission  # noqa: E402
+
+m, k, l = (int(v) for v in sys.argv[1:4])
+tunes = [tuple(sorted((kv.split("=")[0], int(kv.split("=")[1])) for kv in t.split(",") if kv))
+         for t in (sys.argv[4:] or [""])]
+data = reference.generate_input(m, k, l, 1111)
+shape = submission.check_inputs(data)
+for tune in tunes:
+    submission.run_cute(data, *shape, tuning=tune)  # compile outside the profiled range
+torch.cuda.synchronize()
+for tune in tunes:
+    torch.cuda.profiler.start()
+    submission.run_cute(data, *shape, tuning=tune)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
