@@ -261,6 +261,34 @@ def sts_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def lds_u32(addr, *, loc=None, ip=None):
+    r = _asm([T.i32()], [cutlass.Int32(addr)], "ld.shared.u32 $0, [$1];", "=r,r", loc, ip)
+    return cutlass.Int32(r[0])
+
+
+@dsl_user_op
+def sts_u32(addr, v, *, loc=None, ip=None):
+    llvm.inline_asm(None, [cutlass.Int32(addr).ir_value(loc=loc, ip=ip), cutlass.Int32(v).ir_value(loc=loc, ip=ip)],
+                    "st.shared.u32 [$0], $1;", "r,r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                    loc=loc, ip=ip)
+
+
+@dsl_user_op
+def lds_f32(addr, *, loc=None, ip=None):
+    r = _asm([T.f32()], [cutlass.Int32(addr)], "ld.shared.f32 $0, [$1];", "=f,r", loc, ip)
+    return cutlass.Float32(r[0])
+
+
+@dsl_user_op
+def sts_f32(addr, v, *, loc=None, ip=None):
+    llvm.inline_asm(None, [cutlass.Int32(addr).ir_value(loc=loc, ip=ip), cutlass.Float32(v).ir_value(loc=loc, ip=ip)],
+                    "st.shared.f32 [$0], $1;", "r,f",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                    loc=loc, ip=ip)
+
+
+@dsl_user_op
 def sts_f32x2(addr, v0, v1, *, loc=None, ip=None):
     llvm.inline_asm(None, [cutlass.Int32(addr).ir_value(loc=loc, ip=ip), cutlass.Float32(v0).ir_value(loc=loc, ip=ip),
                            cutlass.Float32(v1).ir_value(loc=loc, ip=ip)],
@@ -278,46 +306,45 @@ def stg_f16(addr, v, *, loc=None, ip=None):
 
 
 class Nvfp4Gemv:
-    """Batched NVFP4 GEMV; one instance per (K, scale layout): see the module docstring."""
+    """Batched NVFP4 GEMV; one instance per (K, scale layout, tuning): see the module docstring."""
 
     threads = 256
     min_blocks = 4  # caps registers at 64: 1024 threads a SM
     stages = 4  # cp.async ring depth: stages - 1 work units of a thread are in flight while one computes
 
-    def __init__(self, k: int, blocked_scales: bool, group=None, batch=None, min_blocks=None, stages=None,
+    def __init__(self, k: int, blocked_scales: bool, team=None, batch=None, min_blocks=None, stages=None,
                  probe=0):
         self.k = k
         self.blocked_scales = blocked_scales
         self.chunks = k // 32  # 16-byte chunks of a row: 32 values, 2 scale blocks
-        self.group = group or self._group_size(self.chunks)
-        self.per_lane = self.chunks // self.group
-        self.shuffle_offsets = [self.group >> (i + 1) for i in range(self.group.bit_length() - 1)]
-        self.batch = batch or self._batch_size(self.per_lane)
-        if self.chunks % self.group or self.per_lane % self.batch:
-            raise ValueError(f"nvfp4_gemv: K={k}: group {self.group} and batch {self.batch} must divide "
+        self.team = team or self._team_size(self.chunks)
+        self.per_lane = self.chunks // self.team
+        self.batch = batch or (2 if self.per_lane % 2 == 0 else 1)
+        if self.chunks % self.team or self.per_lane % self.batch or self.threads % self.team:
+            raise ValueError(f"nvfp4_gemv: K={k}: team {self.team} and batch {self.batch} must divide "
                              f"the {self.chunks} chunks of a row")
+        self.rows_per_step = self.threads // self.team
+        self.warp_lanes = min(self.team, 32)
+        self.shuffle_offsets = [self.warp_lanes >> (i + 1) for i in range(self.warp_lanes.bit_length() - 1)]
         self.min_blocks = min_blocks or self.min_blocks
-        self.probe = probe  # 1: skip the arithmetic (measures the memory side alone; wrong results)
         self.stages = stages or self.stages
-        self.b_bytes = 40 * self.chunks  # int8 b (32 B) + two fp32 sfb (8 B) per chunk
+        self.probe = probe  # 1: skip the arithmetic (measures the memory side alone; wrong results)
+        self.b_bytes = 40 * self.chunks + 16  # int8 b (32 B) + two fp32 sfb (8 B) a chunk; the table
+        self.red_bytes = 64  # cross-warp partial sums of a row, two buffers of 8 floats (team of 256)
         self.ring_bytes = self.threads * self.stages * self.batch * 16  # a, per thread: stages x batch chunks
-        self.smem_bytes = self.b_bytes + self.ring_bytes
+        self.smem_bytes = self.b_bytes + self.red_bytes + self.ring_bytes
 
     @staticmethod
-    def _group_size(chunks):
-        # Lanes per row: a power of two dividing the chunk count (so no tail), at most a warp, and small
-        # enough that each lane has >= 4 chunks when the row allows it (fewer, longer rows per lane).
-        g = 1
-        while g < 32 and chunks % (2 * g) == 0 and chunks // (2 * g) >= 4:
-            g *= 2
-        if chunks < 4:
-            g = chunks & -chunks
-        return g
-
-    @staticmethod
-    def _batch_size(per_lane):
-        # Chunks of a work unit (one cp.async group): the largest divisor of the lane's chunks up to 2.
-        return 2 if per_lane % 2 == 0 else 1
+    def _team_size(chunks):
+        # Threads per row. The whole CTA when each thread still gets >= 2 chunks: a CTA then owns
+        # whole rows, so splitting rows evenly over CTAs balances the SMs. Otherwise a power of two
+        # up to a warp that divides the chunk count (no tail), small enough to leave >= 2 chunks a lane.
+        if chunks % 256 == 0 and chunks >= 512:
+            return 256
+        t = 1
+        while t < 32 and chunks % (2 * t) == 0 and chunks // (2 * t) >= 2:
+            t *= 2
+        return t
 
     def ctas_per_sm(self):
         # 228 KiB of shared memory a SM on sm_90 and sm_100, 1 KiB of it reserved for each CTA
@@ -363,40 +390,39 @@ class Nvfp4Gemv:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, _ = cute.arch.block_idx()
         gdimx, _, _ = cute.arch.grid_dim()
-        G = self.group
         C = self.chunks
+        T = self.team
+        D = self.stages
+        nb = self.per_lane // self.batch
 
         smem = cutlass.utils.SmemAllocator()
         s_buf = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.smem_bytes // 4), byte_alignment=16)
         s_b0 = s_buf.iterator.toint()  # int8 b, first 16 values of each chunk, 16 B apart
         s_b1 = s_b0 + 16 * C  # last 16 values of each chunk
         s_sf = s_b1 + 16 * C  # sfb / 4 as fp32, 2 per chunk
-        s_ring = s_b0 + self.b_bytes  # a: slot (stage, i) of thread t at ((stage * batch + i) * threads + t) * 16
+        s_tbl = s_sf + 8 * C
+        s_red = s_b0 + self.b_bytes
+        s_ring = s_red + self.red_bytes  # a: slot (stage, i) of thread t at ((stage * batch + i) * threads + t) * 16
 
+        # This CTA owns the contiguous row steps [s_lo, s_hi) of batch bidy (a step is rows_per_step
+        # rows, one a team); the steps split evenly over the CTAs. Work units are (step, batch of chunks).
         l_idx = cutlass.Int64(bidy)
-        lane = tidx % G
-        rows_per_cta = self.threads // G
+        n_steps = m // self.rows_per_step
+        s_lo = bidx * n_steps // gdimx
+        n_units = ((bidx + 1) * n_steps // gdimx - s_lo) * nb
         a_base = a_ptr + l_idx * a_ls
         sfa_base = sfa_ptr + l_idx * sfa_ls
         c_base = c_ptr + l_idx * c_ls
-        nb = self.per_lane // self.batch
-        D = self.stages
-        # Work units are (row, batch of chunks), grid-strided over rows. M % 128 == 0 makes the unit
-        # count warp-uniform, so the shuffles below run with every lane of the warp.
-        step = gdimx * rows_per_cta
-        warp_row0 = bidx * rows_per_cta + (tidx // 32) * (32 // G)
-        n_units = cutlass.Int32(0)
-        if warp_row0 < m:
-            n_units = (m - warp_row0 + step - 1) // step * nb
-        row0 = bidx * rows_per_cta + tidx // G
+        lane = tidx % T
+        row_in_step = tidx // T
 
         # Each thread copies its own chunks of a into its own ring slots and reads only those, so
         # cp.async.wait_group orders everything: no barrier. The first D - 1 units start before the
         # prologue. Scales (2 bytes a chunk, below cp.async's 4) travel in registers, D - 1 units ahead.
         sfs = []
         for j in cutlass.range_constexpr(D - 1):
-            sfs.append(self._issue_unit(j, n_units, row0, step, lane, tidx, a_base, sfa_base, a_rs, sfa_rs,
-                                        s_ring))
+            sfs.append(self._issue_unit(cutlass.Int32(j), n_units, s_lo, row_in_step, lane, tidx, a_base,
+                                        sfa_base, a_rs, sfa_rs, s_ring))
 
         b_base = b_ptr + l_idx * b_ls
         sfb_base = sfb_ptr + l_idx * sfb_ls
@@ -410,37 +436,54 @@ class Nvfp4Gemv:
             sts_v4(s_b1 + c * 16, w4, w5, w6, w7)
             s0, s1 = e4m3x2_to_f32x2(ldg_u16(sfb_base + self._scale_offset(c)))
             sts_f32x2(s_sf + c * 8, s0 * 0.25, s1 * 0.25)
+        if tidx == 0:
+            sts_u32(s_tbl, cutlass.Int32(E2M1_TIMES2_LO))
         cute.arch.sync_threads()
+        # Read back from shared memory, the table is opaque to ptxas: one register holds it, instead
+        # of a copy from a uniform register before every prmt.
+        tbl = lds_u32(s_tbl)
 
-        tbl = cutlass.Int32(E2M1_TIMES2_LO)
         acc = cutlass.Float32(0.0)
-        row = row0
+        step = s_lo
         bt = cutlass.Int32(0)
         slot = cutlass.Int32(0)
         for u in cutlass.range(n_units, unroll=1):
-            sfs.append(self._issue_unit(u + D - 1, n_units, row0, step, lane, tidx, a_base, sfa_base, a_rs,
-                                        sfa_rs, s_ring))
+            sfs.append(self._issue_unit(u + D - 1, n_units, s_lo, row_in_step, lane, tidx, a_base, sfa_base,
+                                        a_rs, sfa_rs, s_ring))
             cute.arch.cp_async_wait_group(D - 1)
-            c0 = lane + bt * (self.batch * G)
+            c0 = lane + bt * (self.batch * T)
             for i in cutlass.range_constexpr(self.batch):
                 x = lds_v4(s_ring + ((slot * self.batch + i) * self.threads + tidx) * 16)
-                acc = self._chunk_dot(acc, x, sfs[0][i], c0 + i * G, s_b0, s_b1, s_sf, tbl)
+                acc = self._chunk_dot(acc, x, sfs[0][i], c0 + i * T, s_b0, s_b1, s_sf, tbl)
             sfs = sfs[1:]
             bt = bt + 1
             if bt == nb:
                 for off in self.shuffle_offsets:
                     acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off)
-                if lane == 0:
-                    stg_f16(c_base + cutlass.Int64(row) * c_rs, acc)
+                row64 = cutlass.Int64(step * self.rows_per_step + row_in_step)
+                if cutlass.const_expr(T > 32):
+                    # a row spans the CTA's warps: combine their sums (double-buffered by step parity)
+                    red = s_red + (step & 1) * 32
+                    if tidx % 32 == 0:
+                        sts_f32(red + (tidx // 32) * 4, acc)
+                    cute.arch.sync_threads()
+                    if tidx == 0:
+                        total = cutlass.Float32(0.0)
+                        for w in cutlass.range_constexpr(self.threads // 32):
+                            total = total + lds_f32(red + w * 4)
+                        stg_f16(c_base + row64 * c_rs, total)
+                else:
+                    if lane == 0:
+                        stg_f16(c_base + row64 * c_rs, acc)
                 acc = cutlass.Float32(0.0)
                 bt = cutlass.Int32(0)
-                row = row + step
+                step = step + 1
             slot = slot + 1
             if slot == D:
                 slot = cutlass.Int32(0)
 
     @cute.jit
-    def _issue_unit(self, u, n_units, row0, step, lane, tidx, a_base, sfa_base, a_rs, sfa_rs, s_ring):
+    def _issue_unit(self, u, n_units, s_lo, row_in_step, lane, tidx, a_base, sfa_base, a_rs, sfa_rs, s_ring):
         """Starts the copies of work unit ``u`` (clamped to the last one, so reads stay in bounds) into
         ring slot ``u % stages`` as one cp.async group; returns its scale words."""
         uc = u
@@ -449,8 +492,8 @@ class Nvfp4Gemv:
         if uc < 0:
             uc = cutlass.Int32(0)
         nb = self.per_lane // self.batch
-        row64 = cutlass.Int64(row0 + (uc // nb) * step)
-        c0 = lane + (uc % nb) * (self.batch * self.group)
+        row64 = cutlass.Int64((s_lo + uc // nb) * self.rows_per_step + row_in_step)
+        c0 = lane + (uc % nb) * (self.batch * self.team)
         a_row = a_base + row64 * a_rs
         if cutlass.const_expr(self.blocked_scales):
             sfa_row = sfa_base + (row64 >> 7) * sfa_rs + (row64 & 31) * 16 + ((row64 >> 5) & 3) * 4
@@ -459,7 +502,7 @@ class Nvfp4Gemv:
         slot = u % self.stages
         words = []
         for i in cutlass.range_constexpr(self.batch):
-            c = c0 + i * self.group
+            c = c0 + i * self.team
             if u < n_units:
                 cp_async_16(s_ring + ((slot * self.batch + i) * self.threads + tidx) * 16,
                             a_row + cutlass.Int64(c) * 16)
@@ -518,7 +561,7 @@ def _get_kernel(device_index, k, blocked_scales, tuning):
                 kw = dict(tuning)
                 op = Nvfp4Gemv(k, blocked_scales, **kw)
                 entry = (compile_gemv(k, blocked_scales, device_info(device_index)[0], **kw),
-                         op.threads // op.group, op.ctas_per_sm())
+                         op.rows_per_step, op.ctas_per_sm())
                 _compiled[key] = entry
     return entry
 
@@ -533,15 +576,15 @@ def run_cute(data, m, k, l, scales_on_gpu, tuning=()):
     overrides the per-K configuration, for experiments."""
     a, b, sfa, sfb, sfa_p, sfb_p, c = data
     dev = a.device.index
-    fn, rows_per_cta, ctas_per_sm = _get_kernel(dev, k, not scales_on_gpu, tuning)
+    fn, rows_per_step, ctas_per_sm = _get_kernel(dev, k, not scales_on_gpu, tuning)
     if scales_on_gpu:
         sa, sb = sfa, sfb
         sa_rs, sa_ls, sb_ls = sfa.stride(0), sfa.stride(2), sfb.stride(2)
     else:
         sa, sb = sfa_p, sfb_p
         sa_rs, sa_ls, sb_ls = sfa_p.stride(2), sfa_p.stride(5), sfb_p.stride(5)
-    # one wave of CTAs, spread over the batch; fewer when M is small
-    ctas_per_l = max(1, min(-(-m // rows_per_cta), -(-device_info(dev)[1] * ctas_per_sm // l)))
+    # one wave of CTAs spread over the batch, each with at least one step of rows
+    ctas_per_l = max(1, min(m // rows_per_step, -(-device_info(dev)[1] * ctas_per_sm // l)))
     stream = _CUstream(torch.cuda.current_stream(a.device).cuda_stream)
     fn(a.data_ptr(), b.data_ptr(), sa.data_ptr(), sb.data_ptr(), c.data_ptr(), m,
        a.stride(0), a.stride(2), b.stride(2), sa_rs, sa_ls, sb_ls, c.stride(0) * 2, c.stride(2) * 2,
