@@ -34,10 +34,20 @@ def bytes_moved(m, k, l):
     return l * (m * k // 2 + m * k // 16 + k // 2 + k // 16 + 2 * m)
 
 
-def time_leaderboard(fn, reps):
+_clean = None
+
+
+def time_leaderboard(fn, reps, clean=False):
+    """Median us of ``fn`` between CUDA events, the L2 flushed before each run. ``clean``: after the
+    flush, read a 1 GiB buffer, so that L2 holds clean lines instead of the flush's dirty ones."""
+    global _clean
     times = []
     for _ in range(reps):
         clear_l2_cache()
+        if clean:
+            if _clean is None:
+                _clean = torch.ones(256 * 1024 * 1024, device="cuda")
+            _clean.sum()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -209,10 +219,11 @@ def bench_case(m, k, l, args, ceiling, tunings):
                submission.custom_kernel(signed))
         ok_s, msg_s = reference.check_implementation(signed, got)
         us = time_leaderboard(lambda: run(), args.reps)
+        clean_us = time_leaderboard(lambda: run(), args.reps, clean=True) if args.clean else None
         g_us = time_graph(lambda: run(), args.reps) if args.graph else None
         if dict(tune).get("probe"):
             ok = ok_s = True  # a probe skips the arithmetic: only its time means anything
-        variants[name] = {"us": us, "graph_us": g_us, "ok": ok and ok_s,
+        variants[name] = {"us": us, "graph_us": g_us, "clean_us": clean_us, "ok": ok and ok_s,
                           "msg": "" if ok and ok_s else (msg if not ok else "signed: " + msg_s)}
     best = min(variants, key=lambda n: variants[n]["us"])
     row.update(variants=variants, us=variants["ours"]["us"] if "ours" in variants else variants[best]["us"],
@@ -261,10 +272,11 @@ def render(rows, ceiling, meta):
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     variant_rows = [(r, n, v) for r in rows for n, v in r["variants"].items() if len(r["variants"]) > 1]
     if variant_rows:
-        lines += ["", "| M | K | L | variant | us | graph us | ok |", "|---|---|---|---|---|---|---|"]
+        lines += ["", "| M | K | L | variant | us | graph us | clean-L2 us | ok |", "|---|---|---|---|---|---|---|---|"]
         for r, n, v in variant_rows:
             g = f"{v['graph_us']:.1f}" if v["graph_us"] else "-"
-            lines.append(f"| {r['m']} | {r['k']} | {r['l']} | {n} | {v['us']:.1f} | {g} | {v['ok']} |")
+            cl = f"{v['clean_us']:.1f}" if v.get("clean_us") else "-"
+            lines.append(f"| {r['m']} | {r['k']} | {r['l']} | {n} | {v['us']:.1f} | {g} | {cl} | {v['ok']} |")
     bench_rows = [r for r in rows if (r["m"], r["k"], r["l"]) in BENCH_SHAPES]
     if len(bench_rows) == 3:
         geo = statistics.geometric_mean([r["us"] for r in bench_rows])
@@ -281,6 +293,7 @@ def main():
     p.add_argument("--reps", type=int, default=100)
     p.add_argument("--no-peers", dest="peers", action="store_false")
     p.add_argument("--no-graph", dest="graph", action="store_false")
+    p.add_argument("--clean", action="store_true", help="also time with a clean (read-only) L2 before each run")
     p.add_argument("--tune", action="append", default=[], help="a kernel variant, e.g. min_blocks=2,batch=4")
     p.add_argument("--out", default=None, help="path prefix for the .md and .json results")
     args = p.parse_args()

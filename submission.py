@@ -168,13 +168,25 @@ def ldg_stream_v4(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def cp_async_16(smem_addr, gmem_addr, *, loc=None, ip=None):
-    """16-byte global-to-shared copy that skips L1 (``a`` is read exactly once)."""
-    llvm.inline_asm(None, [cutlass.Int32(smem_addr).ir_value(loc=loc, ip=ip),
-                           cutlass.Int64(gmem_addr).ir_value(loc=loc, ip=ip)],
-                    "cp.async.cg.shared.global [$0], [$1], 16;", "r,l",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                    loc=loc, ip=ip)
+def cp_async_16(smem_addr, gmem_addr, policy=None, *, loc=None, ip=None):
+    """16-byte global-to-shared copy that skips L1 (``a`` is read exactly once); with an L2 cache
+    ``policy`` (see ``l2_evict_first_policy``) when given."""
+    ops = [cutlass.Int32(smem_addr).ir_value(loc=loc, ip=ip), cutlass.Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
+    if policy is None:
+        text, cons = "cp.async.cg.shared.global [$0], [$1], 16;", "r,l"
+    else:
+        ops.append(cutlass.Int64(policy).ir_value(loc=loc, ip=ip))
+        text, cons = "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2;", "r,l,l"
+    llvm.inline_asm(None, ops, text, cons, has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def l2_evict_first_policy(*, loc=None, ip=None):
+    """An L2 cache policy that marks lines evict-first: when the stream of ``a`` needs room in L2 it
+    displaces its own, already-consumed lines rather than other (possibly dirty) ones."""
+    r = _asm([T.i64()], [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l", loc, ip)
+    return cutlass.Int64(r[0])
 
 
 @dsl_user_op
@@ -313,7 +325,7 @@ class Nvfp4Gemv:
     stages = 4  # cp.async ring depth: stages - 1 work units of a thread are in flight while one computes
 
     def __init__(self, k: int, blocked_scales: bool, team=None, batch=None, min_blocks=None, stages=None,
-                 probe=0):
+                 probe=0, hint=0):
         self.k = k
         self.blocked_scales = blocked_scales
         self.chunks = k // 32  # 16-byte chunks of a row: 32 values, 2 scale blocks
@@ -329,6 +341,7 @@ class Nvfp4Gemv:
         self.min_blocks = min_blocks or self.min_blocks
         self.stages = stages or self.stages
         self.probe = probe  # 1: skip the arithmetic (measures the memory side alone; wrong results)
+        self.hint = hint  # 1: stream a with an L2 evict-first policy
         self.b_bytes = 40 * self.chunks + 16  # int8 b (32 B) + two fp32 sfb (8 B) a chunk; the table
         self.red_bytes = 64  # cross-warp partial sums of a row, two buffers of 8 floats (team of 256)
         self.ring_bytes = self.threads * self.stages * self.batch * 16  # a, per thread: stages x batch chunks
@@ -341,7 +354,7 @@ class Nvfp4Gemv:
         # up to a warp that divides the chunk count (no tail), small enough to leave >= 2 chunks a lane.
         if chunks % 256 == 0 and chunks >= 512:
             return 256
-        t = 1
+        t = 2  # chunks is even (K % 64 == 0); a step of 256 // t <= 128 rows divides M
         while t < 32 and chunks % (2 * t) == 0 and chunks // (2 * t) >= 2:
             t *= 2
         return t
@@ -504,8 +517,12 @@ class Nvfp4Gemv:
         for i in cutlass.range_constexpr(self.batch):
             c = c0 + i * self.team
             if u < n_units:
-                cp_async_16(s_ring + ((slot * self.batch + i) * self.threads + tidx) * 16,
-                            a_row + cutlass.Int64(c) * 16)
+                if cutlass.const_expr(self.hint):
+                    cp_async_16(s_ring + ((slot * self.batch + i) * self.threads + tidx) * 16,
+                                a_row + cutlass.Int64(c) * 16, l2_evict_first_policy())
+                else:
+                    cp_async_16(s_ring + ((slot * self.batch + i) * self.threads + tidx) * 16,
+                                a_row + cutlass.Int64(c) * 16)
             words.append(ldg_u16(sfa_row + self._scale_offset(c)))
         cute.arch.cp_async_commit_group()
         return words
