@@ -182,9 +182,11 @@ def cp_async_16(smem_addr, gmem_addr, policy=None, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def l2_evict_first_policy(*, loc=None, ip=None):
+def l2_evict_first_policy(created=True, *, loc=None, ip=None):
     """An L2 cache policy that marks lines evict-first: when the stream of ``a`` needs room in L2 it
     displaces its own, already-consumed lines rather than other (possibly dirty) ones."""
+    if not created:
+        return cutlass.Int64(0x12F0000000000000)  # the encoded evict-first policy (fraction 1.0)
     r = _asm([T.i64()], [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l", loc, ip)
     return cutlass.Int64(r[0])
 
@@ -341,7 +343,7 @@ class Nvfp4Gemv:
         self.min_blocks = min_blocks or self.min_blocks
         self.stages = stages or self.stages
         self.probe = probe  # 1: skip the arithmetic (measures the memory side alone; wrong results)
-        self.hint = hint  # 1: stream a with an L2 evict-first policy
+        self.hint = hint  # 1, 2: stream a with an L2 evict-first policy (made by createpolicy, or a constant)
         self.b_bytes = 40 * self.chunks + 16  # int8 b (32 B) + two fp32 sfb (8 B) a chunk; the table
         self.red_bytes = 64  # cross-warp partial sums of a row, two buffers of 8 floats (team of 256)
         self.ring_bytes = self.threads * self.stages * self.batch * 16  # a, per thread: stages x batch chunks
@@ -519,7 +521,7 @@ class Nvfp4Gemv:
             if u < n_units:
                 if cutlass.const_expr(self.hint):
                     cp_async_16(s_ring + ((slot * self.batch + i) * self.threads + tidx) * 16,
-                                a_row + cutlass.Int64(c) * 16, l2_evict_first_policy())
+                                a_row + cutlass.Int64(c) * 16, l2_evict_first_policy(self.hint == 1))
                 else:
                     cp_async_16(s_ring + ((slot * self.batch + i) * self.threads + tidx) * 16,
                                 a_row + cutlass.Int64(c) * 16)
