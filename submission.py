@@ -160,35 +160,20 @@ def _asm(ret_types, operands, text, constraints, loc=None, ip=None):
 
 
 @dsl_user_op
-def ldg_stream_v4(addr, *, loc=None, ip=None):
-    """16-byte global load that does not allocate in L1 (``a`` is read exactly once)."""
-    r = _asm([T.i32()] * 4, [cutlass.Int64(addr)],
-             "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", loc, ip)
-    return [cutlass.Int32(v) for v in r]
-
-
-@dsl_user_op
-def cp_async_16(smem_addr, gmem_addr, policy=None, *, loc=None, ip=None):
-    """16-byte global-to-shared copy that skips L1 (``a`` is read exactly once); with an L2 cache
-    ``policy`` (see ``l2_evict_first_policy``) when given."""
-    ops = [cutlass.Int32(smem_addr).ir_value(loc=loc, ip=ip), cutlass.Int64(gmem_addr).ir_value(loc=loc, ip=ip)]
-    if policy is None:
-        text, cons = "cp.async.cg.shared.global [$0], [$1], 16;", "r,l"
+def ldg_stream_v4(addr, evict_first=False, *, loc=None, ip=None):
+    """16-byte global load that does not allocate in L1 (``a`` is read exactly once). With
+    ``evict_first`` its lines are the first L2 gives up when it needs room, so streaming ``a`` through
+    L2 displaces its own consumed lines rather than other data, dirty lines in particular, whose
+    write-back would take DRAM bandwidth from the stream."""
+    if not evict_first:
+        r = _asm([T.i32()] * 4, [cutlass.Int64(addr)],
+                 "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", loc, ip)
     else:
-        ops.append(cutlass.Int64(policy).ir_value(loc=loc, ip=ip))
-        text, cons = "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2;", "r,l,l"
-    llvm.inline_asm(None, ops, text, cons, has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def l2_evict_first_policy(created=True, *, loc=None, ip=None):
-    """An L2 cache policy that marks lines evict-first: when the stream of ``a`` needs room in L2 it
-    displaces its own, already-consumed lines rather than other (possibly dirty) ones."""
-    if not created:
-        return cutlass.Int64(0x12F0000000000000)  # the encoded evict-first policy (fraction 1.0)
-    r = _asm([T.i64()], [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l", loc, ip)
-    return cutlass.Int64(r[0])
+        r = _asm([T.i32()] * 4, [cutlass.Int64(addr)],
+                 "{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
+                 "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {$0, $1, $2, $3}, [$4], pol;\n}",
+                 "=r,=r,=r,=r,l", loc, ip)
+    return [cutlass.Int32(v) for v in r]
 
 
 @dsl_user_op
@@ -324,42 +309,35 @@ class Nvfp4Gemv:
 
     threads = 256
     min_blocks = 4  # caps registers at 64: 1024 threads a SM
-    stages = 4  # cp.async ring depth: stages - 1 work units of a thread are in flight while one computes
 
-    def __init__(self, k: int, blocked_scales: bool, team=None, batch=None, min_blocks=None, stages=None,
-                 probe=0, hint=0):
+    def __init__(self, k: int, blocked_scales: bool, group=None, batch=None, min_blocks=None, hint=None,
+                 probe=0):
         self.k = k
         self.blocked_scales = blocked_scales
         self.chunks = k // 32  # 16-byte chunks of a row: 32 values, 2 scale blocks
-        self.team = team or self._team_size(self.chunks)
-        self.per_lane = self.chunks // self.team
+        self.group = group or self._group_size(self.chunks)
+        self.per_lane = self.chunks // self.group
         self.batch = batch or (2 if self.per_lane % 2 == 0 else 1)
-        if self.chunks % self.team or self.per_lane % self.batch or self.threads % self.team:
-            raise ValueError(f"nvfp4_gemv: K={k}: team {self.team} and batch {self.batch} must divide "
+        if self.chunks % self.group or self.per_lane % self.batch or 32 % self.group:
+            raise ValueError(f"nvfp4_gemv: K={k}: group {self.group} and batch {self.batch} must divide "
                              f"the {self.chunks} chunks of a row")
-        self.rows_per_step = self.threads // self.team
-        self.warp_lanes = min(self.team, 32)
-        self.shuffle_offsets = [self.warp_lanes >> (i + 1) for i in range(self.warp_lanes.bit_length() - 1)]
+        self.rows_per_cta = self.threads // self.group
+        self.shuffle_offsets = [self.group >> (i + 1) for i in range(self.group.bit_length() - 1)]
         self.min_blocks = min_blocks or self.min_blocks
-        self.stages = stages or self.stages
+        self.hint = self.hint if hint is None else hint
         self.probe = probe  # 1: skip the arithmetic (measures the memory side alone; wrong results)
-        self.hint = hint  # 1, 2: stream a with an L2 evict-first policy (made by createpolicy, or a constant)
-        self.b_bytes = 40 * self.chunks + 16  # int8 b (32 B) + two fp32 sfb (8 B) a chunk; the table
-        self.red_bytes = 64  # cross-warp partial sums of a row, two buffers of 8 floats (team of 256)
-        self.ring_bytes = self.threads * self.stages * self.batch * 16  # a, per thread: stages x batch chunks
-        self.smem_bytes = self.b_bytes + self.red_bytes + self.ring_bytes
+        self.smem_bytes = 40 * self.chunks + 16  # int8 b (32 B) + two fp32 sfb (8 B) a chunk; the table
+
+    hint = 0  # L2 policy of the a stream: 0 normal, 1 evict_first
 
     @staticmethod
-    def _team_size(chunks):
-        # Threads per row. The whole CTA when each thread still gets >= 2 chunks: a CTA then owns
-        # whole rows, so splitting rows evenly over CTAs balances the SMs. Otherwise a power of two
-        # up to a warp that divides the chunk count (no tail), small enough to leave >= 2 chunks a lane.
-        if chunks % 256 == 0 and chunks >= 512:
-            return 256
-        t = 2  # chunks is even (K % 64 == 0); a step of 256 // t <= 128 rows divides M
-        while t < 32 and chunks % (2 * t) == 0 and chunks // (2 * t) >= 2:
-            t *= 2
-        return t
+    def _group_size(chunks):
+        # Lanes per row: a power of two up to a warp that divides the chunk count (no tail), small
+        # enough that each lane keeps >= 4 chunks when the row allows (fewer shuffles per byte).
+        g = 2  # chunks is even (K % 64 == 0), and 256 // g rows a CTA then divides M
+        while g < 32 and chunks % (2 * g) == 0 and chunks // (2 * g) >= 4:
+            g *= 2
+        return g
 
     def ctas_per_sm(self):
         # 228 KiB of shared memory a SM on sm_90 and sm_100, 1 KiB of it reserved for each CTA
@@ -405,9 +383,8 @@ class Nvfp4Gemv:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, _ = cute.arch.block_idx()
         gdimx, _, _ = cute.arch.grid_dim()
+        G = self.group
         C = self.chunks
-        T = self.team
-        D = self.stages
         nb = self.per_lane // self.batch
 
         smem = cutlass.utils.SmemAllocator()
@@ -416,28 +393,25 @@ class Nvfp4Gemv:
         s_b1 = s_b0 + 16 * C  # last 16 values of each chunk
         s_sf = s_b1 + 16 * C  # sfb / 4 as fp32, 2 per chunk
         s_tbl = s_sf + 8 * C
-        s_red = s_b0 + self.b_bytes
-        s_ring = s_red + self.red_bytes  # a: slot (stage, i) of thread t at ((stage * batch + i) * threads + t) * 16
 
-        # This CTA owns the contiguous row steps [s_lo, s_hi) of batch bidy (a step is rows_per_step
-        # rows, one a team); the steps split evenly over the CTAs. Work units are (step, batch of chunks).
         l_idx = cutlass.Int64(bidy)
-        n_steps = m // self.rows_per_step
-        s_lo = bidx * n_steps // gdimx
-        n_units = ((bidx + 1) * n_steps // gdimx - s_lo) * nb
+        lane = tidx % G
         a_base = a_ptr + l_idx * a_ls
         sfa_base = sfa_ptr + l_idx * sfa_ls
         c_base = c_ptr + l_idx * c_ls
-        lane = tidx % T
-        row_in_step = tidx // T
-
-        # Each thread copies its own chunks of a into its own ring slots and reads only those, so
-        # cp.async.wait_group orders everything: no barrier. The first D - 1 units start before the
-        # prologue. Scales (2 bytes a chunk, below cp.async's 4) travel in registers, D - 1 units ahead.
-        sfs = []
-        for j in cutlass.range_constexpr(D - 1):
-            sfs.append(self._issue_unit(cutlass.Int32(j), n_units, s_lo, row_in_step, lane, tidx, a_base,
-                                        sfa_base, a_rs, sfa_rs, s_ring))
+        # Work units are (row, batch of chunks); rows are grid-strided, so at any time the CTAs stream
+        # neighbouring rows. M % 128 == 0 makes the unit count warp-uniform, so the shuffles below run
+        # with every lane of the warp.
+        step = gdimx * self.rows_per_cta
+        warp_row0 = bidx * self.rows_per_cta + (tidx // 32) * (32 // G)
+        n_units = cutlass.Int32(0)
+        if warp_row0 < m:
+            n_units = (m - warp_row0 + step - 1) // step * nb
+        row = bidx * self.rows_per_cta + tidx // G
+        bt = cutlass.Int32(0)
+        # Software pipeline: the loads of unit u + 1 are in flight while unit u is computed; the first
+        # unit's loads also overlap the decode of b below.
+        cur = self._load_unit(row, bt, n_units > 0, lane, a_base, sfa_base, a_rs, sfa_rs)
 
         b_base = b_ptr + l_idx * b_ls
         sfb_base = sfb_ptr + l_idx * sfb_ls
@@ -459,74 +433,45 @@ class Nvfp4Gemv:
         tbl = lds_u32(s_tbl)
 
         acc = cutlass.Float32(0.0)
-        step = s_lo
-        bt = cutlass.Int32(0)
-        slot = cutlass.Int32(0)
-        for u in cutlass.range(n_units, unroll=1):
-            sfs.append(self._issue_unit(u + D - 1, n_units, s_lo, row_in_step, lane, tidx, a_base, sfa_base,
-                                        a_rs, sfa_rs, s_ring))
-            cute.arch.cp_async_wait_group(D - 1)
-            c0 = lane + bt * (self.batch * T)
+        for _u in cutlass.range(n_units, unroll=1):
+            nrow = row
+            nbt = bt + 1
+            if nbt == nb:
+                nbt = cutlass.Int32(0)
+                nrow = row + step
+            nxt = self._load_unit(nrow, nbt, nrow < m, lane, a_base, sfa_base, a_rs, sfa_rs)
+            c0 = lane + bt * (self.batch * G)
             for i in cutlass.range_constexpr(self.batch):
-                x = lds_v4(s_ring + ((slot * self.batch + i) * self.threads + tidx) * 16)
-                acc = self._chunk_dot(acc, x, sfs[0][i], c0 + i * T, s_b0, s_b1, s_sf, tbl)
-            sfs = sfs[1:]
-            bt = bt + 1
-            if bt == nb:
+                acc = self._chunk_dot(acc, cur[4 * i:4 * i + 4], cur[4 * self.batch + i], c0 + i * G,
+                                      s_b0, s_b1, s_sf, tbl)
+            if nbt == 0:
                 for off in self.shuffle_offsets:
                     acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off)
-                row64 = cutlass.Int64(step * self.rows_per_step + row_in_step)
-                if cutlass.const_expr(T > 32):
-                    # a row spans the CTA's warps: combine their sums (double-buffered by step parity)
-                    red = s_red + (step & 1) * 32
-                    if tidx % 32 == 0:
-                        sts_f32(red + (tidx // 32) * 4, acc)
-                    cute.arch.sync_threads()
-                    if tidx == 0:
-                        total = cutlass.Float32(0.0)
-                        for w in cutlass.range_constexpr(self.threads // 32):
-                            total = total + lds_f32(red + w * 4)
-                        stg_f16(c_base + row64 * c_rs, total)
-                else:
-                    if lane == 0:
-                        stg_f16(c_base + row64 * c_rs, acc)
+                if lane == 0:
+                    stg_f16(c_base + cutlass.Int64(row) * c_rs, acc)
                 acc = cutlass.Float32(0.0)
-                bt = cutlass.Int32(0)
-                step = step + 1
-            slot = slot + 1
-            if slot == D:
-                slot = cutlass.Int32(0)
+            row = nrow
+            bt = nbt
+            cur = nxt
 
     @cute.jit
-    def _issue_unit(self, u, n_units, s_lo, row_in_step, lane, tidx, a_base, sfa_base, a_rs, sfa_rs, s_ring):
-        """Starts the copies of work unit ``u`` (clamped to the last one, so reads stay in bounds) into
-        ring slot ``u % stages`` as one cp.async group; returns its scale words."""
-        uc = u
-        if u >= n_units:
-            uc = n_units - 1
-        if uc < 0:
-            uc = cutlass.Int32(0)
-        nb = self.per_lane // self.batch
-        row64 = cutlass.Int64((s_lo + uc // nb) * self.rows_per_step + row_in_step)
-        c0 = lane + (uc % nb) * (self.batch * self.team)
+    def _load_unit(self, row, bt, valid, lane, a_base, sfa_base, a_rs, sfa_rs):
+        """Issues the loads of one work unit: ``batch`` chunks of ``a`` (4 words each), then their scales.
+        Past the last unit (``valid`` false) it reads row 0 instead, which is in bounds and unused."""
+        row64 = cutlass.Int64(0)
+        if valid:
+            row64 = cutlass.Int64(row)
         a_row = a_base + row64 * a_rs
         if cutlass.const_expr(self.blocked_scales):
             sfa_row = sfa_base + (row64 >> 7) * sfa_rs + (row64 & 31) * 16 + ((row64 >> 5) & 3) * 4
         else:
             sfa_row = sfa_base + row64 * sfa_rs
-        slot = u % self.stages
+        c0 = lane + bt * (self.batch * self.group)
         words = []
         for i in cutlass.range_constexpr(self.batch):
-            c = c0 + i * self.team
-            if u < n_units:
-                if cutlass.const_expr(self.hint):
-                    cp_async_16(s_ring + ((slot * self.batch + i) * self.threads + tidx) * 16,
-                                a_row + cutlass.Int64(c) * 16, l2_evict_first_policy(self.hint == 1))
-                else:
-                    cp_async_16(s_ring + ((slot * self.batch + i) * self.threads + tidx) * 16,
-                                a_row + cutlass.Int64(c) * 16)
-            words.append(ldg_u16(sfa_row + self._scale_offset(c)))
-        cute.arch.cp_async_commit_group()
+            words += ldg_stream_v4(a_row + cutlass.Int64(c0 + i * self.group) * 16, self.hint)
+        for i in cutlass.range_constexpr(self.batch):
+            words.append(ldg_u16(sfa_row + self._scale_offset(c0 + i * self.group)))
         return words
 
 
@@ -580,7 +525,7 @@ def _get_kernel(device_index, k, blocked_scales, tuning):
                 kw = dict(tuning)
                 op = Nvfp4Gemv(k, blocked_scales, **kw)
                 entry = (compile_gemv(k, blocked_scales, device_info(device_index)[0], **kw),
-                         op.rows_per_step, op.ctas_per_sm())
+                         op.rows_per_cta, op.ctas_per_sm())
                 _compiled[key] = entry
     return entry
 
@@ -595,15 +540,15 @@ def run_cute(data, m, k, l, scales_on_gpu, tuning=()):
     overrides the per-K configuration, for experiments."""
     a, b, sfa, sfb, sfa_p, sfb_p, c = data
     dev = a.device.index
-    fn, rows_per_step, ctas_per_sm = _get_kernel(dev, k, not scales_on_gpu, tuning)
+    fn, rows_per_cta, ctas_per_sm = _get_kernel(dev, k, not scales_on_gpu, tuning)
     if scales_on_gpu:
         sa, sb = sfa, sfb
         sa_rs, sa_ls, sb_ls = sfa.stride(0), sfa.stride(2), sfb.stride(2)
     else:
         sa, sb = sfa_p, sfb_p
         sa_rs, sa_ls, sb_ls = sfa_p.stride(2), sfa_p.stride(5), sfb_p.stride(5)
-    # one wave of CTAs spread over the batch, each with at least one step of rows
-    ctas_per_l = max(1, min(m // rows_per_step, -(-device_info(dev)[1] * ctas_per_sm // l)))
+    # one wave of CTAs spread over the batch, each with at least one warp of rows
+    ctas_per_l = max(1, min(-(-m // rows_per_cta), -(-device_info(dev)[1] * ctas_per_sm // l)))
     stream = _CUstream(torch.cuda.current_stream(a.device).cuda_stream)
     fn(a.data_ptr(), b.data_ptr(), sa.data_ptr(), sb.data_ptr(), c.data_ptr(), m,
        a.stride(0), a.stride(2), b.stride(2), sa_rs, sa_ls, sb_ls, c.stride(0) * 2, c.stride(2) * 2,
