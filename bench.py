@@ -89,6 +89,21 @@ def host_cost_us(data, calls=2000):
 # ------------------------------------------------------------------------------------------------ peers
 
 
+def peer_sum_same_bytes(nbytes):
+    """Not a GEMV: an fp32 ``torch.sum`` over as many bytes as the GEMV must read, the practical floor
+    of a read of that size under this timing (launch, ramp-up and tail included)."""
+    x = torch.ones(nbytes // 4, device="cuda")
+    out = {}
+
+    def run():
+        out["s"] = x.sum()
+
+    def check():
+        return out["s"].item() == x.numel()
+
+    return run, check
+
+
 def peer_fp8_scaled_mm(m, k, l):
     """fp8 e4m3 A (1 byte a value: twice fp4's bytes) times an fp8 vector padded to N = 16."""
     a = (torch.randn(l, m, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
@@ -233,11 +248,14 @@ def bench_case(m, k, l, args, ceiling, tunings):
     row["pct_of_ceiling"] = 100 * row["TBps"] / ceiling
     peers = {}
     if args.peers:
-        makers = {"fp8 _scaled_mm (N=16)": lambda: peer_fp8_scaled_mm(m, k, l),
+        makers = {"torch.sum of the same bytes": lambda: peer_sum_same_bytes(nbytes),
+                  "fp8 _scaled_mm (N=16)": lambda: peer_fp8_scaled_mm(m, k, l),
                   "fp16 cuBLAS bmm": lambda: peer_fp16_bmm(m, k, l),
                   "torch.compile dequant+dot": lambda: peer_torch_compile(data)}
         if reference.fp4_scaled_mm_supported("cuda"):
             makers["fp4 _scaled_mm"] = lambda: peer_fp4_scaled_mm(data)
+        if args.peers_only:
+            makers = {n: f for n, f in makers.items() if any(s in n for s in args.peers_only.split(","))}
         for pname, make in makers.items():
             try:
                 prun, pcheck = make()
@@ -292,6 +310,7 @@ def main():
     p.add_argument("--shapes", type=parse_shapes, default=None, help="MxKxL,... (default: task.yml)")
     p.add_argument("--reps", type=int, default=100)
     p.add_argument("--no-peers", dest="peers", action="store_false")
+    p.add_argument("--peers-only", default=None, help="comma-separated substrings of peer names to run")
     p.add_argument("--no-graph", dest="graph", action="store_false")
     p.add_argument("--clean", action="store_true", help="also time with a clean (read-only) L2 before each run")
     p.add_argument("--tune", action="append", default=[], help="a kernel variant, e.g. min_blocks=2,batch=4")

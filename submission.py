@@ -311,7 +311,7 @@ class Nvfp4Gemv:
     min_blocks = 4  # caps registers at 64: 1024 threads a SM
 
     def __init__(self, k: int, blocked_scales: bool, group=None, batch=None, min_blocks=None, hint=None,
-                 probe=0):
+                 depth=None, probe=0):
         self.k = k
         self.blocked_scales = blocked_scales
         self.chunks = k // 32  # 16-byte chunks of a row: 32 values, 2 scale blocks
@@ -326,6 +326,7 @@ class Nvfp4Gemv:
         self.shuffle_offsets = [self.group >> (i + 1) for i in range(self.group.bit_length() - 1)]
         self.min_blocks = min_blocks or (3 if self.batch == 4 else self.min_blocks)
         self.hint = self.hint if hint is None else hint
+        self.depth = depth or 2  # work units in registers: depth - 1 in flight while one computes
         self.probe = probe  # 1: skip the arithmetic (measures the memory side alone; wrong results)
         self.smem_bytes = 40 * self.chunks + 16  # int8 b (32 B) + two fp32 sfb (8 B) a chunk; the table
 
@@ -411,9 +412,14 @@ class Nvfp4Gemv:
             n_units = (m - warp_row0 + step - 1) // step * nb
         row = bidx * self.rows_per_cta + tidx // G
         bt = cutlass.Int32(0)
-        # Software pipeline: the loads of unit u + 1 are in flight while unit u is computed; the first
-        # unit's loads also overlap the decode of b below.
-        cur = self._load_unit(row, bt, n_units > 0, lane, a_base, sfa_base, a_rs, sfa_rs)
+        # Software pipeline: the loads of units u + 1 .. u + depth - 1 are in flight while unit u is
+        # computed; the first ones also overlap the decode of b below. (irow, ibt) is the next unit to load.
+        pipe = []
+        irow = row
+        ibt = cutlass.Int32(0)
+        for _j in cutlass.range_constexpr(self.depth - 1):
+            pipe.append(self._load_unit(irow, ibt, irow < m, lane, a_base, sfa_base, a_rs, sfa_rs))
+            irow, ibt = self._next_unit(irow, ibt, step)
 
         b_base = b_ptr + l_idx * b_ls
         sfb_base = sfb_ptr + l_idx * sfb_ls
@@ -436,25 +442,30 @@ class Nvfp4Gemv:
 
         acc = cutlass.Float32(0.0)
         for _u in cutlass.range(n_units, unroll=1):
-            nrow = row
-            nbt = bt + 1
-            if nbt == nb:
-                nbt = cutlass.Int32(0)
-                nrow = row + step
-            nxt = self._load_unit(nrow, nbt, nrow < m, lane, a_base, sfa_base, a_rs, sfa_rs)
+            pipe.append(self._load_unit(irow, ibt, irow < m, lane, a_base, sfa_base, a_rs, sfa_rs))
+            irow, ibt = self._next_unit(irow, ibt, step)
+            cur = pipe[0]
             c0 = lane + bt * (self.batch * G)
             for i in cutlass.range_constexpr(self.batch):
                 acc = self._chunk_dot(acc, cur[4 * i:4 * i + 4], cur[4 * self.batch + i], c0 + i * G,
                                       s_b0, s_b1, s_sf, tbl)
-            if nbt == 0:
+            if bt == nb - 1:
                 for off in self.shuffle_offsets:
                     acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off)
                 if lane == 0:
                     stg_f16(c_base + cutlass.Int64(row) * c_rs, acc)
                 acc = cutlass.Float32(0.0)
-            row = nrow
-            bt = nbt
-            cur = nxt
+            row, bt = self._next_unit(row, bt, step)
+            pipe = pipe[1:]
+
+    @cute.jit
+    def _next_unit(self, row, bt, step):
+        nrow = row
+        nbt = bt + 1
+        if nbt == self.per_lane // self.batch:
+            nbt = cutlass.Int32(0)
+            nrow = row + step
+        return nrow, nbt
 
     @cute.jit
     def _load_unit(self, row, bt, valid, lane, a_base, sfa_base, a_rs, sfa_rs):
