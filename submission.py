@@ -160,19 +160,10 @@ def _asm(ret_types, operands, text, constraints, loc=None, ip=None):
 
 
 @dsl_user_op
-def ldg_stream_v4(addr, evict_first=False, *, loc=None, ip=None):
-    """16-byte global load that does not allocate in L1 (``a`` is read exactly once). With
-    ``evict_first`` its lines are the first L2 gives up when it needs room, so streaming ``a`` through
-    L2 displaces its own consumed lines rather than other data, dirty lines in particular, whose
-    write-back would take DRAM bandwidth from the stream."""
-    if not evict_first:
-        r = _asm([T.i32()] * 4, [cutlass.Int64(addr)],
-                 "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", loc, ip)
-    else:
-        r = _asm([T.i32()] * 4, [cutlass.Int64(addr)],
-                 "{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
-                 "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {$0, $1, $2, $3}, [$4], pol;\n}",
-                 "=r,=r,=r,=r,l", loc, ip)
+def ldg_stream_v4(addr, *, loc=None, ip=None):
+    """16-byte global load that does not allocate in L1 (``a`` is read exactly once)."""
+    r = _asm([T.i32()] * 4, [cutlass.Int64(addr)],
+             "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", loc, ip)
     return [cutlass.Int32(v) for v in r]
 
 
@@ -310,8 +301,8 @@ class Nvfp4Gemv:
     threads = 256
     min_blocks = 4  # caps registers at 64: 1024 threads a SM
 
-    def __init__(self, k: int, blocked_scales: bool, group=None, batch=None, min_blocks=None, hint=None,
-                 depth=None, probe=0):
+    def __init__(self, k: int, blocked_scales: bool, group=None, batch=None, min_blocks=None, depth=None,
+                 probe=0):
         self.k = k
         self.blocked_scales = blocked_scales
         self.chunks = k // 32  # 16-byte chunks of a row: 32 values, 2 scale blocks
@@ -325,12 +316,9 @@ class Nvfp4Gemv:
         self.rows_per_cta = self.threads // self.group
         self.shuffle_offsets = [self.group >> (i + 1) for i in range(self.group.bit_length() - 1)]
         self.min_blocks = min_blocks or (3 if self.batch == 4 else self.min_blocks)
-        self.hint = self.hint if hint is None else hint
         self.depth = depth or 2  # work units in registers: depth - 1 in flight while one computes
         self.probe = probe  # 1: skip the arithmetic (measures the memory side alone; wrong results)
         self.smem_bytes = 40 * self.chunks + 16  # int8 b (32 B) + two fp32 sfb (8 B) a chunk; the table
-
-    hint = 0  # L2 policy of the a stream: 0 normal, 1 evict_first
 
     @staticmethod
     def _group_size(chunks):
@@ -482,7 +470,7 @@ class Nvfp4Gemv:
         c0 = lane + bt * (self.batch * self.group)
         words = []
         for i in cutlass.range_constexpr(self.batch):
-            words += ldg_stream_v4(a_row + cutlass.Int64(c0 + i * self.group) * 16, self.hint)
+            words += ldg_stream_v4(a_row + cutlass.Int64(c0 + i * self.group) * 16)
         for i in cutlass.range_constexpr(self.batch):
             words.append(ldg_u16(sfa_row + self._scale_offset(c0 + i * self.group)))
         return words
@@ -504,6 +492,8 @@ def device_info(device_index):
         major, minor = torch.cuda.get_device_capability(device_index)
         sms = torch.cuda.get_device_properties(device_index).multi_processor_count
         arch = f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+        if major == 10 and torch.cuda.is_current_stream_capturing():
+            return arch, sms, True  # no probe inside a graph capture: go by the architecture
         info = (arch, sms, _probe_scaled_mm_fp4(device_index) if major == 10 else False)
         _device_info[device_index] = info
     return info
@@ -562,10 +552,14 @@ def run_cute(data, m, k, l, scales_on_gpu, tuning=()):
         sa_rs, sa_ls, sb_ls = sfa_p.stride(2), sfa_p.stride(5), sfb_p.stride(5)
     # one wave of CTAs spread over the batch, each with at least one warp of rows
     ctas_per_l = max(1, min(-(-m // rows_per_cta), -(-device_info(dev)[1] * ctas_per_sm // l)))
-    stream = _CUstream(torch.cuda.current_stream(a.device).cuda_stream)
-    fn(a.data_ptr(), b.data_ptr(), sa.data_ptr(), sb.data_ptr(), c.data_ptr(), m,
-       a.stride(0), a.stride(2), b.stride(2), sa_rs, sa_ls, sb_ls, c.stride(0) * 2, c.stride(2) * 2,
-       ctas_per_l, l, stream)
+    args = (a.data_ptr(), b.data_ptr(), sa.data_ptr(), sb.data_ptr(), c.data_ptr(), m, a.stride(0),
+            a.stride(2), b.stride(2), sa_rs, sa_ls, sb_ls, c.stride(0) * 2, c.stride(2) * 2, ctas_per_l, l,
+            _CUstream(torch.cuda.current_stream(a.device).cuda_stream))
+    if dev == torch.cuda.current_device():
+        fn(*args)
+    else:  # the launch goes to the current context: make it the tensors' device
+        with torch.cuda.device(dev):
+            fn(*args)
     return c
 
 
