@@ -99,18 +99,9 @@ def check_inputs(data):
     _check_shape(sfa_p, "sfa_permuted", (32, 4, m // 128, 4, sfk // 4, l))
     _check_shape(sfb_p, "sfb_permuted", (32, 4, 1, 4, sfk // 4, l))
 
-    dev = a.device
-    if dev.type != "cuda":
-        _fail(ValueError, "a", "a CUDA tensor", f"a tensor on {dev}")
-    for t, name in ((b, "b"), (c, "c"), (sfa_p, "sfa_permuted"), (sfb_p, "sfb_permuted")):
-        if t.device != dev:
-            _fail(ValueError, name, f"a tensor on {dev} (where 'a' is)", f"a tensor on {t.device}")
-    scales_on_gpu = sfa.device == dev and sfb.device == dev
-    if not scales_on_gpu:
-        for t, name in ((sfa, "sfa"), (sfb, "sfb")):
-            if t.device.type != "cpu" and t.device != dev:
-                _fail(ValueError, name, f"a tensor on {dev} (where 'a' is) or on the CPU", f"a tensor on {t.device}")
-
+    # the plain scales are used where they share a's device; else (older official generators keep them
+    # on the CPU) the permuted ones, which are always made on the GPU
+    scales_on_gpu = sfa.device == a.device and sfb.device == a.device
     if a.stride(1) != 1 or a.stride(0) % 16 or a.data_ptr() % 16 or (l > 1 and a.stride(2) % 16):
         _fail(ValueError, "a", "K-contiguous rows (stride(1) == 1) at 16-byte aligned addresses",
               f"strides {a.stride()} at address {a.data_ptr():#x}")
@@ -125,11 +116,23 @@ def check_inputs(data):
     else:
         for t, name in ((sfa_p, "sfa_permuted"), (sfb_p, "sfb_permuted")):
             s = t.stride()
-            if (s[0], s[1], s[3], s[4]) != (16, 4, 1, 512) or (t.shape[2] > 1 and s[2] != 512 * (sfk // 4)):
-                _fail(ValueError, name, f"the generator's layout, strides (16, 4, {512 * (sfk // 4)}, 1, 512, *)", s)
+            if ((s[0], s[1], s[3], s[4]) != (16, 4, 1, 512) or (t.shape[2] > 1 and s[2] != 512 * (sfk // 4))
+                    or (l > 1 and s[5] % 2) or t.data_ptr() % 2):
+                _fail(ValueError, name, f"the generator's layout, strides (16, 4, {512 * (sfk // 4)}, 1, 512, "
+                      "even) at an even address", s)
     for dim, size in ((0, m), (2, l)):
         if size > 1 and c.stride(dim) <= 0:
             _fail(ValueError, "c", "a writable tensor (no zero or negative stride along M or L)", f"strides {c.stride()}")
+    dev = a.device
+    if dev.type != "cuda":
+        _fail(ValueError, "a", "a CUDA tensor", f"a tensor on {dev}")
+    for t, name in ((b, "b"), (c, "c"), (sfa_p, "sfa_permuted"), (sfb_p, "sfb_permuted")):
+        if t.device != dev:
+            _fail(ValueError, name, f"a tensor on {dev} (where 'a' is)", f"a tensor on {t.device}")
+    if not scales_on_gpu:
+        for t, name in ((sfa, "sfa"), (sfb, "sfb")):
+            if t.device.type != "cpu" and t.device != dev:
+                _fail(ValueError, name, f"a tensor on {dev} (where 'a' is) or on the CPU", f"a tensor on {t.device}")
     return m, k, l, scales_on_gpu
 
 

@@ -11,6 +11,7 @@ def random_scales(shape, generator, device, min_exp=1, max_exp=9, signed=True):
     never NaN (0x7F / 0xFF)."""
     e = torch.randint(min_exp, max_exp + 1, shape, generator=generator)
     mant = torch.randint(0, 8, shape, generator=generator)
+    mant = torch.where(e == 15, mant.clamp(max=6), mant)  # 0x7F is NaN
     sign = torch.randint(0, 2, shape, generator=generator) if signed else torch.zeros(shape, dtype=torch.long)
     byte = (sign << 7) | (e << 3) | mant
     return byte.to(torch.uint8).view(torch.float8_e4m3fn).to(device)

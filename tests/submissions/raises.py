@@ -1,0 +1,2 @@
+def custom_kernel(data):
+    raise RuntimeError("boom from the submission")

@@ -1,0 +1,125 @@
+"""eval.py: test-file parsing, seed mixing, and the runner's protocol, with small CPU submissions."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import eval as harness
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUBS = os.path.join(ROOT, "tests", "submissions")
+
+
+def test_parse_valid_file():
+    text = "m: 128; k: 256; l: 1; seed: 1111\n\nm: 256;k:512; l: 2; seed: 7; mode: fast\n"
+    assert harness.parse_test_file(text) == [{"m": 128, "k": 256, "l": 1, "seed": 1111},
+                                            {"m": 256, "k": 512, "l": 2, "seed": 7, "mode": "fast"}]
+
+
+@pytest.mark.parametrize("text", ["m 128", "m: 12.5", "m: 1; : 3", "m: two words"])
+def test_parse_invalid_file(text):
+    with pytest.raises(harness.TestFileError):
+        harness.parse_test_file(text)
+
+
+def test_seed_mixing_is_cantor_pairing():
+    assert harness.mix_seed(0, 0) == 0
+    assert harness.mix_seed(1111, 3) == 1111 + 1114 * 1115 // 2
+    assert len({harness.mix_seed(a, b) for a in range(20) for b in range(20)}) == 400
+
+
+def run_protocol(tmp_path, mode, submission, cases="m: 128; k: 128; l: 2; seed: 5\n", env_extra=None):
+    testfile = tmp_path / "cases.txt"
+    testfile.write_text(cases)
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        env = dict(os.environ, POPCORN_FD=str(f.fileno()), **(env_extra or {}))
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), mode, str(testfile),
+                               "--submission", os.path.join(SUBS, submission)],
+                              env=env, pass_fds=(f.fileno(),), capture_output=True, text=True, timeout=300)
+    lines = dict(line.split(": ", 1) for line in out.read_text().splitlines())
+    return proc.returncode, lines
+
+
+def test_protocol_test_mode_pass(tmp_path):
+    rc, lines = run_protocol(tmp_path, "test", "cpu_ok.py",
+                             "m: 128; k: 128; l: 2; seed: 5\nm: 256; k: 64; l: 1; seed: 6\n")
+    assert rc == 0
+    assert lines["test-count"] == "2" and lines["check"] == "pass"
+    assert lines["test.0.spec"] == "m: 128; k: 128; l: 2; seed: 5"
+    assert lines["test.0.status"] == lines["test.1.status"] == "pass"
+
+
+def test_protocol_benchmark_mode_reports_stats(tmp_path):
+    rc, lines = run_protocol(tmp_path, "benchmark", "cpu_ok.py")
+    assert rc == 0 and lines["benchmark-count"] == "1" and lines["check"] == "pass"
+    runs = int(lines["benchmark.0.runs"])
+    assert 2 < runs <= harness.BENCH_MAX_RUNS
+    best, mean, worst = (float(lines[f"benchmark.0.{k}"]) for k in ("best", "mean", "worst"))
+    assert 0 < best <= mean <= worst
+    assert float(lines["benchmark.0.err"]) >= 0 and float(lines["benchmark.0.std"]) >= 0
+
+
+def test_protocol_global_seed_is_mixed_in(tmp_path):
+    _, lines = run_protocol(tmp_path, "test", "cpu_ok.py", env_extra={"POPCORN_SEED": "3"})
+    assert lines["test.0.spec"] == f"m: 128; k: 128; l: 2; seed: {harness.mix_seed(5, 3)}"
+
+
+def test_wrong_results_fail_with_112(tmp_path):
+    rc, lines = run_protocol(tmp_path, "test", "wrong.py")
+    assert rc == harness.EXIT_FAIL and lines["test.0.status"] == "fail" and lines["check"] == "fail"
+    assert "mismatched elements" in lines["test.0.error"]
+
+
+def test_raising_submission_is_a_failed_case(tmp_path):
+    rc, lines = run_protocol(tmp_path, "benchmark", "raises.py")
+    assert rc == harness.EXIT_FAIL and lines["benchmark.0.status"] == "fail"
+    assert "boom from the submission" in lines["benchmark.0.error"]
+
+
+def test_crashing_submission_is_a_failed_case(tmp_path):
+    rc, lines = run_protocol(tmp_path, "test", "crashes.py")
+    assert rc == harness.EXIT_FAIL and lines["test.0.status"] == "fail" and "died" in lines["test.0.error"]
+
+
+def test_invalid_test_file_exits_113(tmp_path):
+    (tmp_path / "bad.txt").write_text("m 128\n")
+    env = dict(os.environ, POPCORN_FD="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "test", str(tmp_path / "bad.txt")],
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == harness.EXIT_BAD_FILE and "invalid test file" in proc.stderr
+
+
+def test_protocol_without_fd_exits_111_and_bad_args_exit_2():
+    env = {k: v for k, v in os.environ.items() if k != "POPCORN_FD"}
+    run = lambda *a: subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), *a], env=env,  # noqa: E731
+                                    capture_output=True, text=True)
+    assert run("test", "x.txt", "--protocol").returncode == harness.EXIT_NO_FD
+    assert run("nonsense-mode").returncode == 2
+
+
+def test_human_mode_on_cpu_prints_a_table(tmp_path):
+    (tmp_path / "cases.txt").write_text("m: 128; k: 64; l: 1; seed: 2\n")
+    env = {k: v for k, v in os.environ.items() if k != "POPCORN_FD"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "benchmark", str(tmp_path / "cases.txt"),
+                           "--submission", os.path.join(SUBS, "cpu_ok.py"), "--json", str(tmp_path / "r.json")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "128x64x1" in proc.stdout and "median" in proc.stdout
+    assert '"submission_sha256"' in (tmp_path / "r.json").read_text()
+
+
+def test_cuda_only_submission_on_cpu_says_a_gpu_is_needed(tmp_path):
+    pytest.importorskip("cutlass")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("only meaningful without a GPU")
+    (tmp_path / "cases.txt").write_text("m: 128; k: 64; l: 1; seed: 2\n")
+    env = {k: v for k, v in os.environ.items() if k != "POPCORN_FD"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "test", str(tmp_path / "cases.txt")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == harness.EXIT_FAIL
+    assert "needs a CUDA GPU" in proc.stdout and "tests/submissions/cpu_ok.py" in proc.stdout

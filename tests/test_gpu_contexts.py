@@ -1,0 +1,122 @@
+"""custom_kernel behaves like a torch op: special values as the reference, CUDA graphs, threads, other
+devices, steady memory."""
+
+import threading
+
+import pytest
+import torch
+
+import inputs
+import reference
+import submission
+
+pytestmark = pytest.mark.gpu
+
+
+def check(data, out):
+    ok, msg = reference.check_implementation(data, out)
+    assert ok, msg
+
+
+def test_nan_scales_give_nan_rows_like_the_reference():
+    data = inputs.random_inputs(256, 1024, 2, seed=21)
+    sfa = data[2].view(torch.uint8).clone()
+    sfa[5, 3, 0] = 0x7F  # e4m3fn NaN
+    sfa[9, 0, 1] = 0xFF  # negative NaN
+    sfb = data[3].view(torch.uint8).clone()
+    sfb[0, 7, 1] = 0x7F  # poisons every row of batch 1
+    data = (data[0], data[1], sfa.view(torch.float8_e4m3fn), sfb.view(torch.float8_e4m3fn),
+            inputs.permute_scales(sfa.view(torch.float8_e4m3fn)), inputs.permute_scales(sfb.view(torch.float8_e4m3fn)),
+            data[6])
+    out = submission.custom_kernel(inputs.poisoned(data))
+    want = inputs.expected(data)
+    assert torch.equal(torch.isnan(out), torch.isnan(want))
+    assert torch.isnan(out[5, 0, 0]) and torch.isnan(out[:, 0, 1]).all() and not torch.isnan(out[6, 0, 0])
+    check(data, out)
+
+
+def test_all_zero_inputs_give_zeros():
+    data = inputs.random_inputs(128, 512, 2, seed=2)
+    a = torch.zeros_like(data[0].view(torch.uint8)).view(torch.float4_e2m1fn_x2)
+    out = submission.custom_kernel(inputs.poisoned((a, *data[1:])))
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_fp16_overflow_gives_inf_like_the_reference():
+    m, k = 128, 4096
+    a = torch.full((m, k // 2, 1), 0x77, dtype=torch.uint8, device="cuda")  # +6, +6
+    a[1::2] = 0xFF  # -6, -6
+    big = torch.full((m, k // 16, 1), 448.0, device="cuda").to(torch.float8_e4m3fn)
+    bigb = torch.full((128, k // 16, 1), 448.0, device="cuda").to(torch.float8_e4m3fn)
+    data = (a.view(torch.float4_e2m1fn_x2), a[:128].clone().view(torch.float4_e2m1fn_x2), big, bigb,
+            inputs.permute_scales(big), inputs.permute_scales(bigb), torch.zeros(m, 1, 1, dtype=torch.float16, device="cuda"))
+    out = submission.custom_kernel(inputs.poisoned(data))
+    want = inputs.expected(data)
+    assert torch.isposinf(want[0, 0, 0]) and torch.isneginf(want[1, 0, 0])
+    check(data, out)
+
+
+def test_cuda_graph_capture_and_replay_with_new_data():
+    m, k, l = 1024, 2048, 3
+    first = inputs.random_inputs(m, k, l, seed=1)
+    static = [t.clone() for t in first]
+    submission.custom_kernel(tuple(static))  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        submission.custom_kernel(tuple(static))
+    for seed in (2, 3):
+        fresh = inputs.random_inputs(m, k, l, seed=seed)
+        for dst, src in zip(static[:6], fresh[:6]):
+            dst.copy_(src)
+        static[6].fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check(fresh, static[6])
+
+
+def test_two_threads_on_two_streams():
+    cases = [inputs.random_inputs(2048, 4096, 2, seed=s) for s in (31, 32)]
+    outs, errors = [None, None], []
+
+    def work(i):
+        try:
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                for _ in range(20):
+                    outs[i] = submission.custom_kernel(inputs.poisoned(cases[i]))
+            s.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for data, out in zip(cases, outs):
+        check(data, out)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensors_on_second_gpu():
+    data = tuple(t.to("cuda:1") for t in inputs.random_inputs(512, 2048, 2, seed=41))
+    submission.custom_kernel(inputs.random_inputs(512, 2048, 2, seed=40))  # cache entry for cuda:0 first
+    assert torch.cuda.current_device() == 0
+    out = submission.custom_kernel(inputs.poisoned(data))
+    assert out.device == torch.device("cuda:1")
+    torch.cuda.synchronize("cuda:1")
+    check(data, out)
+
+
+def test_ten_thousand_calls_do_not_grow_memory():
+    data = inputs.random_inputs(256, 1024, 2, seed=5)
+    submission.custom_kernel(data)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(10_000):
+        submission.custom_kernel(data)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    check(data, data[6])

@@ -1,0 +1,108 @@
+"""Malformed calls to custom_kernel raise TypeError/ValueError naming the argument, before any GPU work.
+These run on the CPU: dtype, shape and layout checks come before the device check."""
+
+import pytest
+import torch
+
+import inputs
+import submission
+
+
+def good(m=256, k=512, l=2):
+    return list(inputs.random_inputs(m, k, l, seed=1, device="cpu"))
+
+
+def raises(data, exc, *words):
+    with pytest.raises(exc) as info:
+        submission.custom_kernel(tuple(data) if isinstance(data, list) else data)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+def test_wrong_tuple_length():
+    raises(good()[:6], TypeError, "'data'", "7 tensors", "length 6")
+
+
+def test_not_a_tuple():
+    raises(torch.zeros(3), TypeError, "'data'")
+
+
+@pytest.mark.parametrize("idx,name", list(enumerate(submission._NAMES)))
+def test_each_tensor_with_wrong_dtype(idx, name):
+    d = good()
+    d[idx] = d[idx].view(torch.uint8) if d[idx].dtype != torch.float16 else d[idx].float()
+    raises(d, TypeError, f"'{name}'", "dtype")
+
+
+def test_non_tensor_argument():
+    d = good()
+    d[3] = [1, 2, 3]
+    raises(d, TypeError, "'sfb'", "torch.Tensor")
+
+
+def test_m_not_multiple_of_128():
+    d = good()
+    d[0] = d[0][:200]
+    raises(d, ValueError, "'a'", "multiple of 128", "200")
+
+
+def test_k_not_multiple_of_64():
+    d = good()
+    d[0] = d[0][:, :48]
+    raises(d, ValueError, "'a'", "multiple of 64", "96")
+
+
+def test_b_with_mismatched_k():
+    d = good()
+    d[1] = d[1][:, :128]
+    raises(d, ValueError, "'b'", "shape")
+
+
+def test_b_not_padded_to_128_rows():
+    d = good()
+    d[1] = d[1][:1]
+    raises(d, ValueError, "'b'", "(128, 256, 2)", "(1, 256, 2)")
+
+
+def test_c_with_mismatched_l():
+    d = good()
+    d[6] = d[6][:, :, :1]
+    raises(d, ValueError, "'c'", "shape")
+
+
+@pytest.mark.parametrize("idx,name,cut", [(2, "sfa", (slice(None), slice(0, 16))), (3, "sfb", (slice(0, 1),)),
+                                          (4, "sfa_permuted", (slice(0, 16),)),
+                                          (5, "sfb_permuted", (Ellipsis, slice(0, 1)))])
+def test_scales_of_wrong_shape(idx, name, cut):
+    d = good()
+    d[idx] = d[idx][cut]
+    raises(d, ValueError, f"'{name}'", "shape")
+
+
+def test_a_not_k_contiguous():
+    d = good()
+    a = d[0]
+    d[0] = a.view(torch.uint8).transpose(0, 1).contiguous().transpose(0, 1).view(torch.float4_e2m1fn_x2)
+    raises(d, ValueError, "'a'", "K-contiguous")
+
+
+def test_a_misaligned_rows():
+    d = good()
+    u = torch.zeros(256 * 264 * 2, dtype=torch.uint8)
+    d[0] = u.as_strided((256, 256, 2), (264, 1, 256 * 264)).view(torch.float4_e2m1fn_x2)
+    raises(d, ValueError, "'a'", "16-byte")
+
+
+def test_c_expanded_is_not_writable():
+    d = good()
+    d[6] = torch.zeros(256, 1, 1, dtype=torch.float16).expand(256, 1, 2)
+    raises(d, ValueError, "'c'", "writable")
+
+
+def test_cpu_tensors_rejected():
+    raises(good(), ValueError, "'a'", "CUDA tensor", "cpu")
+
+
+def test_k_above_supported_maximum():
+    d = good(128, submission.MAX_K + 64, 1)
+    raises(d, ValueError, "'a'", f"K <= {submission.MAX_K}")
