@@ -154,7 +154,7 @@ _compiled_dequant = None
 def peer_torch_compile(data):
     global _compiled_dequant
     if _compiled_dequant is None:
-        _compiled_dequant = torch.compile(_dequant_dot, dynamic=False)
+        _compiled_dequant = torch.compile(_dequant_dot, dynamic=True)
     a, b, sfa, sfb = data[:4]
     table = torch.tensor(reference.E2M1_VALUES, dtype=torch.float32, device="cuda")
     a_u8 = a.view(torch.uint8).permute(2, 0, 1)
