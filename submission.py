@@ -344,18 +344,25 @@ class Nvfp4Gemv:
         return cutlass.Int64(2 * c)
 
     @cute.jit
-    def _chunk_dot(self, acc, x, s16, c, s_b0, s_b1, s_sf, tbl):
-        """acc + the scaled dot of one 16-byte chunk of ``a`` (32 values, 2 blocks) with ``b``."""
+    def _chunk_dot(self, acc, comp, x, s16, c, s_b0, s_b1, s_sf, tbl):
+        """Adds the scaled dot of one 16-byte chunk of ``a`` (32 values, 2 blocks) with ``b`` to the
+        Kahan sum ``acc - comp``. Each block's term is exact in fp32 (an int below 2^12 times a product
+        of two e4m3 scales), so the compensation leaves the row's fp32 sum exact to within one rounding,
+        however much the blocks cancel."""
         if cutlass.const_expr(self.probe):
-            return acc + cutlass.Float32(x[0] ^ x[1] ^ x[2] ^ x[3] ^ s16)
+            return acc + cutlass.Float32(x[0] ^ x[1] ^ x[2] ^ x[3] ^ s16), comp
         wb0 = lds_v4(s_b0 + c * 16)
         wb1 = lds_v4(s_b1 + c * 16)
         sb0, sb1 = lds_f32x2(s_sf + c * 8)
         sa0, sa1 = e4m3x2_to_f32x2(s16)
         d0 = fp4x16_dot_i8(x[0], x[1], wb0[0], wb0[1], wb0[2], wb0[3], tbl)
         d1 = fp4x16_dot_i8(x[2], x[3], wb1[0], wb1[1], wb1[2], wb1[3], tbl)
-        acc = acc + cutlass.Float32(d0) * (sa0 * sb0)
-        return acc + cutlass.Float32(d1) * (sa1 * sb1)
+        for term in (cutlass.Float32(d0) * (sa0 * sb0), cutlass.Float32(d1) * (sa1 * sb1)):
+            y = term - comp
+            t = acc + y
+            comp = (t - acc) - y
+            acc = t
+        return acc, comp
 
     @cute.jit
     def __call__(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
@@ -432,20 +439,30 @@ class Nvfp4Gemv:
         tbl = lds_u32(s_tbl)
 
         acc = cutlass.Float32(0.0)
+        comp = cutlass.Float32(0.0)
         for _u in cutlass.range(n_units, unroll=1):
             pipe.append(self._load_unit(irow, ibt, irow < m, lane, a_base, sfa_base, a_rs, sfa_rs))
             irow, ibt = self._next_unit(irow, ibt, step)
             cur = pipe[0]
             c0 = lane + bt * (self.batch * G)
             for i in cutlass.range_constexpr(self.batch):
-                acc = self._chunk_dot(acc, cur[4 * i:4 * i + 4], cur[4 * self.batch + i], c0 + i * G,
-                                      s_b0, s_b1, s_sf, tbl)
+                acc, comp = self._chunk_dot(acc, comp, cur[4 * i:4 * i + 4], cur[4 * self.batch + i],
+                                            c0 + i * G, s_b0, s_b1, s_sf, tbl)
             if bt == nb - 1:
+                # lanes combine (hi, lo) pairs with an error-free sum, so the row stays exact too
+                hi = acc
+                lo = -comp
                 for off in self.shuffle_offsets:
-                    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off)
+                    h2 = cute.arch.shuffle_sync_bfly(hi, offset=off)
+                    l2 = cute.arch.shuffle_sync_bfly(lo, offset=off)
+                    t = hi + h2
+                    bb = t - hi
+                    lo = lo + l2 + ((hi - (t - bb)) + (h2 - bb))
+                    hi = t
                 if lane == 0:
-                    stg_f16(c_base + cutlass.Int64(row) * c_rs, acc)
+                    stg_f16(c_base + cutlass.Int64(row) * c_rs, hi + lo)
                 acc = cutlass.Float32(0.0)
+                comp = cutlass.Float32(0.0)
             row, bt = self._next_unit(row, bt, step)
             pipe = pipe[1:]
 
