@@ -28,7 +28,6 @@ Constraints: CUDA tensors; ``M % 128 == 0``; ``K % 64 == 0`` and ``K <= 32768``;
 plain scales contiguous along K; ``a`` rows 16-byte aligned.
 """
 
-import ctypes
 import os
 import threading
 
@@ -539,46 +538,6 @@ def compile_gemv(k, blocked_scales, arch, options=None, **tuning):
                         _CUstream(0), options=options or "")
 
 
-class _FastLaunch:
-    """Calls a compiled kernel with its 17 scalar arguments written straight into reusable ctypes
-    storage: the DSL's own argument conversion costs tens of microseconds a call. The layout (16
-    pointers to int64/int32 values, then the address of the stream handle) is verified once against the
-    DSL's own conversion; ``ok`` is False where it differs (another DSL version), and then the caller
-    uses the compiled function itself."""
-
-    I32 = (5, 14, 15)  # m, grid_x, num_l; the others are int64 addresses and strides
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.values = [ctypes.c_int32() if i in self.I32 else ctypes.c_int64() for i in range(16)]
-        self.stream = ctypes.c_void_p()
-        self.ptrs = [ctypes.c_void_p(ctypes.addressof(v)) for v in self.values] + [ctypes.addressof(self.stream)]
-        self.lock = threading.Lock()
-        self.executor = None
-        self.ok = self._layout_matches()
-
-    def _layout_matches(self):
-        probe = [1000 + i for i in range(16)] + [_CUstream(0x5EED)]
-        try:
-            exe, _ = self.fn.args_spec.generate_execution_args(probe, {})
-            addr = [e.value if isinstance(e, ctypes.c_void_p) else e for e in exe]
-            vals = [(ctypes.c_int32 if i in self.I32 else ctypes.c_int64).from_address(addr[i]).value
-                    for i in range(16)]
-            return (len(exe) == 17 and vals == probe[:16]
-                    and ctypes.c_void_p.from_address(addr[16]).value == 0x5EED)
-        except Exception:  # noqa: BLE001 - any surprise: use the DSL's own path
-            return False
-
-    def __call__(self, args, stream_handle):
-        with self.lock:
-            if self.executor is None:
-                self.executor = self.fn.to(None)
-            for v, a in zip(self.values, args):
-                v.value = a
-            self.stream.value = stream_handle
-            self.executor.run_compiled_program(list(self.ptrs))
-
-
 def _get_kernel(device_index, k, blocked_scales, tuning):
     key = (device_index, k, blocked_scales, tuning)
     entry = _compiled.get(key)
@@ -588,9 +547,8 @@ def _get_kernel(device_index, k, blocked_scales, tuning):
             if entry is None:
                 kw = dict(tuning)
                 op = Nvfp4Gemv(k, blocked_scales, **kw)
-                fn = compile_gemv(k, blocked_scales, device_info(device_index)[0], **kw)
-                fast = _FastLaunch(fn)
-                entry = (fast if fast.ok else None, fn, op.rows_per_cta, op.ctas_per_sm())
+                entry = (compile_gemv(k, blocked_scales, device_info(device_index)[0], **kw),
+                         op.rows_per_cta, op.ctas_per_sm())
                 _compiled[key] = entry
     return entry
 
@@ -605,7 +563,7 @@ def run_cute(data, m, k, l, scales_on_gpu, tuning=()):
     overrides the per-K configuration, for experiments."""
     a, b, sfa, sfb, sfa_p, sfb_p, c = data
     dev = a.device.index
-    fast, fn, rows_per_cta, ctas_per_sm = _get_kernel(dev, k, not scales_on_gpu, tuning)
+    fn, rows_per_cta, ctas_per_sm = _get_kernel(dev, k, not scales_on_gpu, tuning)
     if scales_on_gpu:
         sa, sb = sfa, sfb
         sa_rs, sa_ls, sb_ls = sfa.stride(0), sfa.stride(2), sfb.stride(2)
@@ -615,21 +573,14 @@ def run_cute(data, m, k, l, scales_on_gpu, tuning=()):
     # one wave of CTAs spread over the batch, each with at least one warp of rows
     ctas_per_l = max(1, min(-(-m // rows_per_cta), -(-device_info(dev)[1] * ctas_per_sm // l)))
     args = (a.data_ptr(), b.data_ptr(), sa.data_ptr(), sb.data_ptr(), c.data_ptr(), m, a.stride(0),
-            a.stride(2), b.stride(2), sa_rs, sa_ls, sb_ls, c.stride(0) * 2, c.stride(2) * 2, ctas_per_l, l)
-    stream = torch.cuda.current_stream(a.device).cuda_stream
-    if dev != torch.cuda.current_device():  # the launch goes to the current context: the tensors' device
+            a.stride(2), b.stride(2), sa_rs, sa_ls, sb_ls, c.stride(0) * 2, c.stride(2) * 2, ctas_per_l, l,
+            _CUstream(torch.cuda.current_stream(a.device).cuda_stream))
+    if dev == torch.cuda.current_device():
+        fn(*args)
+    else:  # the launch goes to the current context: make it the tensors' device
         with torch.cuda.device(dev):
-            _launch(fast, fn, args, stream)
-    else:
-        _launch(fast, fn, args, stream)
+            fn(*args)
     return c
-
-
-def _launch(fast, fn, args, stream):
-    if fast is not None:
-        fast(args, stream)
-    else:
-        fn(*args, _CUstream(stream))
 
 
 def _run_scaled_mm(data):
