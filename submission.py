@@ -162,6 +162,12 @@ def _asm(ret_types, operands, text, constraints, loc=None, ip=None):
     return [llvm.extractvalue(t, res, [i], loc=loc, ip=ip) for i, t in enumerate(ret_types)]
 
 
+def _asm_store(operands, text, constraints, loc=None, ip=None):
+    llvm.inline_asm(None, [o.ir_value(loc=loc, ip=ip) for o in operands], text, constraints,
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                    loc=loc, ip=ip)
+
+
 @dsl_user_op
 def ldg_stream_v4(addr, *, loc=None, ip=None):
     """16-byte global load that does not allocate in L1 (``a`` is read exactly once)."""
@@ -246,11 +252,8 @@ def lds_f32x2(addr, *, loc=None, ip=None):
 
 @dsl_user_op
 def sts_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
-    llvm.inline_asm(None, [cutlass.Int32(addr).ir_value(loc=loc, ip=ip)] +
-                    [cutlass.Int32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)],
-                    "st.shared.v4.u32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                    loc=loc, ip=ip)
+    _asm_store([cutlass.Int32(v) for v in (addr, v0, v1, v2, v3)], "st.shared.v4.u32 [$0], {$1, $2, $3, $4};",
+               "r,r,r,r,r", loc, ip)
 
 
 @dsl_user_op
@@ -261,41 +264,19 @@ def lds_u32(addr, *, loc=None, ip=None):
 
 @dsl_user_op
 def sts_u32(addr, v, *, loc=None, ip=None):
-    llvm.inline_asm(None, [cutlass.Int32(addr).ir_value(loc=loc, ip=ip), cutlass.Int32(v).ir_value(loc=loc, ip=ip)],
-                    "st.shared.u32 [$0], $1;", "r,r",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                    loc=loc, ip=ip)
-
-
-@dsl_user_op
-def lds_f32(addr, *, loc=None, ip=None):
-    r = _asm([T.f32()], [cutlass.Int32(addr)], "ld.shared.f32 $0, [$1];", "=f,r", loc, ip)
-    return cutlass.Float32(r[0])
-
-
-@dsl_user_op
-def sts_f32(addr, v, *, loc=None, ip=None):
-    llvm.inline_asm(None, [cutlass.Int32(addr).ir_value(loc=loc, ip=ip), cutlass.Float32(v).ir_value(loc=loc, ip=ip)],
-                    "st.shared.f32 [$0], $1;", "r,f",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                    loc=loc, ip=ip)
+    _asm_store([cutlass.Int32(addr), cutlass.Int32(v)], "st.shared.u32 [$0], $1;", "r,r", loc, ip)
 
 
 @dsl_user_op
 def sts_f32x2(addr, v0, v1, *, loc=None, ip=None):
-    llvm.inline_asm(None, [cutlass.Int32(addr).ir_value(loc=loc, ip=ip), cutlass.Float32(v0).ir_value(loc=loc, ip=ip),
-                           cutlass.Float32(v1).ir_value(loc=loc, ip=ip)],
-                    "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                    loc=loc, ip=ip)
+    _asm_store([cutlass.Int32(addr), cutlass.Float32(v0), cutlass.Float32(v1)], "st.shared.v2.f32 [$0], {$1, $2};",
+               "r,f,f", loc, ip)
 
 
 @dsl_user_op
 def stg_f16(addr, v, *, loc=None, ip=None):
-    llvm.inline_asm(None, [cutlass.Int64(addr).ir_value(loc=loc, ip=ip), cutlass.Float32(v).ir_value(loc=loc, ip=ip)],
-                    "{\n.reg .b16 h;\ncvt.rn.f16.f32 h, $1;\nst.global.b16 [$0], h;\n}", "l,f",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                    loc=loc, ip=ip)
+    _asm_store([cutlass.Int64(addr), cutlass.Float32(v)],
+               "{\n.reg .b16 h;\ncvt.rn.f16.f32 h, $1;\nst.global.b16 [$0], h;\n}", "l,f", loc, ip)
 
 
 class Nvfp4Gemv:
