@@ -10,14 +10,16 @@ Algorithm (CuTe DSL kernel, both architectures):
   sign bit set selects in sign-replicate mode and yields 0), a second lookup on the nibbles with their
   sign bits flipped yields the magnitudes of the negative ones, and two ``dp4a`` against the int8 copy of
   ``b`` give the positive and the negative part. Each block's integer dot is then scaled once by
-  ``sfa * sfb / 4`` and accumulated in fp32, as the reference does.
+  ``sfa * sfb / 4`` (exactly: the product fits fp32's mantissa) and added to a Kahan-compensated fp32
+  sum, so a row is exact to about one rounding however much its blocks cancel.
 * One CTA works on one batch index ``l``. It first decodes ``b[:, l]`` to int8 and ``sfb[:, l]`` to fp32
   in shared memory. Then groups of ``G`` lanes each own one row of ``a`` at a time (grid-stride over the
   rows): lane ``j`` streams the 16-byte chunks ``j, j + G, ...`` of the row with non-caching 16-byte loads
-  plus the chunk's two scale bytes, so each load instruction of a group is contiguous. A butterfly
-  shuffle sums the group's partials and one lane writes ``c``.
-* ``K`` is a compile-time constant (the chunk loop is fully unrolled); ``M``, ``L`` and all strides are
-  run-time values. Scales are read from the plain ``[M, K/16, L]`` tensors, or, when those are not on
+  plus the chunk's two scale bytes, so each load instruction of a group is contiguous. The loads of the
+  next work unit (``batch`` chunks of a lane) are in flight while the current one is computed. A
+  butterfly shuffle (error-free sums) combines the group's partials and one lane writes ``c``.
+* ``K`` is a compile-time constant (lanes per row, chunks per lane and unit size derive from it); ``M``,
+  ``L`` and all strides are run-time values. Scales are read from the plain ``[M, K/16, L]`` tensors, or, when those are not on
   the GPU (older official generators kept them on the CPU), from the permuted cuBLAS-blocked tensors.
 
 On a GPU whose ``torch._scaled_mm`` supports fp4 (sm_100 family), ``L == 1`` goes to ``_scaled_mm``
