@@ -278,7 +278,7 @@ def render(rows, ceiling, meta):
              f"DRAM read ceiling {ceiling:.2f} TB/s; host cost of one call {meta['host_us_per_call']:.1f} us", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["m"], r["k"], r["l"], f"{r['floor_us']:.1f}", f"{r['us']:.1f}",
+        cells = [r["m"], r["k"], r["l"], f"{r['floor_us']:.2f}", f"{r['us']:.1f}",
                  f"{r['graph_us']:.1f}" if r["graph_us"] else "-", f"{r['TBps']:.2f}",
                  f"{r['pct_of_ceiling']:.0f}%", "yes" if r["ok"] else "NO"]
         for p in peer_names:

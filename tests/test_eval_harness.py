@@ -123,3 +123,20 @@ def test_cuda_only_submission_on_cpu_says_a_gpu_is_needed(tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == harness.EXIT_FAIL
     assert "needs a CUDA GPU" in proc.stdout and "tests/submissions/cpu_ok.py" in proc.stdout
+
+
+def test_harness_runs_where_cute_dsl_is_missing(tmp_path):
+    # a 'cutlass' that fails to import shadows the real one in the harness and in its workers
+    (tmp_path / "shadow" / "cutlass").mkdir(parents=True)
+    (tmp_path / "shadow" / "cutlass" / "__init__.py").write_text("raise ImportError('no CuTe DSL here')\n")
+    testfile = tmp_path / "cases.txt"
+    testfile.write_text("m: 128; k: 64; l: 1; seed: 3\n")
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        env = dict(os.environ, POPCORN_FD=str(f.fileno()),
+                   PYTHONPATH=os.pathsep.join([str(tmp_path / "shadow"), os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "test", str(testfile),
+                               "--submission", os.path.join(SUBS, "cpu_ok.py")],
+                              env=env, pass_fds=(f.fileno(),), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "check: pass" in out.read_text()

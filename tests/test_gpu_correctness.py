@@ -70,3 +70,17 @@ def test_runs_on_the_current_non_default_stream():
 def test_scales_wide_range_and_subnormal():
     data = inputs.random_inputs(256, 4096, 2, seed=9, min_exp=0, max_exp=12)
     run_and_check(data)
+
+
+@pytest.mark.parametrize("m,k,l", [(256, 1024, 3), (128, 7168, 2)])
+def test_other_layouts_of_c_and_padded_rows_of_a(m, k, l):
+    data = inputs.random_inputs(m, k, l, seed=17)
+    # a with rows padded to 48 extra bytes (still 16-byte aligned), c row-major [m, 1, l]
+    padded = torch.zeros(l, m, k // 2 + 48, dtype=torch.uint8, device="cuda")
+    padded[:, :, : k // 2] = data[0].view(torch.uint8).permute(2, 0, 1)
+    a = padded[:, :, : k // 2].permute(1, 2, 0).view(torch.float4_e2m1fn_x2)
+    c = torch.full((m, 1, l), float("nan"), dtype=torch.float16, device="cuda")
+    data = (a, *data[1:6], c)
+    out = submission.custom_kernel(data)
+    ok, msg = reference.check_implementation(data, out)
+    assert ok, msg
