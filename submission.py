@@ -19,8 +19,9 @@ Algorithm (CuTe DSL kernel, both architectures):
   next work unit (``batch`` chunks of a lane) are in flight while the current one is computed. A
   butterfly shuffle (error-free sums) combines the group's partials and one lane writes ``c``.
 * ``K`` is a compile-time constant (lanes per row, chunks per lane and unit size derive from it); ``M``,
-  ``L`` and all strides are run-time values. Scales are read from the plain ``[M, K/16, L]`` tensors, or, when those are not on
-  the GPU (older official generators kept them on the CPU), from the permuted cuBLAS-blocked tensors.
+  ``L`` and all strides are run-time values. Scales are read from the plain ``[M, K/16, L]`` tensors,
+  or, when those are not on the GPU (older official generators kept them on the CPU), from the permuted
+  cuBLAS-blocked tensors.
 
 On a GPU whose ``torch._scaled_mm`` supports fp4 (sm_100 family), ``L == 1`` goes to ``_scaled_mm``
 instead, with its blocked scales taken from ``sfa_permuted``/``sfb_permuted`` by a permute and reshape.
