@@ -75,15 +75,27 @@ def read_ceiling(reps):
     return x.numel() * 4 / us / 1e6, us
 
 
-def host_cost_us(data, calls=2000):
+def host_cost_us(data, calls=400):
+    """Host wall time of one ``custom_kernel`` call. The GPU is held busy by a spin kernel meanwhile, so
+    the calls only queue: back-to-back launches would otherwise measure the GPU's launch throughput.
+    Returns ``(us, valid)``; ``valid`` is False if the spin ended before the last call was queued."""
     submission.custom_kernel(data)
     torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~100 ms at H200 clocks
     t0 = time.perf_counter()
     for _ in range(calls):
         submission.custom_kernel(data)
     t1 = time.perf_counter()
+    done = torch.cuda.Event()
+    done.record()
+    valid = not done.query()
     torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+    return (t1 - t0) / calls * 1e6, valid
+
+
+def empty_kernel_us(reps):
+    """Leaderboard-style time of an empty kernel (``torch.cuda._sleep(0)``): the fixed cost of any call."""
+    return time_leaderboard(lambda: torch.cuda._sleep(0), reps)
 
 
 # ------------------------------------------------------------------------------------------------ peers
@@ -275,7 +287,9 @@ def render(rows, ceiling, meta):
     head = ["M", "K", "L", "floor us", "ours us", "graph us", "TB/s", "% ceiling", "ok"]
     head += [f"{p} us (x)" for p in peer_names]
     lines = [f"GPU: {meta['gpu']}; torch {meta['torch']}; CuTe DSL {meta['cutlass_dsl']}; "
-             f"DRAM read ceiling {ceiling:.2f} TB/s; host cost of one call {meta['host_us_per_call']:.1f} us", "",
+             f"DRAM read ceiling {ceiling:.2f} TB/s; host cost of one call {meta['host_us_per_call']:.1f} us"
+             f"{'' if meta['host_us_valid'] else ' (GPU idle before the end: an upper bound)'}; "
+             f"an empty kernel timed the same way {meta['empty_kernel_us']:.1f} us", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["m"], r["k"], r["l"], f"{r['floor_us']:.2f}", f"{r['us']:.1f}",
@@ -331,9 +345,11 @@ def main():
               + "".join(f"; {pn} {pv['us']:.1f}" for pn, pv in r["peers"].items() if pv["us"]), flush=True)
     from importlib.metadata import version
 
+    host_us, host_valid = host_cost_us(reference.generate_input(128, 256, 1, 1))
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cutlass_dsl": version("nvidia-cutlass-dsl"), "ceiling_TBps": ceiling,
-            "host_us_per_call": host_cost_us(reference.generate_input(128, 256, 1, 1))}
+            "host_us_per_call": host_us, "host_us_valid": host_valid,
+            "empty_kernel_us": empty_kernel_us(max(20, args.reps // 2))}
     table = render(rows, ceiling, meta)
     print(table)
     if args.out:

@@ -29,3 +29,13 @@ def test_kernel_compiles_without_gpu(arch, k, blocked, tmp_path):
     assert cubin[:4] == b"\x7fELF" and b"kernel_cutlass_kernel" in cubin
     # the fp4 values are decoded with integer ops, never the sm_100-only e2m1 conversion
     assert b"e2m1" not in cubin
+    # the launcher's argument storage matches this DSL version's (else every call pays its conversion)
+    assert info["direct_launch_layout"]
+
+
+def test_latency_config_compiles_without_gpu(tmp_path):
+    cmd = [sys.executable, os.path.join(HERE, "compile_check.py"), "sm_90a", "7168", "--dump", str(tmp_path),
+           "--tune", "batch=7,group=32,min_blocks=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["elf"]

@@ -84,3 +84,35 @@ def test_other_layouts_of_c_and_padded_rows_of_a(m, k, l):
     out = submission.custom_kernel(data)
     ok, msg = reference.check_implementation(data, out)
     assert ok, msg
+
+
+@pytest.mark.parametrize("m,k,l", sorted({c[:3] for c in task_cases("tests")}) + [(128, 64, 1), (256, 4608, 1)])
+@pytest.mark.parametrize("config", ["streaming", "latency"])
+def test_both_kernel_configs_match_float64(m, k, l, config):
+    """The per-shape choice only picks between two configurations; each must be right on its own."""
+    tuning = () if config == "streaming" else submission.Nvfp4Gemv.shape_tuning(k, m, l, 132)
+    if config == "latency" and not tuning:
+        tuning = (("batch", 1), ("group", 2), ("min_blocks", 2)) if k == 64 else tuning
+    data = inputs.random_inputs(m, k, l, seed=m + k)
+    out = submission.run_cute(inputs.poisoned(data), *submission.check_inputs(data), tuning=tuning)
+    ok, msg = reference.check_implementation(data, out)
+    assert ok, msg
+
+
+def test_cached_launch_plan_uses_the_new_tensors_of_each_call():
+    """Calls with the same metadata reuse one launch plan; pointers are read afresh every call."""
+    first = inputs.random_inputs(512, 4096, 2, seed=21)
+    second = inputs.random_inputs(512, 4096, 2, seed=22)
+    run_and_check(first)
+    run_and_check(second)
+    run_and_check(first)
+
+
+def test_cached_plan_still_rejects_a_misaligned_a():
+    data = inputs.random_inputs(128, 256, 1, seed=23)
+    run_and_check(data)
+    raw = torch.zeros(128 * 128 + 8, dtype=torch.uint8, device="cuda")
+    a = raw[8:].view(128, 128, 1).view(torch.float4_e2m1fn_x2)  # same shape and strides, 8-byte aligned
+    a.view(torch.uint8).copy_(data[0].view(torch.uint8))
+    with pytest.raises(ValueError, match="'a'"):
+        submission.custom_kernel((a, *data[1:]))
