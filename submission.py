@@ -684,8 +684,7 @@ class _CutePlan:
             return
         values, st, packed, result, capi = self.storage
         with self.lock:
-            for v, x in zip(values, ptrs):
-                v.value = x
+            values[0].value, values[1].value, values[2].value, values[3].value, values[4].value = ptrs
             st.value = stream
             capi(packed)
             err = result.value
@@ -718,24 +717,21 @@ MAX_PLANS = 4096
 
 
 def _metadata(data):
+    # get_device() is -1 off CUDA, where check_inputs rejects all but the plain scales: those keep
+    # their full device, as a CPU sfa and one elsewhere differ in what check_inputs says
     a, b, sfa, sfb, sfa_p, sfb_p, c = data
-    return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-            sfa.shape, sfa.stride(), sfa.dtype, sfa.device, sfb.shape, sfb.stride(), sfb.dtype, sfb.device,
-            sfa_p.shape, sfa_p.stride(), sfa_p.dtype, sfa_p.device,
-            sfb_p.shape, sfb_p.stride(), sfb_p.dtype, sfb_p.device, c.shape, c.stride(), c.dtype, c.device)
+    return (a.shape, a.stride(), a.dtype, a.get_device(), b.shape, b.stride(), b.dtype, b.get_device(),
+            sfa.shape, sfa.stride(), sfa.dtype, sfa.device, sfb.shape, sfb.stride(), sfb.dtype,
+            sfb.device, sfa_p.shape, sfa_p.stride(), sfa_p.dtype, sfa_p.get_device(), sfb_p.shape,
+            sfb_p.stride(), sfb_p.dtype, sfb_p.get_device(), c.shape, c.stride(), c.dtype, c.get_device())
 
 
-def _plan(data):
-    try:
-        key = _metadata(data)
-    except (TypeError, ValueError, AttributeError):
-        key = None
-    plan = _plans.get(key) if key is not None else None
-    if plan is None:
-        m, k, l, scales_on_gpu = check_inputs(data)
-        plan = _CutePlan(data, m, k, l, scales_on_gpu)
-        if l == 1 and device_info(plan.dev)[2]:
-            plan = _ScaledMmPlan(plan)
+def _new_plan(data, key):
+    m, k, l, scales_on_gpu = check_inputs(data)
+    plan = _CutePlan(data, m, k, l, scales_on_gpu)
+    if l == 1 and device_info(plan.dev)[2]:
+        plan = _ScaledMmPlan(plan)
+    if key is not None:
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
@@ -758,4 +754,11 @@ def custom_kernel(data: input_t) -> output_t:
     :return: ``c``
     :raises TypeError, ValueError: on malformed input, naming the argument.
     """
-    return _plan(data)(data)
+    try:
+        key = _metadata(data)
+    except (TypeError, ValueError, AttributeError):
+        key = None
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _new_plan(data, key)  # validates data in full; raises on malformed input
+    return plan(data)
