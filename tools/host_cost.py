@@ -1,0 +1,53 @@
+"""Host-side cost of one ``custom_kernel`` call and its parts, next to a bare torch launch.
+
+    python tools/host_cost.py
+
+The GPU is held busy by a spin kernel while the calls are timed, so they only queue: back-to-back
+launches on an idle GPU would measure its launch throughput instead of the host's work.
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+import reference  # noqa: E402
+import submission  # noqa: E402
+
+
+def busy_us(fn, calls=400):
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    done = torch.cuda.Event()
+    done.record()
+    idle = done.query()
+    torch.cuda.synchronize()
+    return f"{(t1 - t0) / calls * 1e6:6.2f} us{' (GPU went idle: upper bound)' if idle else ''}"
+
+
+def main():
+    data = reference.generate_input(128, 256, 1, 1)
+    submission.custom_kernel(data)
+    plan = submission._plans[submission._metadata(data)]
+    cases = [("custom_kernel", lambda: submission.custom_kernel(data)),
+             ("metadata key + plan lookup", lambda: submission._plans.get(submission._metadata(data))),
+             ("plan(data): pointers, stream, launch", lambda: plan(data))]
+    if plan.storage:
+        _, _, packed, _, capi = plan.storage
+        cases.append(("compiled launcher alone", lambda: capi(packed)))
+    c = data[6]
+    cases += [("torch.cuda._sleep(0): a bare torch launch", lambda: torch.cuda._sleep(0)),
+              ("torch c.zero_()", lambda: c.zero_())]
+    for name, fn in cases:
+        print(f"{name:45s} {busy_us(fn)}")
+
+
+if __name__ == "__main__":
+    main()

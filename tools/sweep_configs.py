@@ -1,0 +1,60 @@
+"""Times the kernel configurations that ``Nvfp4Gemv.shape_tuning`` chooses between, per shape, the
+leaderboard's way (L2 flushed, CUDA events, median of 50), each checked on signed random inputs.
+
+    python tools/sweep_configs.py 256x7168x1,2432x4608x2
+"""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+import inputs  # noqa: E402
+import reference  # noqa: E402
+import submission  # noqa: E402
+from bench import time_leaderboard  # noqa: E402
+
+G = submission.Nvfp4Gemv
+
+
+def variants(m, k, l):
+    chunks = k // 32
+    g = min(32, chunks & -chunks)
+    lat = {"batch": chunks // g, "group": g, "min_blocks": 2}
+    out = [{"depth": 2}, lat, {**lat, "min_blocks": 3}, {**lat, "depth": 1}]
+    if g == 32:
+        out.append({"batch": 2 * chunks // g, "group": g // 2, "min_blocks": 2})
+    per = G(k, False).per_lane
+    if per % 3 == 0 and per > 3:
+        out.append({"batch": 3, "min_blocks": 3})
+    return out
+
+
+def main():
+    for m, k, l in (tuple(int(v) for v in s.split("x")) for s in sys.argv[1].split(",")):
+        data = reference.generate_input(m, k, l, 1111)
+        signed = inputs.random_inputs(m, k, l, seed=5)
+        shape = submission.check_inputs(data)
+        seen, res = set(), []
+        for v in variants(m, k, l):
+            t = tuple(sorted(v.items()))
+            if t in seen:
+                continue
+            seen.add(t)
+            try:
+                G(k, False, **v)
+            except ValueError:
+                continue
+            ok, _ = reference.check_implementation(
+                signed, submission.run_cute(inputs.poisoned(signed), *shape, tuning=t))
+            us = time_leaderboard(lambda t=t: submission.run_cute(data, *shape, tuning=t), 50)
+            res.append((us, t, ok))
+        chosen = dict(G.shape_tuning(k, m, l, submission.device_info(0)[1]))
+        print(f"{m}x{k}x{l}: custom_kernel {time_leaderboard(lambda: submission.custom_kernel(data), 50):.2f} us"
+              f" (chooses {chosen or 'the streaming default'})")
+        for us, t, ok in sorted(res):
+            print(f"   {us:7.2f} {'ok' if ok else 'WRONG'} {dict(t)}")
+
+
+if __name__ == "__main__":
+    main()
