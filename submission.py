@@ -178,11 +178,22 @@ def _asm_store(operands, text, constraints, loc=None, ip=None):
 
 
 @dsl_user_op
-def ldg_stream_v4(addr, *, loc=None, ip=None):
-    """16-byte global load that does not allocate in L1 (``a`` is read exactly once)."""
-    r = _asm([T.i32()] * 4, [cutlass.Int64(addr)],
-             "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", loc, ip)
+def ldg_stream_v4_if(addr, pred, *, loc=None, ip=None):
+    """16-byte global load that does not allocate in L1 (``a`` is read exactly once), done where
+    ``pred`` is non-zero; else zeros and no memory access."""
+    r = _asm([T.i32()] * 4, [cutlass.Int64(addr), cutlass.Int32(pred)],
+             "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
+             "mov.b32 $3, 0;\n@p ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];\n}",
+             "=r,=r,=r,=r,l,r", loc, ip)
     return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def ldg_u16_if(addr, pred, *, loc=None, ip=None):
+    r = _asm([T.i32()], [cutlass.Int64(addr), cutlass.Int32(pred)],
+             "{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 $0, 0;\n@p ld.global.nc.u16 $0, [$1];\n}",
+             "=r,l,r", loc, ip)
+    return cutlass.Int32(r[0])
 
 
 @dsl_user_op
@@ -486,10 +497,12 @@ class Nvfp4Gemv:
     @cute.jit
     def _load_unit(self, row, bt, valid, lane, a_base, sfa_base, a_rs, sfa_rs):
         """Issues the loads of one work unit: ``batch`` chunks of ``a`` (4 words each), then their scales.
-        Past the last unit (``valid`` false) it reads row 0 instead, which is in bounds and unused."""
+        Past the last unit (``valid`` false) the loads are predicated off (zeros, unused)."""
         row64 = cutlass.Int64(0)
+        pred = cutlass.Int32(0)
         if valid:
             row64 = cutlass.Int64(row)
+            pred = cutlass.Int32(1)
         a_row = a_base + row64 * a_rs
         if cutlass.const_expr(self.blocked_scales):
             sfa_row = sfa_base + (row64 >> 7) * sfa_rs + (row64 & 31) * 16 + ((row64 >> 5) & 3) * 4
@@ -498,9 +511,9 @@ class Nvfp4Gemv:
         c0 = lane + bt * (self.batch * self.group)
         words = []
         for i in cutlass.range_constexpr(self.batch):
-            words += ldg_stream_v4(a_row + cutlass.Int64(c0 + i * self.group) * 16)
+            words += ldg_stream_v4_if(a_row + cutlass.Int64(c0 + i * self.group) * 16, pred)
         for i in cutlass.range_constexpr(self.batch):
-            words.append(ldg_u16(sfa_row + self._scale_offset(c0 + i * self.group)))
+            words.append(ldg_u16_if(sfa_row + self._scale_offset(c0 + i * self.group), pred))
         return words
 
 
