@@ -116,3 +116,16 @@ def test_cached_plan_still_rejects_a_misaligned_a():
     a.view(torch.uint8).copy_(data[0].view(torch.uint8))
     with pytest.raises(ValueError, match="'a'"):
         submission.custom_kernel((a, *data[1:]))
+
+
+def test_dsl_launch_fallback_matches_float64(monkeypatch):
+    """Where the launcher's storage layout does not match the DSL's (another DSL version), launches go
+    through the DSL's own call: that path must be right too."""
+    data = inputs.random_inputs(384, 7168, 2, seed=31)
+    plan = submission._CutePlan(data, *submission.check_inputs(data))
+    monkeypatch.setattr(plan.kernel, "direct", False)
+    poisoned = inputs.poisoned(data)
+    out = plan(poisoned)
+    assert plan.storage is False
+    ok, msg = reference.check_implementation(data, out)
+    assert ok, msg
