@@ -75,22 +75,27 @@ def read_ceiling(reps):
     return x.numel() * 4 / us / 1e6, us
 
 
-def host_cost_us(data, calls=400):
-    """Host wall time of one ``custom_kernel`` call. The GPU is held busy by a spin kernel meanwhile, so
-    the calls only queue: back-to-back launches would otherwise measure the GPU's launch throughput.
+def busy_host_us(fn, calls=400):
+    """Host wall time of one call of ``fn``. The GPU is held busy by a spin kernel meanwhile, so the
+    calls only queue: back-to-back launches would otherwise measure the GPU's launch throughput.
     Returns ``(us, valid)``; ``valid`` is False if the spin ended before the last call was queued."""
-    submission.custom_kernel(data)
+    fn()
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~100 ms at H200 clocks
     t0 = time.perf_counter()
     for _ in range(calls):
-        submission.custom_kernel(data)
+        fn()
     t1 = time.perf_counter()
     done = torch.cuda.Event()
     done.record()
     valid = not done.query()
     torch.cuda.synchronize()
     return (t1 - t0) / calls * 1e6, valid
+
+
+def host_cost_us(data):
+    """``busy_host_us`` of one ``custom_kernel`` call."""
+    return busy_host_us(lambda: submission.custom_kernel(data))
 
 
 def empty_kernel_us(reps):

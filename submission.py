@@ -637,14 +637,9 @@ def _get_kernel(device_index, k, blocked_scales, tuning):
 # Dispatch
 # ----------------------------------------------------------------------------------------------------
 
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-
-
-def _current_stream(device_index):
-    if _raw_stream is not None:
-        return _raw_stream(device_index)
-    return torch.cuda.current_stream(device_index).cuda_stream
+_current_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
+                   or (lambda device_index: torch.cuda.current_stream(device_index).cuda_stream))
 
 
 class _CutePlan:
@@ -706,13 +701,17 @@ class _CutePlan:
 
 
 class _ScaledMmPlan:
-    """L == 1 on a GPU whose ``_scaled_mm`` takes fp4; ``NVFP4_GEMV_FORCE_CUTE=1`` sends it to ``cute``."""
+    """L == 1 on a GPU whose ``_scaled_mm`` takes fp4; ``NVFP4_GEMV_FORCE_CUTE=1`` sends it to the CuTe
+    kernel, compiled only then."""
 
-    def __init__(self, cute):
-        self.cute = cute
+    def __init__(self, shape):
+        self.shape = shape  # (m, k, l, scales_on_gpu)
+        self.cute = None
 
     def __call__(self, data):
         if os.environ.get(FORCE_CUTE_ENV):
+            if self.cute is None:
+                self.cute = _CutePlan(data, *self.shape)
             return self.cute(data)
         return _run_scaled_mm(data)
 
@@ -740,10 +739,11 @@ def _metadata(data):
 
 
 def _new_plan(data, key):
-    m, k, l, scales_on_gpu = check_inputs(data)
-    plan = _CutePlan(data, m, k, l, scales_on_gpu)
-    if l == 1 and device_info(plan.dev)[2]:
-        plan = _ScaledMmPlan(plan)
+    shape = check_inputs(data)
+    if shape[2] == 1 and device_info(data[0].device.index)[2]:
+        plan = _ScaledMmPlan(shape)
+    else:
+        plan = _CutePlan(data, *shape)
     if key is not None:
         if len(_plans) >= MAX_PLANS:
             _plans.clear()

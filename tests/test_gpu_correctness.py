@@ -129,3 +129,25 @@ def test_dsl_launch_fallback_matches_float64(monkeypatch):
     assert plan.storage is False
     ok, msg = reference.check_implementation(data, out)
     assert ok, msg
+
+
+def test_scaled_mm_route_compiles_the_cute_kernel_only_when_forced(monkeypatch):
+    """On an fp4 ``_scaled_mm`` GPU, L == 1 goes there; the CuTe kernel is built only for the override."""
+    monkeypatch.setattr(submission, "_plans", {})
+    info = submission.device_info(0)
+    monkeypatch.setattr(submission, "device_info", lambda i: (info[0], info[1], True))
+    routed = []
+
+    def fake_scaled_mm(data):
+        routed.append(1)
+        data[6].copy_(inputs.expected(data))
+        return data[6]
+
+    monkeypatch.setattr(submission, "_run_scaled_mm", fake_scaled_mm)
+    data = inputs.random_inputs(640, 1024, 1, seed=43)
+    run_and_check(data)
+    plan = next(iter(submission._plans.values()))
+    assert routed == [1] and isinstance(plan, submission._ScaledMmPlan) and plan.cute is None
+    monkeypatch.setenv(submission.FORCE_CUTE_ENV, "1")
+    run_and_check(data)
+    assert routed == [1] and plan.cute is not None

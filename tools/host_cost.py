@@ -8,28 +8,19 @@ launches on an idle GPU would measure its launch throughput instead of the host'
 
 import os
 import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import reference  # noqa: E402
 import submission  # noqa: E402
+from bench import busy_host_us  # noqa: E402
 
 
-def busy_us(fn, calls=400):
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    done = torch.cuda.Event()
-    done.record()
-    idle = done.query()
-    torch.cuda.synchronize()
-    return f"{(t1 - t0) / calls * 1e6:6.2f} us{' (GPU went idle: upper bound)' if idle else ''}"
+def busy_us(fn):
+    us, valid = busy_host_us(fn)
+    return f"{us:6.2f} us{'' if valid else ' (GPU went idle: upper bound)'}"
 
 
 def main():
