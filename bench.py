@@ -234,7 +234,7 @@ def bench_case(m, k, l, args, ceiling, tunings):
         name = "ours" if not tune else "ours[" + ",".join(f"{k_}={v}" for k_, v in tune) + "]"
         shape = submission.check_inputs(data)
         try:
-            submission.Nvfp4Gemv(k, False, **dict(tune))
+            submission.make_op(k, False, **dict(tune))
         except ValueError:
             continue
 

@@ -161,10 +161,10 @@ def blocked_from_permuted(sf_permuted, l_idx):
 # ----------------------------------------------------------------------------------------------------
 
 
-def _asm(ret_types, operands, text, constraints, loc=None, ip=None):
+def _asm(ret_types, operands, text, constraints, loc=None, ip=None, volatile=False):
     ret = ret_types[0] if len(ret_types) == 1 else llvm.StructType.get_literal(ret_types)
     res = llvm.inline_asm(ret, [o.ir_value(loc=loc, ip=ip) for o in operands], text, constraints,
-                          has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                          has_side_effects=volatile, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
                           loc=loc, ip=ip)
     if len(ret_types) == 1:
         return [res]
@@ -299,6 +299,66 @@ def stg_f16(addr, v, *, loc=None, ip=None):
                "{\n.reg .b16 h;\ncvt.rn.f16.f32 h, $1;\nst.global.b16 [$0], h;\n}", "l,f", loc, ip)
 
 
+# Reads of a pipeline stage are ordered after the barrier wait: side effects keep LLVM from hoisting them.
+@dsl_user_op
+def lds_stage_v4(addr, *, loc=None, ip=None):
+    r = _asm([T.i32()] * 4, [cutlass.Int32(addr)],
+             "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", loc, ip, volatile=True)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def lds_stage_u16(addr, *, loc=None, ip=None):
+    r = _asm([T.i32()], [cutlass.Int32(addr)], "ld.shared.u16 $0, [$1];", "=r,r", loc, ip, volatile=True)
+    return cutlass.Int32(r[0])
+
+
+@dsl_user_op
+def lds_stage_f32x2(addr, *, loc=None, ip=None):
+    r = _asm([T.f32(), T.f32()], [cutlass.Int32(addr)], "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r",
+             loc, ip, volatile=True)
+    return cutlass.Float32(r[0]), cutlass.Float32(r[1])
+
+
+@dsl_user_op
+def mbar_init(addr, count, *, loc=None, ip=None):
+    _asm_store([cutlass.Int32(addr), cutlass.Int32(count)], "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r",
+               loc, ip)
+
+
+@dsl_user_op
+def mbar_init_fence(*, loc=None, ip=None):
+    _asm_store([], "fence.mbarrier_init.release.cluster;", "", loc, ip)
+
+
+@dsl_user_op
+def mbar_arrive(addr, *, loc=None, ip=None):
+    _asm_store([cutlass.Int32(addr)], "mbarrier.arrive.shared::cta.b64 _, [$0];", "r", loc, ip)
+
+
+@dsl_user_op
+def mbar_arrive_expect_tx(addr, nbytes, *, loc=None, ip=None):
+    _asm_store([cutlass.Int32(addr), cutlass.Int32(nbytes)],
+               "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r", loc, ip)
+
+
+@dsl_user_op
+def mbar_wait(addr, parity, *, loc=None, ip=None):
+    """Spins until the barrier's phase of parity ``parity`` has completed."""
+    _asm_store([cutlass.Int32(addr), cutlass.Int32(parity)],
+               "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1;\n"
+               "@!p bra WAIT;\n}", "r,r", loc, ip)
+
+
+@dsl_user_op
+def bulk_g2s(dst, src, nbytes, mbar, *, loc=None, ip=None):
+    """Bulk copy (the TMA engine, no tensor map) of ``nbytes`` contiguous bytes, 16-byte aligned, from
+    global to shared memory; completion is counted on ``mbar``."""
+    _asm_store([cutlass.Int32(dst), cutlass.Int64(src), cutlass.Int32(nbytes), cutlass.Int32(mbar)],
+               "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+               "r,l,r,r", loc, ip)
+
+
 class Nvfp4Gemv:
     """Batched NVFP4 GEMV; one instance per (K, scale layout, tuning): see the module docstring."""
 
@@ -351,6 +411,10 @@ class Nvfp4Gemv:
         if group < 2 or per_lane > 12 or ctas > 2 * sms:
             return ()
         return (("batch", per_lane), ("group", group), ("min_blocks", 2))
+
+    def grid_x(self, m, l, sms):
+        # one wave of CTAs spread over the batch, each with at least one warp of rows
+        return max(1, min(-(-m // self.rows_per_cta), -(-sms * self.ctas_per_sm() // l)))
 
     def ctas_per_sm(self):
         # 228 KiB of shared memory a SM on sm_90 and sm_100, 1 KiB of it reserved for each CTA
@@ -517,6 +581,191 @@ class Nvfp4Gemv:
         return words
 
 
+class Nvfp4GemvBulk:
+    """Streaming kernel that feeds whole rows of ``a`` and ``sfa`` to shared memory with bulk copies
+    (the TMA engine, no tensor map): tens of kilobytes a SM in flight for the cost of a few instructions.
+
+    A CTA works on one batch index. One producer warp keeps ``stages`` tiles of ``rows`` rows in flight
+    (one copy of a row's ``K/2`` bytes of ``a`` and one of its ``K/16`` scale bytes, counted on the
+    stage's ``full`` barrier); ``warps`` consumer warps each own a fixed set of chunks of a tile (``tr``
+    threads a row, ``n`` chunks a thread), so their part of ``b`` stays in registers for the whole
+    kernel. A consumer writes its row's partial (an error-free (hi, lo) pair) to shared memory and
+    arrives on the stage's ``empty`` barrier; the producer adds the parts, writes ``c`` and refills the
+    stage. Needs the plain scales and ``K % 256 == 0`` (16-byte aligned rows of ``sfa``)."""
+
+    def __init__(self, k: int, blocked_scales: bool, bulk=1, warps=4, ctas=2, stages=None, max_n=8, probe=0):
+        if blocked_scales or k % 256:
+            raise ValueError(f"nvfp4_gemv: the bulk-copy kernel needs the plain scales and K % 256 == 0, "
+                             f"got K={k}, blocked={blocked_scales}")
+        self.k = k
+        self.blocked_scales = False
+        self.chunks = c = k // 32
+        self.warps = warps
+        self.ctas = ctas
+        self.probe = probe
+        nc = 32 * warps
+        # threads a row: the fewest (>= 8, so that 8 lanes read 128 contiguous bytes) that leave each
+        # thread at most max_n chunks (its share of b lives in registers), else the most that divide
+        fits = [t for t in (8, 16, 32, 64, 128, 256) if t <= nc and c % t == 0]
+        if not fits:
+            raise ValueError(f"nvfp4_gemv: K={k}: no split of a row over {nc} threads")
+        tr = next((t for t in fits if c // t <= max_n), fits[-1])
+        self.tr = tr
+        self.n = c // tr
+        self.rows = nc // tr
+        self.parts = max(1, tr // 32)
+        self.group = min(tr, 32)
+        self.shuffle_offsets = [self.group >> (i + 1) for i in range(self.group.bit_length() - 1)]
+        self.row_a = k // 2
+        self.row_sf = k // 16
+        self.stage_bytes = self.rows * (self.row_a + self.row_sf)
+        self.part_bytes = self.rows * self.parts * 8
+        budget = 232448 // ctas - 1024
+        self.stages = stages or max(2, min(8, budget // (self.stage_bytes + self.part_bytes + 16)))
+        self.smem_bytes = self.stages * (self.stage_bytes + self.part_bytes + 16)
+        self.threads = nc + 32
+        self.min_blocks = ctas
+
+    def grid_x(self, m, l, sms):
+        return max(1, min(m // self.rows, sms * self.ctas // l))
+
+    @cute.jit
+    def __call__(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
+                 sfb_ptr: cutlass.Int64, c_ptr: cutlass.Int64, m: cutlass.Int32,
+                 a_rs: cutlass.Int64, a_ls: cutlass.Int64, b_ls: cutlass.Int64,
+                 sfa_rs: cutlass.Int64, sfa_ls: cutlass.Int64, sfb_ls: cutlass.Int64,
+                 c_rs: cutlass.Int64, c_ls: cutlass.Int64, grid_x: cutlass.Int32, num_l: cutlass.Int32,
+                 stream):
+        self.kernel(a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls,
+                    c_rs, c_ls).launch(grid=[grid_x, num_l, 1], block=[self.threads, 1, 1],
+                                       smem=self.smem_bytes, stream=stream, min_blocks_per_mp=self.min_blocks)
+
+    @cute.kernel
+    def kernel(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
+               sfb_ptr: cutlass.Int64, c_ptr: cutlass.Int64, m: cutlass.Int32,
+               a_rs: cutlass.Int64, a_ls: cutlass.Int64, b_ls: cutlass.Int64,
+               sfa_rs: cutlass.Int64, sfa_ls: cutlass.Int64, sfb_ls: cutlass.Int64,
+               c_rs: cutlass.Int64, c_ls: cutlass.Int64):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, bidy, _ = cute.arch.block_idx()
+        gdimx, _, _ = cute.arch.grid_dim()
+        S = self.stages
+        R = self.rows
+        smem = cutlass.utils.SmemAllocator()
+        s_buf = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.smem_bytes // 4), byte_alignment=128)
+        s_a = s_buf.iterator.toint()  # stage s: R rows of a, then R rows of sfa
+        s_part = s_a + S * self.stage_bytes  # (hi, lo) per stage, row and part
+        s_full = s_part + S * self.part_bytes
+        s_empty = s_full + 8 * S
+        if tidx == 0:
+            for s in cutlass.range_constexpr(S):
+                mbar_init(s_full + 8 * s, 1)
+                mbar_init(s_empty + 8 * s, self.warps)
+            mbar_init_fence()
+        cute.arch.sync_threads()
+
+        l_idx = cutlass.Int64(bidy)
+        n_t = (m // R - bidx + gdimx - 1) // gdimx  # tiles bidx, bidx + gdimx, ... of this batch index
+        warp = tidx // 32
+        lane = tidx % 32
+        if warp == self.warps:
+            self._produce(n_t, bidx, gdimx, lane, s_a, s_part, s_full, s_empty, a_ptr + l_idx * a_ls, a_rs,
+                          sfa_ptr + l_idx * sfa_ls, sfa_rs, c_ptr + l_idx * c_ls, c_rs)
+        else:
+            self._consume(n_t, tidx, lane, s_a, s_part, s_full, s_empty, b_ptr + l_idx * b_ls,
+                          sfb_ptr + l_idx * sfb_ls)
+
+    @cute.jit
+    def _produce(self, n_t, bidx, gdimx, lane, s_a, s_part, s_full, s_empty, a_base, a_rs, sfa_base, sfa_rs,
+                 c_base, c_rs):
+        S = self.stages
+        R = self.rows
+        for j in cutlass.range(n_t + S, unroll=1):
+            s = j % S
+            if j >= S:
+                mbar_wait(s_empty + 8 * s, (j // S - 1) & 1)
+                if lane < R:
+                    p = s_part + (s * R + lane) * (8 * self.parts)
+                    hi, lo = lds_stage_f32x2(p)
+                    for q in cutlass.range_constexpr(1, self.parts):
+                        h2, l2 = lds_stage_f32x2(p + 8 * q)
+                        t = hi + h2
+                        bb = t - hi
+                        lo = lo + l2 + ((hi - (t - bb)) + (h2 - bb))
+                        hi = t
+                    row = (bidx + (j - S) * gdimx) * R + lane
+                    stg_f16(c_base + cutlass.Int64(row) * c_rs, hi + lo)
+            if j < n_t:
+                cute.arch.sync_warp()
+                if lane == 0:
+                    mbar_arrive_expect_tx(s_full + 8 * s, self.stage_bytes)
+                cute.arch.sync_warp()
+                if lane < R:
+                    row = cutlass.Int64((bidx + j * gdimx) * R + lane)
+                    dst = s_a + s * self.stage_bytes
+                    bulk_g2s(dst + lane * self.row_a, a_base + row * a_rs, self.row_a, s_full + 8 * s)
+                    bulk_g2s(dst + R * self.row_a + lane * self.row_sf, sfa_base + row * sfa_rs, self.row_sf,
+                             s_full + 8 * s)
+
+    @cute.jit
+    def _consume(self, n_t, tidx, lane, s_a, s_part, s_full, s_empty, b_base, sfb_base):
+        S = self.stages
+        R = self.rows
+        r = tidx // self.tr
+        jl = tidx % self.tr
+        wb = []
+        sb = []
+        for i in cutlass.range_constexpr(self.n):
+            ch = cutlass.Int64(jl + i * self.tr)
+            x = ldg_v4(b_base + ch * 16)
+            for w in cutlass.range_constexpr(4):
+                wb += list(fp4x8_to_i8(x[w]))
+            s0, s1 = e4m3x2_to_f32x2(ldg_u16(sfb_base + ch * 2))
+            sb += [s0 * 0.25, s1 * 0.25]
+        tbl = cutlass.Int32(E2M1_TIMES2_LO)
+        for j in cutlass.range(n_t, unroll=1):
+            s = j % S
+            mbar_wait(s_full + 8 * s, (j // S) & 1)
+            a_row = s_a + s * self.stage_bytes + r * self.row_a
+            sf_row = s_a + s * self.stage_bytes + R * self.row_a + r * self.row_sf
+            xs = []
+            for i in cutlass.range_constexpr(self.n):
+                xs.append(lds_stage_v4(a_row + (jl + i * self.tr) * 16))
+            ss = []
+            for i in cutlass.range_constexpr(self.n):
+                ss.append(lds_stage_u16(sf_row + (jl + i * self.tr) * 2))
+            acc = cutlass.Float32(0.0)
+            comp = cutlass.Float32(0.0)
+            for i in cutlass.range_constexpr(self.n):
+                x = xs[i]
+                if cutlass.const_expr(self.probe):
+                    acc = acc + cutlass.Float32(x[0] ^ x[1] ^ x[2] ^ x[3] ^ ss[i])
+                else:
+                    sa0, sa1 = e4m3x2_to_f32x2(ss[i])
+                    w = wb[8 * i:8 * i + 8]
+                    d0 = fp4x16_dot_i8(x[0], x[1], w[0], w[1], w[2], w[3], tbl)
+                    d1 = fp4x16_dot_i8(x[2], x[3], w[4], w[5], w[6], w[7], tbl)
+                    for term in (cutlass.Float32(d0) * (sa0 * sb[2 * i]), cutlass.Float32(d1) * (sa1 * sb[2 * i + 1])):
+                        y = term - comp
+                        t = acc + y
+                        comp = (t - acc) - y
+                        acc = t
+            hi = acc
+            lo = -comp
+            for off in self.shuffle_offsets:
+                h2 = cute.arch.shuffle_sync_bfly(hi, offset=off)
+                l2 = cute.arch.shuffle_sync_bfly(lo, offset=off)
+                t = hi + h2
+                bb = t - hi
+                lo = lo + l2 + ((hi - (t - bb)) + (h2 - bb))
+                hi = t
+            if jl % 32 == 0:
+                sts_f32x2(s_part + ((s * R + r) * self.parts + jl // 32) * 8, hi, lo)
+            cute.arch.sync_warp()
+            if lane == 0:
+                mbar_arrive(s_empty + 8 * s)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Compile cache
 # ----------------------------------------------------------------------------------------------------
@@ -533,8 +782,7 @@ class _Kernel:
     def __init__(self, fn, device_index, op):
         self.fn = fn
         self.device_index = device_index
-        self.rows_per_cta = op.rows_per_cta
-        self.ctas_per_sm = op.ctas_per_sm()
+        self.op = op
         self.direct = self._layout_matches()
         self.executor = None
 
@@ -612,10 +860,15 @@ def _probe_scaled_mm_fp4(device_index):
         return False
 
 
+def make_op(k, blocked_scales, **tuning):
+    """The kernel object for a tuning: ``bulk=1`` picks the bulk-copy streaming kernel."""
+    return (Nvfp4GemvBulk if tuning.get("bulk") else Nvfp4Gemv)(k, blocked_scales, **tuning)
+
+
 def compile_gemv(k, blocked_scales, arch, options=None, **tuning):
     """Compiles the kernel for ``k`` (no GPU needed when ``options`` names ``--gpu-arch``)."""
     i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
-    return cute.compile(Nvfp4Gemv(k, blocked_scales, **tuning), *[i64] * 5, i32, *[i64] * 8, i32, i32,
+    return cute.compile(make_op(k, blocked_scales, **tuning), *[i64] * 5, i32, *[i64] * 8, i32, i32,
                         _CUstream(0), options=options or "")
 
 
@@ -628,7 +881,7 @@ def _get_kernel(device_index, k, blocked_scales, tuning):
             if kern is None:
                 kw = dict(tuning)
                 fn = compile_gemv(k, blocked_scales, device_info(device_index)[0], **kw)
-                kern = _Kernel(fn, device_index, Nvfp4Gemv(k, blocked_scales, **kw))
+                kern = _Kernel(fn, device_index, make_op(k, blocked_scales, **kw))
                 _compiled[key] = kern
     return kern
 
@@ -658,8 +911,7 @@ class _CutePlan:
             strides = (sfa.stride(0), sfa.stride(2), sfb.stride(2))
         else:
             strides = (sfa_p.stride(2), sfa_p.stride(5), sfb_p.stride(5))
-        # one wave of CTAs spread over the batch, each with at least one warp of rows
-        ctas_per_l = max(1, min(-(-m // kern.rows_per_cta), -(-sms * kern.ctas_per_sm // l)))
+        ctas_per_l = kern.op.grid_x(m, l, sms)
         self.static = (m, a.stride(0), a.stride(2), b.stride(2), *strides, c.stride(0) * 2, c.stride(2) * 2,
                        ctas_per_l, l)
         self.lock = threading.Lock()

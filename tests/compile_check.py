@@ -40,7 +40,7 @@ def main():
     path = os.path.join(dump, "kernel.cubin")
     with open(path, "wb") as f:
         f.write(cubin)
-    kern = submission._Kernel(fn, 0, submission.Nvfp4Gemv(args.k, args.blocked, **tuning))
+    kern = submission._Kernel(fn, 0, submission.make_op(args.k, args.blocked, **tuning))
     print(json.dumps({"arch": args.arch, "k": args.k, "cubin": path, "bytes": len(cubin),
                       "elf": cubin[:4] == b"\x7fELF", "direct_launch_layout": kern.direct}))
 

@@ -2,6 +2,7 @@
 leaderboard's way (L2 flushed, CUDA events, median of 50), each checked on signed random inputs.
 
     python tools/sweep_configs.py 256x7168x1,2432x4608x2
+    python tools/sweep_configs.py 7168x16384x1 "bulk=1;bulk=1,warps=8,ctas=1"   # these tunings instead
 """
 
 import os
@@ -30,19 +31,24 @@ def variants(m, k, l):
     return out
 
 
+def parse_tunings(text):
+    return [{kv.split("=")[0]: int(kv.split("=")[1]) for kv in t.split(",") if kv} for t in text.split(";")]
+
+
 def main():
+    explicit = parse_tunings(sys.argv[2]) if len(sys.argv) > 2 else None
     for m, k, l in (tuple(int(v) for v in s.split("x")) for s in sys.argv[1].split(",")):
         data = reference.generate_input(m, k, l, 1111)
         signed = inputs.random_inputs(m, k, l, seed=5)
         shape = submission.check_inputs(data)
         seen, res = set(), []
-        for v in variants(m, k, l):
+        for v in explicit or variants(m, k, l):
             t = tuple(sorted(v.items()))
             if t in seen:
                 continue
             seen.add(t)
             try:
-                G(k, False, **v)
+                submission.make_op(k, False, **v)
             except ValueError:
                 continue
             ok, _ = reference.check_implementation(
