@@ -178,12 +178,15 @@ def _asm_store(operands, text, constraints, loc=None, ip=None):
 
 
 @dsl_user_op
-def ldg_stream_v4_if(addr, pred, *, loc=None, ip=None):
+def ldg_stream_v4_if(addr, pred, evict_first=False, *, loc=None, ip=None):
     """16-byte global load that does not allocate in L1 (``a`` is read exactly once), done where
     ``pred`` is non-zero; else zeros and no memory access."""
+    ld = ("createpolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
+          "@p ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {$0, $1, $2, $3}, [$4], pol;"
+          if evict_first else "@p ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];")
     r = _asm([T.i32()] * 4, [cutlass.Int64(addr), cutlass.Int32(pred)],
-             "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
-             "mov.b32 $3, 0;\n@p ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];\n}",
+             "{\n.reg .pred p;\n.reg .b64 pol;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\n"
+             "mov.b32 $2, 0;\nmov.b32 $3, 0;\n" + ld + "\n}",
              "=r,=r,=r,=r,l,r", loc, ip)
     return [cutlass.Int32(v) for v in r]
 
@@ -351,12 +354,18 @@ def mbar_wait(addr, parity, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def bulk_g2s(dst, src, nbytes, mbar, *, loc=None, ip=None):
+def bulk_g2s(dst, src, nbytes, mbar, evict_first=False, *, loc=None, ip=None):
     """Bulk copy (the TMA engine, no tensor map) of ``nbytes`` contiguous bytes, 16-byte aligned, from
-    global to shared memory; completion is counted on ``mbar``."""
-    _asm_store([cutlass.Int32(dst), cutlass.Int64(src), cutlass.Int32(nbytes), cutlass.Int32(mbar)],
-               "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-               "r,l,r,r", loc, ip)
+    global to shared memory; completion is counted on ``mbar``. ``evict_first``: the lines are the L2's
+    first candidates for eviction."""
+    ops = [cutlass.Int32(dst), cutlass.Int64(src), cutlass.Int32(nbytes), cutlass.Int32(mbar)]
+    if evict_first:
+        _asm_store(ops, "{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
+                   "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+                   " [$0], [$1], $2, [$3], pol;\n}", "r,l,r,r", loc, ip)
+    else:
+        _asm_store(ops, "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+                   "r,l,r,r", loc, ip)
 
 
 class Nvfp4Gemv:
@@ -366,7 +375,7 @@ class Nvfp4Gemv:
     min_blocks = 4  # caps registers at 64: 1024 threads a SM
 
     def __init__(self, k: int, blocked_scales: bool, group=None, batch=None, min_blocks=None, depth=None,
-                 probe=0):
+                 probe=0, evict=0):
         self.k = k
         self.blocked_scales = blocked_scales
         self.chunks = k // 32  # 16-byte chunks of a row: 32 values, 2 scale blocks
@@ -384,6 +393,7 @@ class Nvfp4Gemv:
         self.min_blocks = min_blocks or (3 if self.batch >= 3 else self.min_blocks)
         self.depth = depth or 2  # work units in registers: depth - 1 in flight while one computes
         self.probe = probe  # 1: skip the arithmetic (measures the memory side alone; wrong results)
+        self.evict = evict
         self.smem_bytes = 40 * self.chunks + 16  # int8 b (32 B) + two fp32 sfb (8 B) a chunk; the table
 
     @staticmethod
@@ -575,7 +585,7 @@ class Nvfp4Gemv:
         c0 = lane + bt * (self.batch * self.group)
         words = []
         for i in cutlass.range_constexpr(self.batch):
-            words += ldg_stream_v4_if(a_row + cutlass.Int64(c0 + i * self.group) * 16, pred)
+            words += ldg_stream_v4_if(a_row + cutlass.Int64(c0 + i * self.group) * 16, pred, self.evict)
         for i in cutlass.range_constexpr(self.batch):
             words.append(ldg_u16_if(sfa_row + self._scale_offset(c0 + i * self.group), pred))
         return words
@@ -593,7 +603,8 @@ class Nvfp4GemvBulk:
     arrives on the stage's ``empty`` barrier; the producer adds the parts, writes ``c`` and refills the
     stage. Needs the plain scales and ``K % 256 == 0`` (16-byte aligned rows of ``sfa``)."""
 
-    def __init__(self, k: int, blocked_scales: bool, bulk=1, warps=4, ctas=2, stages=None, max_n=8, probe=0):
+    def __init__(self, k: int, blocked_scales: bool, bulk=1, warps=4, ctas=2, stages=None, max_n=8, probe=0,
+                 evict=0):
         if blocked_scales or k % 256:
             raise ValueError(f"nvfp4_gemv: the bulk-copy kernel needs the plain scales and K % 256 == 0, "
                              f"got K={k}, blocked={blocked_scales}")
@@ -603,6 +614,7 @@ class Nvfp4GemvBulk:
         self.warps = warps
         self.ctas = ctas
         self.probe = probe
+        self.evict = evict
         nc = 32 * warps
         # threads a row: the fewest (>= 8, so that 8 lanes read 128 contiguous bytes) that leave each
         # thread at most max_n chunks (its share of b lives in registers), else the most that divide
@@ -613,6 +625,8 @@ class Nvfp4GemvBulk:
         self.tr = tr
         self.n = c // tr
         self.rows = nc // tr
+        if 128 % self.rows:
+            raise ValueError(f"nvfp4_gemv: {self.rows} rows a tile do not divide M")
         self.parts = max(1, tr // 32)
         self.group = min(tr, 32)
         self.shuffle_offsets = [self.group >> (i + 1) for i in range(self.group.bit_length() - 1)]
@@ -703,9 +717,10 @@ class Nvfp4GemvBulk:
                 if lane < R:
                     row = cutlass.Int64((bidx + j * gdimx) * R + lane)
                     dst = s_a + s * self.stage_bytes
-                    bulk_g2s(dst + lane * self.row_a, a_base + row * a_rs, self.row_a, s_full + 8 * s)
+                    bulk_g2s(dst + lane * self.row_a, a_base + row * a_rs, self.row_a, s_full + 8 * s,
+                             self.evict)
                     bulk_g2s(dst + R * self.row_a + lane * self.row_sf, sfa_base + row * sfa_rs, self.row_sf,
-                             s_full + 8 * s)
+                             s_full + 8 * s, self.evict)
 
     @cute.jit
     def _consume(self, n_t, tidx, lane, s_a, s_part, s_full, s_empty, b_base, sfb_base):
