@@ -52,6 +52,7 @@ from cuda.bindings.driver import CUstream as _CUstream
 FORCE_CUTE_ENV = "NVFP4_GEMV_FORCE_CUTE"
 E2M1_TIMES2_LO = 0x03020100  # 2 * e2m1 magnitude codes 0..3; codes 4..7 give 0x0C080604
 MAX_K = 32768
+BULK_MIN_K = 7168  # shorter rows: the register-streaming kernel is as fast (docs/perf-notes.md)
 
 # ----------------------------------------------------------------------------------------------------
 # Checks
@@ -178,15 +179,12 @@ def _asm_store(operands, text, constraints, loc=None, ip=None):
 
 
 @dsl_user_op
-def ldg_stream_v4_if(addr, pred, evict_first=False, *, loc=None, ip=None):
+def ldg_stream_v4_if(addr, pred, *, loc=None, ip=None):
     """16-byte global load that does not allocate in L1 (``a`` is read exactly once), done where
     ``pred`` is non-zero; else zeros and no memory access."""
-    ld = ("createpolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
-          "@p ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {$0, $1, $2, $3}, [$4], pol;"
-          if evict_first else "@p ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];")
     r = _asm([T.i32()] * 4, [cutlass.Int64(addr), cutlass.Int32(pred)],
-             "{\n.reg .pred p;\n.reg .b64 pol;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\n"
-             "mov.b32 $2, 0;\nmov.b32 $3, 0;\n" + ld + "\n}",
+             "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
+             "mov.b32 $3, 0;\n@p ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];\n}",
              "=r,=r,=r,=r,l,r", loc, ip)
     return [cutlass.Int32(v) for v in r]
 
@@ -375,7 +373,7 @@ class Nvfp4Gemv:
     min_blocks = 4  # caps registers at 64: 1024 threads a SM
 
     def __init__(self, k: int, blocked_scales: bool, group=None, batch=None, min_blocks=None, depth=None,
-                 probe=0, evict=0):
+                 probe=0):
         self.k = k
         self.blocked_scales = blocked_scales
         self.chunks = k // 32  # 16-byte chunks of a row: 32 values, 2 scale blocks
@@ -393,7 +391,6 @@ class Nvfp4Gemv:
         self.min_blocks = min_blocks or (3 if self.batch >= 3 else self.min_blocks)
         self.depth = depth or 2  # work units in registers: depth - 1 in flight while one computes
         self.probe = probe  # 1: skip the arithmetic (measures the memory side alone; wrong results)
-        self.evict = evict
         self.smem_bytes = 40 * self.chunks + 16  # int8 b (32 B) + two fp32 sfb (8 B) a chunk; the table
 
     @staticmethod
@@ -585,7 +582,7 @@ class Nvfp4Gemv:
         c0 = lane + bt * (self.batch * self.group)
         words = []
         for i in cutlass.range_constexpr(self.batch):
-            words += ldg_stream_v4_if(a_row + cutlass.Int64(c0 + i * self.group) * 16, pred, self.evict)
+            words += ldg_stream_v4_if(a_row + cutlass.Int64(c0 + i * self.group) * 16, pred)
         for i in cutlass.range_constexpr(self.batch):
             words.append(ldg_u16_if(sfa_row + self._scale_offset(c0 + i * self.group), pred))
         return words
@@ -603,8 +600,8 @@ class Nvfp4GemvBulk:
     arrives on the stage's ``empty`` barrier; the producer adds the parts, writes ``c`` and refills the
     stage. Needs the plain scales and ``K % 256 == 0`` (16-byte aligned rows of ``sfa``)."""
 
-    def __init__(self, k: int, blocked_scales: bool, bulk=1, warps=4, ctas=2, stages=None, max_n=8, probe=0,
-                 evict=0):
+    def __init__(self, k: int, blocked_scales: bool, bulk=1, warps=4, ctas=2, stages=3, max_n=4, evict=1,
+                 probe=0):
         if blocked_scales or k % 256:
             raise ValueError(f"nvfp4_gemv: the bulk-copy kernel needs the plain scales and K % 256 == 0, "
                              f"got K={k}, blocked={blocked_scales}")
@@ -634,11 +631,28 @@ class Nvfp4GemvBulk:
         self.row_sf = k // 16
         self.stage_bytes = self.rows * (self.row_a + self.row_sf)
         self.part_bytes = self.rows * self.parts * 8
-        budget = 232448 // ctas - 1024
-        self.stages = stages or max(2, min(8, budget // (self.stage_bytes + self.part_bytes + 16)))
+        self.stages = stages
         self.smem_bytes = self.stages * (self.stage_bytes + self.part_bytes + 16)
+        if self.smem_bytes + 1024 > 233472 // ctas:
+            raise ValueError(f"nvfp4_gemv: K={k}: {stages} stages of {self.stage_bytes} bytes exceed the "
+                             f"shared memory of {ctas} CTAs a SM")
         self.threads = nc + 32
         self.min_blocks = ctas
+
+    @staticmethod
+    def suits(k):
+        """Rows long enough for the bulk path to pay (K >= 7168, measured) that it can split evenly."""
+        try:
+            return k >= BULK_MIN_K and Nvfp4GemvBulk(k, False).n <= 12
+        except ValueError:
+            return False
+
+    @staticmethod
+    def strides_ok(a, sfa, l):
+        """Bulk copies need 16-byte aligned rows of ``a`` and ``sfa`` (their base addresses are checked
+        on every call)."""
+        return a.stride(0) % 16 == 0 and sfa.stride(0) % 16 == 0 and (
+            l == 1 or (a.stride(2) % 16 == 0 and sfa.stride(2) % 16 == 0))
 
     def grid_x(self, m, l, sms):
         return max(1, min(m // self.rows, sms * self.ctas // l))
@@ -917,11 +931,19 @@ class _CutePlan:
     def __init__(self, data, m, k, l, scales_on_gpu, tuning=None):
         a, b, sfa, sfb, sfa_p, sfb_p, c = data
         self.dev = a.device.index
+        self.data_shape = (m, k, l, scales_on_gpu)
         sms = device_info(self.dev)[1]
         if tuning is None:
-            tuning = Nvfp4Gemv.shape_tuning(k, m, l, sms)
+            tuning = pick_tuning(k, m, l, sms, not scales_on_gpu)
+            if dict(tuning).get("bulk") and not Nvfp4GemvBulk.strides_ok(a, sfa, l):
+                tuning = ()
+        elif dict(tuning).get("bulk") and not (scales_on_gpu and Nvfp4GemvBulk.strides_ok(a, sfa, l)):
+            raise ValueError("nvfp4_gemv: the bulk-copy kernel needs the plain scales on the GPU and "
+                             "16-byte aligned rows of a and sfa")
         self.kernel = kern = _get_kernel(self.dev, k, not scales_on_gpu, tuning)
         self.scale_idx = (2, 3) if scales_on_gpu else (4, 5)
+        self.sfa_mask = 15 if dict(tuning).get("bulk") else 1
+        self.fallback = None  # for a bulk plan called with a misaligned sfa: the streaming kernel
         if scales_on_gpu:
             strides = (sfa.stride(0), sfa.stride(2), sfb.stride(2))
         else:
@@ -937,8 +959,8 @@ class _CutePlan:
         c = data[6]
         pa, pb = a.data_ptr(), b.data_ptr()
         psa, psb = data[self.scale_idx[0]].data_ptr(), data[self.scale_idx[1]].data_ptr()
-        if (pa | pb) & 15 or (psa | psb) & 1:
-            check_inputs(data)  # raises, naming the misaligned argument
+        if (pa | pb) & 15 or psa & self.sfa_mask or psb & 1:
+            return self._unaligned(data)
         ptrs = (pa, pb, psa, psb, c.data_ptr())
         if _get_device() != self.dev:  # launches go to the current context
             with torch.cuda.device(self.dev):
@@ -946,6 +968,12 @@ class _CutePlan:
         else:
             self._launch(ptrs, _current_stream(self.dev))
         return c
+
+    def _unaligned(self, data):
+        check_inputs(data)  # raises, naming the misaligned argument
+        if self.fallback is None:  # only the bulk kernel's 16-byte sfa alignment is missing
+            self.fallback = _CutePlan(data, *self.data_shape, tuning=())
+        return self.fallback(data)
 
     def _launch(self, ptrs, stream):
         kern = self.kernel
@@ -1016,6 +1044,17 @@ def _new_plan(data, key):
             _plans.clear()
         _plans[key] = plan
     return plan
+
+
+def pick_tuning(k, m, l, sms, blocked_scales):
+    """The kernel and configuration for one problem size: the latency config where one wave of CTAs
+    holds the problem, else the bulk-copy kernel for long rows, else the streaming default ``()``."""
+    latency = Nvfp4Gemv.shape_tuning(k, m, l, sms)
+    if latency:
+        return latency
+    if not blocked_scales and Nvfp4GemvBulk.suits(k):
+        return (("bulk", 1),)
+    return ()
 
 
 def run_cute(data, m, k, l, scales_on_gpu, tuning=None):

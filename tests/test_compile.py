@@ -33,9 +33,12 @@ def test_kernel_compiles_without_gpu(arch, k, blocked, tmp_path):
     assert info["direct_launch_layout"]
 
 
-def test_latency_config_compiles_without_gpu(tmp_path):
-    cmd = [sys.executable, os.path.join(HERE, "compile_check.py"), "sm_90a", "7168", "--dump", str(tmp_path),
-           "--tune", "batch=7,group=32,min_blocks=2"]
+@pytest.mark.parametrize("arch,k,tune", [("sm_90a", 7168, "batch=7,group=32,min_blocks=2"),
+                                          ("sm_90a", 16384, "bulk=1"), ("sm_100a", 7168, "bulk=1")])
+def test_latency_and_bulk_configs_compile_without_gpu(arch, k, tune, tmp_path):
+    cmd = [sys.executable, os.path.join(HERE, "compile_check.py"), arch, str(k), "--dump", str(tmp_path),
+           "--tune", tune]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["elf"]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["elf"] and info["direct_launch_layout"]

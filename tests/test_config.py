@@ -1,5 +1,6 @@
-"""The per-shape kernel configuration: which problems take the latency config, and that every
-configuration the heuristic can pick is a valid kernel (chunks split evenly, no tail)."""
+"""The per-shape kernel configuration: which problems take the latency config, which the bulk-copy
+kernel, and that every configuration the heuristic can pick is a valid kernel (chunks split evenly, no
+tail, shared memory within the SM's)."""
 
 import pytest
 
@@ -25,13 +26,39 @@ def test_shapes_beyond_one_wave_stream(m, k, l, seed):
     assert G.shape_tuning(k, m, l, H200_SMS) == ()
 
 
+@pytest.mark.parametrize("m,k,l,seed", task_cases("benchmarks"))
+def test_long_rows_beyond_one_wave_take_the_bulk_kernel(m, k, l, seed):
+    assert bool(dict(submission.pick_tuning(k, m, l, H200_SMS, False)).get("bulk")) == (k >= submission.BULK_MIN_K)
+    assert submission.pick_tuning(k, m, l, H200_SMS, True) == (), "blocked scales: streaming kernel"
+
+
+@pytest.mark.parametrize("m,k,l,seed", ONE_WAVE)
+def test_pick_keeps_the_latency_config_for_one_wave(m, k, l, seed):
+    assert submission.pick_tuning(k, m, l, H200_SMS, False) == G.shape_tuning(k, m, l, H200_SMS)
+
+
 @pytest.mark.parametrize("k", range(64, submission.MAX_K + 1, 64))
 def test_every_k_gets_a_valid_config(k):
     for m, l in ((128, 1), (256, 2), (1024, 1), (4096, 8)):
         for sms in (132, 148):
-            op = G(k, False, **dict(G.shape_tuning(k, m, l, sms)))
-            assert op.group * op.per_lane == op.chunks and op.per_lane % op.batch == 0
-            assert op.threads % op.group == 0 and 32 % op.group == 0
+            for blocked in (False, True):
+                tuning = dict(submission.pick_tuning(k, m, l, sms, blocked))
+                op = submission.make_op(k, blocked, **tuning)
+                if tuning.get("bulk"):
+                    assert op.tr * op.n == op.chunks and op.n <= 12 and 128 % op.rows == 0
+                    assert (op.smem_bytes + 1024) * op.ctas <= 233472 and op.grid_x(m, l, sms) >= 1
+                    continue
+                assert op.group * op.per_lane == op.chunks and op.per_lane % op.batch == 0
+                assert op.threads % op.group == 0 and 32 % op.group == 0
+
+
+def test_bulk_kernel_rejects_what_it_cannot_do():
+    with pytest.raises(ValueError, match="K % 256"):
+        submission.Nvfp4GemvBulk(7232, False)
+    with pytest.raises(ValueError, match="plain scales"):
+        submission.Nvfp4GemvBulk(7168, True)
+    with pytest.raises(ValueError, match="shared memory"):
+        submission.Nvfp4GemvBulk(32768, False, stages=8, ctas=2)
 
 
 def test_bad_tuning_is_rejected():

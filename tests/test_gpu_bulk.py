@@ -1,0 +1,100 @@
+"""The bulk-copy kernel (``Nvfp4GemvBulk``) on a CUDA GPU: every tile split it can take, its tuning
+knobs, padded rows, and the fall back to the streaming kernel where its alignment needs are not met.
+Outputs are poisoned with NaN and compared with the float64 reference on random signed inputs."""
+
+import pytest
+import torch
+
+import inputs
+import reference
+import submission
+from conftest import task_cases
+
+pytestmark = pytest.mark.gpu
+
+BULK = (("bulk", 1),)
+# tile splits: 8 threads a row (K = 256, 16 rows a tile), 32 (K = 7168, n = 7), 64, 128 (4 warps a row,
+# n = 8 at K = 32768), n = 9 and n = 11 (K = 9216, 11264)
+SHAPES = sorted({c[:3] for c in task_cases("tests") + task_cases("benchmarks")}
+                | {(128, 256, 2), (128, 32768, 1), (256, 9216, 3), (640, 11264, 2), (1024, 16384, 1),
+                   (384, 8192, 2), (128, 2048, 9)})
+
+
+def check(data, tuning=BULK):
+    out = submission.run_cute(inputs.poisoned(data), *submission.check_inputs(data), tuning=tuning)
+    torch.cuda.synchronize()
+    ok, msg = reference.check_implementation(data, out)
+    assert ok, msg
+    return out
+
+
+@pytest.mark.parametrize("m,k,l", SHAPES)
+def test_bulk_kernel_matches_float64(m, k, l):
+    check(inputs.random_inputs(m, k, l, seed=m + k + l + 1))
+
+
+@pytest.mark.parametrize("tune", [{"stages": 2}, {"stages": 5}, {"warps": 8, "ctas": 1}, {"evict": 0},
+                                  {"max_n": 8}, {"ctas": 3}])
+@pytest.mark.parametrize("m,k,l", [(7168, 16384, 1), (1024, 7168, 3)])
+def test_bulk_tuning_knobs_keep_results(m, k, l, tune):
+    check(inputs.random_inputs(m, k, l, seed=5), BULK + tuple(sorted(tune.items())))
+
+
+@pytest.mark.parametrize("m,k,l", [(7168, 16384, 1), (4096, 7168, 8)])
+def test_benchmark_shapes_take_the_bulk_kernel(m, k, l):
+    data = inputs.random_inputs(m, k, l, seed=7)
+    plan = submission._CutePlan(data, *submission.check_inputs(data))
+    assert isinstance(plan.kernel.op, submission.Nvfp4GemvBulk)
+    out = plan(inputs.poisoned(data))
+    ok, msg = reference.check_implementation(data, out)
+    assert ok, msg
+
+
+def padded(data, a_pad, sfa_pad):
+    """``data`` with rows of ``a`` and ``sfa`` padded by the given bytes (views into larger buffers)."""
+    a, b, sfa = data[0], data[1], data[2]
+    m, k2, l = a.shape
+    pa = torch.zeros(l, m, k2 + a_pad, dtype=torch.uint8, device="cuda")
+    pa[:, :, :k2] = a.view(torch.uint8).permute(2, 0, 1)
+    ps = torch.zeros(l, m, sfa.shape[1] + sfa_pad, dtype=torch.uint8, device="cuda")
+    ps[:, :, :sfa.shape[1]] = sfa.view(torch.uint8).permute(2, 0, 1)
+    return (pa[:, :, :k2].permute(1, 2, 0).view(torch.float4_e2m1fn_x2), b,
+            ps[:, :, :sfa.shape[1]].permute(1, 2, 0).view(torch.float8_e4m3fn), *data[3:])
+
+
+def test_padded_aligned_rows_stay_on_the_bulk_kernel():
+    data = padded(inputs.random_inputs(2048, 16384, 2, seed=9), 32, 16)
+    plan = submission._CutePlan(data, *submission.check_inputs(data))
+    assert isinstance(plan.kernel.op, submission.Nvfp4GemvBulk)
+    out = plan(inputs.poisoned(data))
+    ok, msg = reference.check_implementation(data, out)
+    assert ok, msg
+
+
+def test_sfa_rows_off_16_bytes_take_the_streaming_kernel():
+    data = padded(inputs.random_inputs(2048, 16384, 2, seed=10), 0, 2)
+    plan = submission._CutePlan(data, *submission.check_inputs(data))
+    assert isinstance(plan.kernel.op, submission.Nvfp4Gemv)
+    out = plan(inputs.poisoned(data))
+    ok, msg = reference.check_implementation(data, out)
+    assert ok, msg
+    with pytest.raises(ValueError, match="bulk"):
+        submission.run_cute(data, *submission.check_inputs(data), tuning=BULK)
+
+
+def test_cached_bulk_plan_with_a_misaligned_sfa_falls_back():
+    """Plans are keyed by metadata, not addresses: a same-shaped sfa at an 8-byte offset must not reach
+    the bulk copies (which need 16-byte alignment); the call goes to the streaming kernel."""
+    data = inputs.random_inputs(2048, 16384, 1, seed=12)
+    assert isinstance(submission._CutePlan(data, *submission.check_inputs(data)).kernel.op,
+                      submission.Nvfp4GemvBulk)
+    submission.custom_kernel(inputs.poisoned(data))
+    sfa = data[2]
+    raw = torch.zeros(sfa.numel() + 8, dtype=torch.uint8, device="cuda")
+    moved = raw[8:].as_strided(sfa.shape, sfa.stride()).view(torch.float8_e4m3fn)  # same metadata
+    moved.copy_(sfa)
+    data = (data[0], data[1], moved, *data[3:])
+    out = submission.custom_kernel(inputs.poisoned(data))
+    torch.cuda.synchronize()
+    ok, msg = reference.check_implementation(data, out)
+    assert ok, msg
