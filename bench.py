@@ -121,6 +121,19 @@ def peer_sum_same_bytes(nbytes):
     return run, check
 
 
+def peer_bulk_read(data):
+    """Not a GEMV: the bulk-copy kernel with its arithmetic removed (``probe=1``), which streams exactly
+    the GEMV's bytes the fastest way we have; its time is the floor of a read under this timing."""
+    shape = submission.check_inputs(data)
+    tuning = (("bulk", 1), ("probe", 1))
+    submission.make_op(shape[1], False, **dict(tuning))  # raises ValueError where K % 256 != 0
+
+    def run():
+        submission.run_cute(data, *shape, tuning=tuning)
+
+    return run, lambda: True
+
+
 def peer_fp8_scaled_mm(m, k, l):
     """fp8 e4m3 A (1 byte a value: twice fp4's bytes) times an fp8 vector padded to N = 16."""
     a = (torch.randn(l, m, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
@@ -266,6 +279,7 @@ def bench_case(m, k, l, args, ceiling, tunings):
     peers = {}
     if args.peers:
         makers = {"torch.sum of the same bytes": lambda: peer_sum_same_bytes(nbytes),
+                  "bulk read, no math": lambda: peer_bulk_read(data),
                   "fp8 _scaled_mm (N=16)": lambda: peer_fp8_scaled_mm(m, k, l),
                   "fp16 cuBLAS bmm": lambda: peer_fp16_bmm(m, k, l),
                   "torch.compile dequant+dot": lambda: peer_torch_compile(data)}
