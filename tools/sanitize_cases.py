@@ -17,7 +17,8 @@ with open(os.path.join(ROOT, "task.yml")) as f:
     spec = yaml.safe_load(f)
 task = sorted({(c["m"], c["k"], c["l"]) for c in spec["tests"] + spec["benchmarks"]})
 fuzz = [(128, 64, 1), (1152, 960, 5), (640, 2752, 3), (128, 32768, 2), (3968, 1600, 1)]
-shapes = task + fuzz if sys.argv[1:] == ["all"] else [(128, 256, 1), (512, 4096, 2), (640, 2752, 3)]
+small = [(128, 256, 1), (512, 4096, 2), (640, 2752, 3), (1024, 16384, 1), (1536, 7168, 2)]  # last two: bulk kernel
+shapes = task + fuzz if sys.argv[1:] == ["all"] else small
 for m, k, l in shapes:
     for cpu_scales in (False, True):
         data = inputs.random_inputs(m, k, l, seed=m + k)
