@@ -300,6 +300,45 @@ def stg_f16(addr, v, *, loc=None, ip=None):
                "{\n.reg .b16 h;\ncvt.rn.f16.f32 h, $1;\nst.global.b16 [$0], h;\n}", "l,f", loc, ip)
 
 
+def scaled_chunk_dot(acc, comp, x, s16, w, sb0, sb1, tbl):
+    """Adds the scaled dot of one 16-byte chunk of ``a`` (32 values, 2 blocks; ``x`` its words, ``s16``
+    its two scale bytes) with ``b`` (``w`` 8 words of int8 ``2b``, ``sb0``/``sb1`` its scales / 4) to the
+    Kahan sum ``acc - comp``. Each block's term is exact in fp32 (an int below 2^12 times a product of
+    two e4m3 scales), so the compensation leaves the row's fp32 sum exact to within one rounding, however
+    much the blocks cancel."""
+    sa0, sa1 = e4m3x2_to_f32x2(s16)
+    d0 = fp4x16_dot_i8(x[0], x[1], w[0], w[1], w[2], w[3], tbl)
+    d1 = fp4x16_dot_i8(x[2], x[3], w[4], w[5], w[6], w[7], tbl)
+    for term in (cutlass.Float32(d0) * (sa0 * sb0), cutlass.Float32(d1) * (sa1 * sb1)):
+        y = term - comp
+        t = acc + y
+        comp = (t - acc) - y
+        acc = t
+    return acc, comp
+
+
+def probe_sum(acc, x, s16):
+    """The probe's stand-in for the arithmetic: keeps the loads alive, computes nothing useful."""
+    return acc + cutlass.Float32(x[0] ^ x[1] ^ x[2] ^ x[3] ^ s16)
+
+
+def add_pairs(hi, lo, h2, l2):
+    """(hi, lo) + (h2, l2) with an error-free two-sum of the high parts."""
+    t = hi + h2
+    bb = t - hi
+    return t, lo + l2 + ((hi - (t - bb)) + (h2 - bb))
+
+
+def group_sum(acc, comp, offsets):
+    """Butterfly sum of the Kahan pairs ``(acc, -comp)`` over the lanes that ``offsets`` span; every
+    lane gets ``(hi, lo)``."""
+    hi, lo = acc, -comp
+    for off in offsets:
+        hi, lo = add_pairs(hi, lo, cute.arch.shuffle_sync_bfly(hi, offset=off),
+                           cute.arch.shuffle_sync_bfly(lo, offset=off))
+    return hi, lo
+
+
 # Reads of a pipeline stage are ordered after the barrier wait: side effects keep LLVM from hoisting them.
 @dsl_user_op
 def lds_stage_v4(addr, *, loc=None, ip=None):
@@ -435,24 +474,12 @@ class Nvfp4Gemv:
 
     @cute.jit
     def _chunk_dot(self, acc, comp, x, s16, c, s_b0, s_b1, s_sf, tbl):
-        """Adds the scaled dot of one 16-byte chunk of ``a`` (32 values, 2 blocks) with ``b`` to the
-        Kahan sum ``acc - comp``. Each block's term is exact in fp32 (an int below 2^12 times a product
-        of two e4m3 scales), so the compensation leaves the row's fp32 sum exact to within one rounding,
-        however much the blocks cancel."""
+        """``scaled_chunk_dot`` of chunk ``c`` with ``b`` read from shared memory."""
         if cutlass.const_expr(self.probe):
-            return acc + cutlass.Float32(x[0] ^ x[1] ^ x[2] ^ x[3] ^ s16), comp
-        wb0 = lds_v4(s_b0 + c * 16)
-        wb1 = lds_v4(s_b1 + c * 16)
+            return probe_sum(acc, x, s16), comp
+        w = lds_v4(s_b0 + c * 16) + lds_v4(s_b1 + c * 16)
         sb0, sb1 = lds_f32x2(s_sf + c * 8)
-        sa0, sa1 = e4m3x2_to_f32x2(s16)
-        d0 = fp4x16_dot_i8(x[0], x[1], wb0[0], wb0[1], wb0[2], wb0[3], tbl)
-        d1 = fp4x16_dot_i8(x[2], x[3], wb1[0], wb1[1], wb1[2], wb1[3], tbl)
-        for term in (cutlass.Float32(d0) * (sa0 * sb0), cutlass.Float32(d1) * (sa1 * sb1)):
-            y = term - comp
-            t = acc + y
-            comp = (t - acc) - y
-            acc = t
-        return acc, comp
+        return scaled_chunk_dot(acc, comp, x, s16, w, sb0, sb1, tbl)
 
     @cute.jit
     def __call__(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
@@ -540,15 +567,7 @@ class Nvfp4Gemv:
                                             c0 + i * G, s_b0, s_b1, s_sf, tbl)
             if bt == nb - 1:
                 # lanes combine (hi, lo) pairs with an error-free sum, so the row stays exact too
-                hi = acc
-                lo = -comp
-                for off in self.shuffle_offsets:
-                    h2 = cute.arch.shuffle_sync_bfly(hi, offset=off)
-                    l2 = cute.arch.shuffle_sync_bfly(lo, offset=off)
-                    t = hi + h2
-                    bb = t - hi
-                    lo = lo + l2 + ((hi - (t - bb)) + (h2 - bb))
-                    hi = t
+                hi, lo = group_sum(acc, comp, self.shuffle_offsets)
                 if lane == 0:
                     stg_f16(c_base + cutlass.Int64(row) * c_rs, hi + lo)
                 acc = cutlass.Float32(0.0)
@@ -688,7 +707,7 @@ class Nvfp4GemvBulk:
         if tidx == 0:
             for s in cutlass.range_constexpr(S):
                 mbar_init(s_full + 8 * s, 1)
-                mbar_init(s_empty + 8 * s, self.warps)
+                mbar_init(s_empty + 8 * s, 32 * self.warps)
             mbar_init_fence()
         cute.arch.sync_threads()
 
@@ -700,8 +719,7 @@ class Nvfp4GemvBulk:
             self._produce(n_t, bidx, gdimx, lane, s_a, s_part, s_full, s_empty, a_ptr + l_idx * a_ls, a_rs,
                           sfa_ptr + l_idx * sfa_ls, sfa_rs, c_ptr + l_idx * c_ls, c_rs)
         else:
-            self._consume(n_t, tidx, lane, s_a, s_part, s_full, s_empty, b_ptr + l_idx * b_ls,
-                          sfb_ptr + l_idx * sfb_ls)
+            self._consume(n_t, tidx, s_a, s_part, s_full, s_empty, b_ptr + l_idx * b_ls, sfb_ptr + l_idx * sfb_ls)
 
     @cute.jit
     def _produce(self, n_t, bidx, gdimx, lane, s_a, s_part, s_full, s_empty, a_base, a_rs, sfa_base, sfa_rs,
@@ -717,10 +735,7 @@ class Nvfp4GemvBulk:
                     hi, lo = lds_stage_f32x2(p)
                     for q in cutlass.range_constexpr(1, self.parts):
                         h2, l2 = lds_stage_f32x2(p + 8 * q)
-                        t = hi + h2
-                        bb = t - hi
-                        lo = lo + l2 + ((hi - (t - bb)) + (h2 - bb))
-                        hi = t
+                        hi, lo = add_pairs(hi, lo, h2, l2)
                     row = (bidx + (j - S) * gdimx) * R + lane
                     stg_f16(c_base + cutlass.Int64(row) * c_rs, hi + lo)
             if j < n_t:
@@ -737,7 +752,7 @@ class Nvfp4GemvBulk:
                              s_full + 8 * s, self.evict)
 
     @cute.jit
-    def _consume(self, n_t, tidx, lane, s_a, s_part, s_full, s_empty, b_base, sfb_base):
+    def _consume(self, n_t, tidx, s_a, s_part, s_full, s_empty, b_base, sfb_base):
         S = self.stages
         R = self.rows
         r = tidx // self.tr
@@ -766,33 +781,17 @@ class Nvfp4GemvBulk:
             acc = cutlass.Float32(0.0)
             comp = cutlass.Float32(0.0)
             for i in cutlass.range_constexpr(self.n):
-                x = xs[i]
                 if cutlass.const_expr(self.probe):
-                    acc = acc + cutlass.Float32(x[0] ^ x[1] ^ x[2] ^ x[3] ^ ss[i])
+                    acc = probe_sum(acc, xs[i], ss[i])
                 else:
-                    sa0, sa1 = e4m3x2_to_f32x2(ss[i])
-                    w = wb[8 * i:8 * i + 8]
-                    d0 = fp4x16_dot_i8(x[0], x[1], w[0], w[1], w[2], w[3], tbl)
-                    d1 = fp4x16_dot_i8(x[2], x[3], w[4], w[5], w[6], w[7], tbl)
-                    for term in (cutlass.Float32(d0) * (sa0 * sb[2 * i]), cutlass.Float32(d1) * (sa1 * sb[2 * i + 1])):
-                        y = term - comp
-                        t = acc + y
-                        comp = (t - acc) - y
-                        acc = t
-            hi = acc
-            lo = -comp
-            for off in self.shuffle_offsets:
-                h2 = cute.arch.shuffle_sync_bfly(hi, offset=off)
-                l2 = cute.arch.shuffle_sync_bfly(lo, offset=off)
-                t = hi + h2
-                bb = t - hi
-                lo = lo + l2 + ((hi - (t - bb)) + (h2 - bb))
-                hi = t
+                    acc, comp = scaled_chunk_dot(acc, comp, xs[i], ss[i], wb[8 * i:8 * i + 8], sb[2 * i],
+                                                 sb[2 * i + 1], tbl)
+            hi, lo = group_sum(acc, comp, self.shuffle_offsets)
             if jl % 32 == 0:
                 sts_f32x2(s_part + ((s * R + r) * self.parts + jl // 32) * 8, hi, lo)
-            cute.arch.sync_warp()
-            if lane == 0:
-                mbar_arrive(s_empty + 8 * s)
+            # every consumer thread releases its own reads of the stage (one arrive a warp after a
+            # warp barrier measured 0.1-0.4 us faster, but compute-sanitizer's racecheck cannot see it)
+            mbar_arrive(s_empty + 8 * s)
 
 
 # ----------------------------------------------------------------------------------------------------
