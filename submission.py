@@ -20,6 +20,11 @@ Algorithm (CuTe DSL kernel, both architectures):
   butterfly shuffle (error-free sums) combines the group's partials and one lane writes ``c``.
 * Problems that fit in one wave of CTAs (small ``M * L``) are latency-bound: for them up to a whole
   warp takes a row and each lane loads its whole share in one unit (``Nvfp4Gemv.shape_tuning``).
+* Long rows (``K >= 7168``) beyond one wave go to ``Nvfp4GemvBulk``: a producer warp fetches whole rows
+  of ``a`` and ``sfa`` into shared memory with bulk copies (``cp.async.bulk``, the TMA engine without a
+  tensor map), three stages deep on mbarriers, with an L2 evict-first hint; consumer warps keep their
+  share of ``b`` in registers. On H200 under the leaderboard's timing this streams the benchmark shapes
+  about as fast as the same copies with no arithmetic at all (``pick_tuning`` chooses the kernel).
 * ``K`` and the configuration are compile-time constants; ``M``, ``L`` and all strides are run-time
   values. Scales are read from the plain ``[M, K/16, L]`` tensors, or, when those are not on the GPU
   (older official generators kept them on the CPU), from the permuted cuBLAS-blocked tensors.
@@ -33,7 +38,8 @@ instead, with its blocked scales taken from ``sfa_permuted``/``sfb_permuted`` by
 Set ``NVFP4_GEMV_FORCE_CUTE=1`` to send every call to the CuTe DSL kernel.
 
 Constraints: CUDA tensors; ``M % 128 == 0``; ``K % 64 == 0`` and ``K <= 32768``; ``a``/``b`` and the
-plain scales contiguous along K; ``a`` rows 16-byte aligned.
+plain scales contiguous along K; ``a`` rows 16-byte aligned. The bulk kernel also needs ``K % 256 == 0``
+and 16-byte aligned rows of ``sfa``; where they are missing the streaming kernel runs instead.
 """
 
 import ctypes
