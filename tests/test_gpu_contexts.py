@@ -18,8 +18,22 @@ def check(data, out):
     assert ok, msg
 
 
-def test_nan_scales_give_nan_rows_like_the_reference():
-    data = inputs.random_inputs(256, 1024, 2, seed=21)
+def takes_kernel(m, k, l, kernel):
+    """The shape goes where the test means it to go: the bulk-copy kernel or one of the other configs."""
+    bulk = bool(dict(submission.pick_tuning(k, m, l, torch.cuda.get_device_properties(0).multi_processor_count,
+                                            False)).get("bulk"))
+    assert bulk == (kernel == "bulk")
+
+
+# one shape for the register kernels, one for the bulk-copy kernel
+BOTH = pytest.mark.parametrize("kernel", ["registers", "bulk"])
+
+
+@BOTH
+def test_nan_scales_give_nan_rows_like_the_reference(kernel):
+    m, k, l = (256, 1024, 2) if kernel == "registers" else (2048, 7168, 2)
+    takes_kernel(m, k, l, kernel)
+    data = inputs.random_inputs(m, k, l, seed=21)
     sfa = data[2].view(torch.uint8).clone()
     sfa[5, 3, 0] = 0x7F  # e4m3fn NaN
     sfa[9, 0, 1] = 0xFF  # negative NaN
@@ -42,8 +56,10 @@ def test_all_zero_inputs_give_zeros():
     assert torch.equal(out, torch.zeros_like(out))
 
 
-def test_fp16_overflow_gives_inf_like_the_reference():
-    m, k = 128, 4096
+@BOTH
+def test_fp16_overflow_gives_inf_like_the_reference(kernel):
+    m, k = (128, 4096) if kernel == "registers" else (4096, 8192)
+    takes_kernel(m, k, 1, kernel)
     a = torch.full((m, k // 2, 1), 0x77, dtype=torch.uint8, device="cuda")  # +6, +6
     a[1::2] = 0xFF  # -6, -6
     big = torch.full((m, k // 16, 1), 448.0, device="cuda").to(torch.float8_e4m3fn)
@@ -56,8 +72,10 @@ def test_fp16_overflow_gives_inf_like_the_reference():
     check(data, out)
 
 
-def test_cuda_graph_capture_and_replay_with_new_data():
-    m, k, l = 1024, 2048, 3
+@BOTH
+def test_cuda_graph_capture_and_replay_with_new_data(kernel):
+    m, k, l = (1024, 2048, 3) if kernel == "registers" else (1024, 16384, 2)
+    takes_kernel(m, k, l, kernel)
     first = inputs.random_inputs(m, k, l, seed=1)
     static = [t.clone() for t in first]
     submission.custom_kernel(tuple(static))  # compile and warm up outside the capture
@@ -99,10 +117,13 @@ def test_two_threads_on_two_streams():
         check(data, out)
 
 
+@BOTH
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_tensors_on_second_gpu():
-    data = tuple(t.to("cuda:1") for t in inputs.random_inputs(512, 2048, 2, seed=41))
-    submission.custom_kernel(inputs.random_inputs(512, 2048, 2, seed=40))  # cache entry for cuda:0 first
+def test_tensors_on_second_gpu(kernel):
+    m, k, l = (512, 2048, 2) if kernel == "registers" else (1024, 16384, 1)
+    takes_kernel(m, k, l, kernel)
+    data = tuple(t.to("cuda:1") for t in inputs.random_inputs(m, k, l, seed=41))
+    submission.custom_kernel(inputs.random_inputs(m, k, l, seed=40))  # cache entry for cuda:0 first
     assert torch.cuda.current_device() == 0
     out = submission.custom_kernel(inputs.poisoned(data))
     assert out.device == torch.device("cuda:1")
