@@ -411,7 +411,24 @@ def bulk_g2s(dst, src, nbytes, mbar, evict_first=False, *, loc=None, ip=None):
                    "r,l,r,r", loc, ip)
 
 
-class Nvfp4Gemv:
+class _GemvLaunch:
+    """The host side both kernels share: the 16 run-time arguments (five addresses, M, strides in bytes,
+    the grid) and one launch of ``kernel`` on ``stream`` with the subclass's block, shared memory and
+    occupancy."""
+
+    @cute.jit
+    def __call__(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
+                 sfb_ptr: cutlass.Int64, c_ptr: cutlass.Int64, m: cutlass.Int32,
+                 a_rs: cutlass.Int64, a_ls: cutlass.Int64, b_ls: cutlass.Int64,
+                 sfa_rs: cutlass.Int64, sfa_ls: cutlass.Int64, sfb_ls: cutlass.Int64,
+                 c_rs: cutlass.Int64, c_ls: cutlass.Int64, grid_x: cutlass.Int32, num_l: cutlass.Int32,
+                 stream):
+        self.kernel(a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls,
+                    c_rs, c_ls).launch(grid=[grid_x, num_l, 1], block=[self.threads, 1, 1],
+                                       smem=self.smem_bytes, stream=stream, min_blocks_per_mp=self.min_blocks)
+
+
+class Nvfp4Gemv(_GemvLaunch):
     """Batched NVFP4 GEMV; one instance per (K, scale layout, tuning): see the module docstring."""
 
     threads = 256
@@ -486,17 +503,6 @@ class Nvfp4Gemv:
         w = lds_v4(s_b0 + c * 16) + lds_v4(s_b1 + c * 16)
         sb0, sb1 = lds_f32x2(s_sf + c * 8)
         return scaled_chunk_dot(acc, comp, x, s16, w, sb0, sb1, tbl)
-
-    @cute.jit
-    def __call__(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
-                 sfb_ptr: cutlass.Int64, c_ptr: cutlass.Int64, m: cutlass.Int32,
-                 a_rs: cutlass.Int64, a_ls: cutlass.Int64, b_ls: cutlass.Int64,
-                 sfa_rs: cutlass.Int64, sfa_ls: cutlass.Int64, sfb_ls: cutlass.Int64,
-                 c_rs: cutlass.Int64, c_ls: cutlass.Int64, grid_x: cutlass.Int32, num_l: cutlass.Int32,
-                 stream):
-        self.kernel(a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls,
-                    c_rs, c_ls).launch(grid=[grid_x, num_l, 1], block=[self.threads, 1, 1],
-                                       smem=self.smem_bytes, stream=stream, min_blocks_per_mp=self.min_blocks)
 
     @cute.kernel
     def kernel(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
@@ -613,7 +619,7 @@ class Nvfp4Gemv:
         return words
 
 
-class Nvfp4GemvBulk:
+class Nvfp4GemvBulk(_GemvLaunch):
     """Streaming kernel that feeds whole rows of ``a`` and ``sfa`` to shared memory with bulk copies
     (the TMA engine, no tensor map): tens of kilobytes a SM in flight for the cost of a few instructions.
 
@@ -681,17 +687,6 @@ class Nvfp4GemvBulk:
 
     def grid_x(self, m, l, sms):
         return max(1, min(m // self.rows, sms * self.ctas // l))
-
-    @cute.jit
-    def __call__(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
-                 sfb_ptr: cutlass.Int64, c_ptr: cutlass.Int64, m: cutlass.Int32,
-                 a_rs: cutlass.Int64, a_ls: cutlass.Int64, b_ls: cutlass.Int64,
-                 sfa_rs: cutlass.Int64, sfa_ls: cutlass.Int64, sfb_ls: cutlass.Int64,
-                 c_rs: cutlass.Int64, c_ls: cutlass.Int64, grid_x: cutlass.Int32, num_l: cutlass.Int32,
-                 stream):
-        self.kernel(a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls,
-                    c_rs, c_ls).launch(grid=[grid_x, num_l, 1], block=[self.threads, 1, 1],
-                                       smem=self.smem_bytes, stream=stream, min_blocks_per_mp=self.min_blocks)
 
     @cute.kernel
     def kernel(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
@@ -938,16 +933,18 @@ class _CutePlan:
         self.dev = a.device.index
         self.data_shape = (m, k, l, scales_on_gpu)
         sms = device_info(self.dev)[1]
-        if tuning is None:
+        explicit = tuning is not None
+        if not explicit:
             tuning = pick_tuning(k, m, l, sms, not scales_on_gpu)
-            if dict(tuning).get("bulk") and not Nvfp4GemvBulk.strides_ok(a, sfa, l):
-                tuning = ()
-        elif dict(tuning).get("bulk") and not (scales_on_gpu and Nvfp4GemvBulk.strides_ok(a, sfa, l)):
-            raise ValueError("nvfp4_gemv: the bulk-copy kernel needs the plain scales on the GPU and "
-                             "16-byte aligned rows of a and sfa")
+        bulk = bool(dict(tuning).get("bulk"))
+        if bulk and not (scales_on_gpu and Nvfp4GemvBulk.strides_ok(a, sfa, l)):
+            if explicit:
+                raise ValueError("nvfp4_gemv: the bulk-copy kernel needs the plain scales on the GPU and "
+                                 "16-byte aligned rows of a and sfa")
+            tuning, bulk = (), False
         self.kernel = kern = _get_kernel(self.dev, k, not scales_on_gpu, tuning)
         self.scale_idx = (2, 3) if scales_on_gpu else (4, 5)
-        self.sfa_mask = 15 if dict(tuning).get("bulk") else 1
+        self.sfa_mask = 15 if bulk else 1
         self.fallback = None  # for a bulk plan called with a misaligned sfa: the streaming kernel
         if scales_on_gpu:
             strides = (sfa.stride(0), sfa.stride(2), sfb.stride(2))

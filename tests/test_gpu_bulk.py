@@ -40,14 +40,18 @@ def test_bulk_tuning_knobs_keep_results(m, k, l, tune):
     check(inputs.random_inputs(m, k, l, seed=5), BULK + tuple(sorted(tune.items())))
 
 
-@pytest.mark.parametrize("m,k,l", [(7168, 16384, 1), (4096, 7168, 8)])
-def test_benchmark_shapes_take_the_bulk_kernel(m, k, l):
-    data = inputs.random_inputs(m, k, l, seed=7)
+def check_chosen_kernel(data, kernel_class):
+    """The dispatcher's plan for ``data`` runs ``kernel_class`` and matches float64."""
     plan = submission._CutePlan(data, *submission.check_inputs(data))
-    assert isinstance(plan.kernel.op, submission.Nvfp4GemvBulk)
+    assert isinstance(plan.kernel.op, kernel_class)
     out = plan(inputs.poisoned(data))
     ok, msg = reference.check_implementation(data, out)
     assert ok, msg
+
+
+@pytest.mark.parametrize("m,k,l", [(7168, 16384, 1), (4096, 7168, 8)])
+def test_benchmark_shapes_take_the_bulk_kernel(m, k, l):
+    check_chosen_kernel(inputs.random_inputs(m, k, l, seed=7), submission.Nvfp4GemvBulk)
 
 
 def padded(data, a_pad, sfa_pad):
@@ -63,21 +67,12 @@ def padded(data, a_pad, sfa_pad):
 
 
 def test_padded_aligned_rows_stay_on_the_bulk_kernel():
-    data = padded(inputs.random_inputs(2048, 16384, 2, seed=9), 32, 16)
-    plan = submission._CutePlan(data, *submission.check_inputs(data))
-    assert isinstance(plan.kernel.op, submission.Nvfp4GemvBulk)
-    out = plan(inputs.poisoned(data))
-    ok, msg = reference.check_implementation(data, out)
-    assert ok, msg
+    check_chosen_kernel(padded(inputs.random_inputs(2048, 16384, 2, seed=9), 32, 16), submission.Nvfp4GemvBulk)
 
 
 def test_sfa_rows_off_16_bytes_take_the_streaming_kernel():
     data = padded(inputs.random_inputs(2048, 16384, 2, seed=10), 0, 2)
-    plan = submission._CutePlan(data, *submission.check_inputs(data))
-    assert isinstance(plan.kernel.op, submission.Nvfp4Gemv)
-    out = plan(inputs.poisoned(data))
-    ok, msg = reference.check_implementation(data, out)
-    assert ok, msg
+    check_chosen_kernel(data, submission.Nvfp4Gemv)
     with pytest.raises(ValueError, match="bulk"):
         submission.run_cute(data, *submission.check_inputs(data), tuning=BULK)
 
