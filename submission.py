@@ -10,16 +10,19 @@ Algorithm (CuTe DSL kernel, both architectures):
   sign bit set selects in sign-replicate mode and yields 0), a second lookup on the nibbles with their
   sign bits flipped yields the magnitudes of the negative ones, and two ``dp4a`` against the int8 copy of
   ``b`` give the positive and the negative part. Each block's integer dot is then scaled once by
-  ``sfa * sfb / 4`` (exactly: the product fits fp32's mantissa) and added to a Kahan-compensated fp32
-  sum, so a row is exact to about one rounding however much its blocks cancel.
+  ``sfa * sfb / 4`` (exactly: the product fits fp32's mantissa) and added to an fp64 sum: each addition
+  rounds by at most 2^-53 of the running sum, so rows whose blocks cancel keep their small remainder.
 * One CTA works on one batch index ``l``. It first decodes ``b[:, l]`` to int8 and ``sfb[:, l]`` to fp32
   in shared memory. Then groups of ``G`` lanes each own one row of ``a`` at a time (grid-stride over the
   rows): lane ``j`` streams the 16-byte chunks ``j, j + G, ...`` of the row with non-caching 16-byte loads
   plus the chunk's two scale bytes, so each load instruction of a group is contiguous. The loads of the
   next work unit (``batch`` chunks of a lane) are in flight while the current one is computed. A
-  butterfly shuffle (error-free sums) combines the group's partials and one lane writes ``c``.
-* Problems that fit in one wave of CTAs (small ``M * L``) are latency-bound: for them up to a whole
-  warp takes a row and each lane loads its whole share in one unit (``Nvfp4Gemv.shape_tuning``).
+  butterfly shuffle (fp64) combines the group's partials and one lane writes ``c``.
+* Problems that fit in one wave (small ``M * L``) are latency-bound: what counts is the time after the
+  last byte lands. Where a row has a multiple of 1024 values, ``Nvfp4GemvSplit`` splits it over whole
+  warps (one 16-byte chunk a lane where the wave fits), with ``b`` in registers and no loop; the warps'
+  sums meet in shared memory. Other rows take the register kernel with up to a whole warp a row and
+  each lane's share loaded in one unit (``Nvfp4Gemv.shape_tuning``).
 * Long rows (``K >= 7168``) beyond one wave go to ``Nvfp4GemvBulk``: a producer warp fetches whole rows
   of ``a`` and ``sfa`` into shared memory with bulk copies (``cp.async.bulk``, the TMA engine without a
   tensor map), three stages deep on mbarriers, with an L2 evict-first hint; consumer warps keep their
@@ -44,6 +47,7 @@ and 16-byte aligned rows of ``sfa``; where they are missing the streaming kernel
 
 import ctypes
 import os
+import struct
 import threading
 
 import torch
@@ -306,43 +310,35 @@ def stg_f16(addr, v, *, loc=None, ip=None):
                "{\n.reg .b16 h;\ncvt.rn.f16.f32 h, $1;\nst.global.b16 [$0], h;\n}", "l,f", loc, ip)
 
 
-def scaled_chunk_dot(acc, comp, x, s16, w, sb0, sb1, tbl):
-    """Adds the scaled dot of one 16-byte chunk of ``a`` (32 values, 2 blocks; ``x`` its words, ``s16``
-    its two scale bytes) with ``b`` (``w`` 8 words of int8 ``2b``, ``sb0``/``sb1`` its scales / 4) to the
-    Kahan sum ``acc - comp``. Each block's term is exact in fp32 (an int below 2^12 times a product of
-    two e4m3 scales), so the compensation leaves the row's fp32 sum exact to within one rounding, however
-    much the blocks cancel."""
+def scaled_chunk_dot(acc, x, s16, w, sb0, sb1, tbl):
+    """``acc`` (fp64) plus the scaled dot of one 16-byte chunk of ``a`` (32 values, 2 blocks; ``x`` its
+    words, ``s16`` its two scale bytes) with ``b`` (``w`` 8 words of int8 ``2b``, ``sb0``/``sb1`` its
+    scales / 4). Each block's term is exact in fp32 (an int below 2^12 times a product of two e4m3
+    scales), so a row's only roundings are those of its fp64 sum, each at most 2^-53 of the running sum:
+    rows whose blocks cancel keep their small remainder (an fp32 Kahan sum did not:
+    tests/test_gpu_accuracy.py)."""
     sa0, sa1 = e4m3x2_to_f32x2(s16)
     d0 = fp4x16_dot_i8(x[0], x[1], w[0], w[1], w[2], w[3], tbl)
     d1 = fp4x16_dot_i8(x[2], x[3], w[4], w[5], w[6], w[7], tbl)
-    for term in (cutlass.Float32(d0) * (sa0 * sb0), cutlass.Float32(d1) * (sa1 * sb1)):
-        y = term - comp
-        t = acc + y
-        comp = (t - acc) - y
-        acc = t
-    return acc, comp
+    acc = acc + cutlass.Float64(cutlass.Float32(d0) * (sa0 * sb0))
+    return acc + cutlass.Float64(cutlass.Float32(d1) * (sa1 * sb1))
 
 
 def probe_sum(acc, x, s16):
     """The probe's stand-in for the arithmetic: keeps the loads alive, computes nothing useful."""
-    return acc + cutlass.Float32(x[0] ^ x[1] ^ x[2] ^ x[3] ^ s16)
+    return acc + cutlass.Float64(cutlass.Float32(x[0] ^ x[1] ^ x[2] ^ x[3] ^ s16))
 
 
-def add_pairs(hi, lo, h2, l2):
-    """(hi, lo) + (h2, l2) with an error-free two-sum of the high parts."""
-    t = hi + h2
-    bb = t - hi
-    return t, lo + l2 + ((hi - (t - bb)) + (h2 - bb))
-
-
-def group_sum(acc, comp, offsets):
-    """Butterfly sum of the Kahan pairs ``(acc, -comp)`` over the lanes that ``offsets`` span; every
-    lane gets ``(hi, lo)``."""
-    hi, lo = acc, -comp
+def group_sum(acc, offsets):
+    """Butterfly fp64 sum over the lanes that ``offsets`` span; every lane gets the total."""
     for off in offsets:
-        hi, lo = add_pairs(hi, lo, cute.arch.shuffle_sync_bfly(hi, offset=off),
-                           cute.arch.shuffle_sync_bfly(lo, offset=off))
-    return hi, lo
+        acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off)
+    return acc
+
+
+@dsl_user_op
+def sts_f64(addr, v, *, loc=None, ip=None):
+    _asm_store([cutlass.Int32(addr), cutlass.Float64(v)], "st.shared.f64 [$0], $1;", "r,d", loc, ip)
 
 
 # Reads of a pipeline stage are ordered after the barrier wait: side effects keep LLVM from hoisting them.
@@ -360,10 +356,9 @@ def lds_stage_u16(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def lds_stage_f32x2(addr, *, loc=None, ip=None):
-    r = _asm([T.f32(), T.f32()], [cutlass.Int32(addr)], "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r",
-             loc, ip, volatile=True)
-    return cutlass.Float32(r[0]), cutlass.Float32(r[1])
+def lds_stage_f64(addr, *, loc=None, ip=None):
+    r = _asm([T.f64()], [cutlass.Int32(addr)], "ld.shared.f64 $0, [$1];", "=d,r", loc, ip, volatile=True)
+    return cutlass.Float64(r[0])
 
 
 @dsl_user_op
@@ -441,6 +436,7 @@ class Nvfp4Gemv(_GemvLaunch):
         self.chunks = k // 32  # 16-byte chunks of a row: 32 values, 2 scale blocks
         self.group = group or self._group_size(self.chunks)
         self.per_lane = self.chunks // self.group
+        self.row_lanes = self.group  # lanes that share a row (Nvfp4GemvSplit: several warps)
         # Chunks a lane loads per work unit; a whole short row at once (measured best for K = 2048),
         # else 2, or 3 where the row splits in threes (K = 4608: 11.1 us against 12.8 for 1).
         self.batch = batch or (4 if self.per_lane == 4 else 2 if self.per_lane % 2 == 0
@@ -496,13 +492,13 @@ class Nvfp4Gemv(_GemvLaunch):
         return cutlass.Int64(2 * c)
 
     @cute.jit
-    def _chunk_dot(self, acc, comp, x, s16, c, s_b0, s_b1, s_sf, tbl):
+    def _chunk_dot(self, acc, x, s16, c, s_b0, s_b1, s_sf, tbl):
         """``scaled_chunk_dot`` of chunk ``c`` with ``b`` read from shared memory."""
         if cutlass.const_expr(self.probe):
-            return probe_sum(acc, x, s16), comp
+            return probe_sum(acc, x, s16)
         w = lds_v4(s_b0 + c * 16) + lds_v4(s_b1 + c * 16)
         sb0, sb1 = lds_f32x2(s_sf + c * 8)
-        return scaled_chunk_dot(acc, comp, x, s16, w, sb0, sb1, tbl)
+        return scaled_chunk_dot(acc, x, s16, w, sb0, sb1, tbl)
 
     @cute.kernel
     def kernel(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
@@ -567,23 +563,20 @@ class Nvfp4Gemv(_GemvLaunch):
         # of a copy from a uniform register before every prmt.
         tbl = lds_u32(s_tbl)
 
-        acc = cutlass.Float32(0.0)
-        comp = cutlass.Float32(0.0)
+        acc = cutlass.Float64(0.0)
         for _u in cutlass.range(n_units, unroll=1):
             pipe.append(self._load_unit(irow, ibt, irow < m, lane, a_base, sfa_base, a_rs, sfa_rs))
             irow, ibt = self._next_unit(irow, ibt, step)
             cur = pipe[0]
             c0 = lane + bt * (self.batch * G)
             for i in cutlass.range_constexpr(self.batch):
-                acc, comp = self._chunk_dot(acc, comp, cur[4 * i:4 * i + 4], cur[4 * self.batch + i],
-                                            c0 + i * G, s_b0, s_b1, s_sf, tbl)
+                acc = self._chunk_dot(acc, cur[4 * i:4 * i + 4], cur[4 * self.batch + i], c0 + i * G, s_b0,
+                                      s_b1, s_sf, tbl)
             if bt == nb - 1:
-                # lanes combine (hi, lo) pairs with an error-free sum, so the row stays exact too
-                hi, lo = group_sum(acc, comp, self.shuffle_offsets)
+                acc = group_sum(acc, self.shuffle_offsets)
                 if lane == 0:
-                    stg_f16(c_base + cutlass.Int64(row) * c_rs, hi + lo)
-                acc = cutlass.Float32(0.0)
-                comp = cutlass.Float32(0.0)
+                    stg_f16(c_base + cutlass.Int64(row) * c_rs, cutlass.Float32(acc))
+                acc = cutlass.Float64(0.0)
             row, bt = self._next_unit(row, bt, step)
             pipe = pipe[1:]
 
@@ -610,13 +603,114 @@ class Nvfp4Gemv(_GemvLaunch):
             sfa_row = sfa_base + (row64 >> 7) * sfa_rs + (row64 & 31) * 16 + ((row64 >> 5) & 3) * 4
         else:
             sfa_row = sfa_base + row64 * sfa_rs
-        c0 = lane + bt * (self.batch * self.group)
+        c0 = lane + bt * (self.batch * self.row_lanes)
         words = []
         for i in cutlass.range_constexpr(self.batch):
-            words += ldg_stream_v4_if(a_row + cutlass.Int64(c0 + i * self.group) * 16, pred)
+            words += ldg_stream_v4_if(a_row + cutlass.Int64(c0 + i * self.row_lanes) * 16, pred)
         for i in cutlass.range_constexpr(self.batch):
-            words.append(ldg_u16_if(sfa_row + self._scale_offset(c0 + i * self.group), pred))
+            words.append(ldg_u16_if(sfa_row + self._scale_offset(c0 + i * self.row_lanes), pred))
         return words
+
+
+class Nvfp4GemvSplit(Nvfp4Gemv):
+    """Kernel for problems that fit in one wave of CTAs, where the time after the last byte lands counts:
+    each row is split over ``split`` whole warps, so a lane has only ``n = K / (1024 * split)`` chunks
+    of arithmetic and the SMs have many warps to issue it. A CTA holds ``rows`` rows, once each (no
+    grid-stride, no loop). A lane loads its chunks of ``a`` and ``sfa`` first, then its chunks of ``b``
+    and ``sfb``, which stay in registers (no shared-memory staging, no barrier before the arithmetic).
+    Warps add their lanes' terms with a butterfly and meet in shared memory."""
+
+    def __init__(self, k: int, blocked_scales: bool, split=1, rows=1, min_blocks=4, probe=0):
+        self.k = k
+        self.blocked_scales = blocked_scales
+        self.chunks = k // 32
+        self.split = split
+        self.row_lanes = 32 * split
+        if split < 1 or self.chunks % self.row_lanes:
+            raise ValueError(f"nvfp4_gemv: K={k}: {split} warps a row do not split its {self.chunks} chunks")
+        self.group = 32
+        self.batch = self.per_lane = self.chunks // self.row_lanes
+        self.rows_per_cta = rows
+        self.threads = rows * self.row_lanes
+        self.min_blocks = min_blocks
+        self.probe = probe
+        self.shuffle_offsets = [16, 8, 4, 2, 1]
+        self.smem_bytes = 8 * (self.threads // 32) if split > 1 else 0
+
+    @staticmethod
+    def shape_tuning(k, m, l, sms):
+        """The split for a problem whose threads all fit on the GPU at once (one chunk a lane where
+        possible, else up to four: more spill registers), ``()`` where none does or rows are shorter
+        than two warps' chunks.
+        A CTA gets about 256 threads; the occupancy hint caps registers so that the wave fits."""
+        warps = k // 1024 if k % 1024 == 0 else 0  # warps a row at one chunk a lane
+        for split in range(warps, 1, -1):
+            threads_a_sm = 1536 if split == warps else 1024  # more chunks a lane, more registers
+            if warps % split or warps // split > 4 or m * l * 32 * split > sms * threads_a_sm:
+                continue
+            rows = max(1, 256 // (32 * split))
+            return (("min_blocks", max(1, threads_a_sm // (rows * 32 * split))), ("rows", rows),
+                    ("split", split))
+        return ()
+
+    def grid_x(self, m, l, sms):
+        return -(-m // self.rows_per_cta)
+
+    @cute.kernel
+    def kernel(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
+               sfb_ptr: cutlass.Int64, c_ptr: cutlass.Int64, m: cutlass.Int32,
+               a_rs: cutlass.Int64, a_ls: cutlass.Int64, b_ls: cutlass.Int64,
+               sfa_rs: cutlass.Int64, sfa_ls: cutlass.Int64, sfb_ls: cutlass.Int64,
+               c_rs: cutlass.Int64, c_ls: cutlass.Int64):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, bidy, _ = cute.arch.block_idx()
+        n = self.per_lane
+        tr = self.row_lanes
+        l_idx = cutlass.Int64(bidy)
+        jl = tidx % tr
+        row = bidx * self.rows_per_cta + tidx // tr
+        valid = row < m  # the same for a whole warp
+        xw = self._load_unit(row, cutlass.Int32(0), valid, jl, a_ptr + l_idx * a_ls, sfa_ptr + l_idx * sfa_ls,
+                             a_rs, sfa_rs)
+        b_base = b_ptr + l_idx * b_ls
+        sfb_base = sfb_ptr + l_idx * sfb_ls
+        wb = []
+        sb = []
+        for i in cutlass.range_constexpr(n):
+            ch = jl + i * tr
+            x = ldg_v4(b_base + cutlass.Int64(ch) * 16)
+            for w in cutlass.range_constexpr(4):
+                wb += list(fp4x8_to_i8(x[w]))
+            s0, s1 = e4m3x2_to_f32x2(ldg_u16(sfb_base + self._scale_offset(ch)))
+            sb += [s0 * 0.25, s1 * 0.25]
+        tbl = cutlass.Int32(E2M1_TIMES2_LO)
+        acc = cutlass.Float64(0.0)
+        for i in cutlass.range_constexpr(n):
+            x = xw[4 * i:4 * i + 4]
+            s16 = xw[4 * n + i]
+            if cutlass.const_expr(self.probe):
+                acc = probe_sum(acc, x, s16)
+            else:
+                acc = scaled_chunk_dot(acc, x, s16, wb[8 * i:8 * i + 8], sb[2 * i], sb[2 * i + 1], tbl)
+        acc = group_sum(acc, self.shuffle_offsets)
+        c_base = c_ptr + l_idx * c_ls
+        if cutlass.const_expr(self.split == 1):
+            if jl == 0 and valid:
+                stg_f16(c_base + cutlass.Int64(row) * c_rs, cutlass.Float32(acc))
+        else:
+            smem = cutlass.utils.SmemAllocator()
+            s_buf = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.smem_bytes // 4), byte_alignment=16)
+            s_red = s_buf.iterator.toint()
+            if tidx % 32 == 0:
+                sts_f64(s_red + (tidx // 32) * 8, acc)
+            cute.arch.sync_threads()
+            out_row = bidx * self.rows_per_cta + tidx
+            if tidx < self.rows_per_cta and out_row < m:
+                slot = s_red + tidx * (8 * self.split)
+                acc = lds_stage_f64(slot)
+                for w in cutlass.range_constexpr(1, self.split):
+                    acc = acc + lds_stage_f64(slot + 8 * w)
+                stg_f16(c_base + cutlass.Int64(out_row) * c_rs, cutlass.Float32(acc))
 
 
 class Nvfp4GemvBulk(_GemvLaunch):
@@ -627,7 +721,7 @@ class Nvfp4GemvBulk(_GemvLaunch):
     (one copy of a row's ``K/2`` bytes of ``a`` and one of its ``K/16`` scale bytes, counted on the
     stage's ``full`` barrier); ``warps`` consumer warps each own a fixed set of chunks of a tile (``tr``
     threads a row, ``n`` chunks a thread), so their part of ``b`` stays in registers for the whole
-    kernel. A consumer writes its row's partial (an error-free (hi, lo) pair) to shared memory and
+    kernel. A consumer writes its row's partial (fp64) to shared memory and
     arrives on the stage's ``empty`` barrier; the producer adds the parts, writes ``c`` and refills the
     stage. Needs the plain scales and ``K % 256 == 0`` (16-byte aligned rows of ``sfa``)."""
 
@@ -702,7 +796,7 @@ class Nvfp4GemvBulk(_GemvLaunch):
         smem = cutlass.utils.SmemAllocator()
         s_buf = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.smem_bytes // 4), byte_alignment=128)
         s_a = s_buf.iterator.toint()  # stage s: R rows of a, then R rows of sfa
-        s_part = s_a + S * self.stage_bytes  # (hi, lo) per stage, row and part
+        s_part = s_a + S * self.stage_bytes  # fp64 partial per stage, row and part
         s_full = s_part + S * self.part_bytes
         s_empty = s_full + 8 * S
         if tidx == 0:
@@ -733,12 +827,11 @@ class Nvfp4GemvBulk(_GemvLaunch):
                 mbar_wait(s_empty + 8 * s, (j // S - 1) & 1)
                 if lane < R:
                     p = s_part + (s * R + lane) * (8 * self.parts)
-                    hi, lo = lds_stage_f32x2(p)
+                    acc = lds_stage_f64(p)
                     for q in cutlass.range_constexpr(1, self.parts):
-                        h2, l2 = lds_stage_f32x2(p + 8 * q)
-                        hi, lo = add_pairs(hi, lo, h2, l2)
+                        acc = acc + lds_stage_f64(p + 8 * q)
                     row = (bidx + (j - S) * gdimx) * R + lane
-                    stg_f16(c_base + cutlass.Int64(row) * c_rs, hi + lo)
+                    stg_f16(c_base + cutlass.Int64(row) * c_rs, cutlass.Float32(acc))
             if j < n_t:
                 cute.arch.sync_warp()
                 if lane == 0:
@@ -779,17 +872,15 @@ class Nvfp4GemvBulk(_GemvLaunch):
             ss = []
             for i in cutlass.range_constexpr(self.n):
                 ss.append(lds_stage_u16(sf_row + (jl + i * self.tr) * 2))
-            acc = cutlass.Float32(0.0)
-            comp = cutlass.Float32(0.0)
+            acc = cutlass.Float64(0.0)
             for i in cutlass.range_constexpr(self.n):
                 if cutlass.const_expr(self.probe):
                     acc = probe_sum(acc, xs[i], ss[i])
                 else:
-                    acc, comp = scaled_chunk_dot(acc, comp, xs[i], ss[i], wb[8 * i:8 * i + 8], sb[2 * i],
-                                                 sb[2 * i + 1], tbl)
-            hi, lo = group_sum(acc, comp, self.shuffle_offsets)
+                    acc = scaled_chunk_dot(acc, xs[i], ss[i], wb[8 * i:8 * i + 8], sb[2 * i], sb[2 * i + 1], tbl)
+            acc = group_sum(acc, self.shuffle_offsets)
             if jl % 32 == 0:
-                sts_f32x2(s_part + ((s * R + r) * self.parts + jl // 32) * 8, hi, lo)
+                sts_f64(s_part + ((s * R + r) * self.parts + jl // 32) * 8, acc)
             # every consumer thread releases its own reads of the stage (one arrive a warp after a
             # warp barrier measured 0.1-0.4 us faster, but compute-sanitizer's racecheck cannot see it)
             mbar_arrive(s_empty + 8 * s)
@@ -839,20 +930,20 @@ class _Kernel:
         return self.executor
 
     def args(self, static):
-        """Argument storage for this kernel, ``(values, stream, packed, result, capi)``, with the 11 values
-        after the pointers set to ``static``; the layout of the packed array is the DSL executor's."""
+        """Argument storage for this kernel, ``(head, static values, packed, result, capi)``: ``head`` holds
+        the five data pointers and the stream side by side (one ``HEAD.pack_into`` a call), the 11 values
+        after the pointers are set to ``static``; the layout of the packed array is the DSL executor's."""
         ex = self._executor()
-        values = [ctypes.c_int32() if i in self.I32 else ctypes.c_int64() for i in range(16)]
-        for v, x in zip(values[5:], static):
-            v.value = x
-        stream = ctypes.c_void_p()
+        head = (ctypes.c_int64 * 6)()
+        values = [ctypes.c_int32(x) if i in self.I32 else ctypes.c_int64(x) for i, x in enumerate(static, 5)]
         result = type(ex.cuda_result)() if ex.cuda_result is not None else ctypes.c_int32()
-        ptrs = [ctypes.addressof(v) for v in values] + [ctypes.addressof(stream)]
+        base = ctypes.addressof(head)
+        ptrs = [base + 8 * i for i in range(5)] + [ctypes.addressof(v) for v in values] + [base + 40]
         if ex.cuda_result is not None:
             ptrs.append(ctypes.addressof(result))
         if ex.exec_context is not None:
             ptrs += [p.value for p in ex.exec_context.kernel_functions_ptrs]
-        return values, stream, (ctypes.c_void_p * len(ptrs))(*ptrs), result, ex.jit_module.capi_func
+        return head, values, (ctypes.c_void_p * len(ptrs))(*ptrs), result, ex.jit_module.capi_func
 
     def launch_dsl(self, values, stream_handle):
         self.fn(*values, _CUstream(stream_handle))
@@ -891,7 +982,8 @@ def _probe_scaled_mm_fp4(device_index):
 
 def make_op(k, blocked_scales, **tuning):
     """The kernel object for a tuning: ``bulk=1`` picks the bulk-copy streaming kernel."""
-    return (Nvfp4GemvBulk if tuning.get("bulk") else Nvfp4Gemv)(k, blocked_scales, **tuning)
+    cls = Nvfp4GemvBulk if tuning.get("bulk") else Nvfp4GemvSplit if tuning.get("split") else Nvfp4Gemv
+    return cls(k, blocked_scales, **tuning)
 
 
 def compile_gemv(k, blocked_scales, arch, options=None, **tuning):
@@ -919,6 +1011,7 @@ def _get_kernel(device_index, k, blocked_scales, tuning):
 # Dispatch
 # ----------------------------------------------------------------------------------------------------
 
+_HEAD = struct.Struct("<6q")  # a launch's five data pointers and its stream, as the head of its arguments
 _get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 _current_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
                    or (lambda device_index: torch.cuda.current_stream(device_index).cuda_stream))
@@ -957,44 +1050,43 @@ class _CutePlan:
         self.storage = None
 
     def __call__(self, data):
-        a, b = data[0], data[1]
-        c = data[6]
+        a, b, c = data[0], data[1], data[6]
         pa, pb = a.data_ptr(), b.data_ptr()
         psa, psb = data[self.scale_idx[0]].data_ptr(), data[self.scale_idx[1]].data_ptr()
         if (pa | pb) & 15 or psa & self.sfa_mask or psb & 1:
             return self._unaligned(data)
-        ptrs = (pa, pb, psa, psb, c.data_ptr())
-        if _get_device() != self.dev:  # launches go to the current context
-            with torch.cuda.device(self.dev):
-                self._launch(ptrs, _current_stream(self.dev))
-        else:
-            self._launch(ptrs, _current_stream(self.dev))
+        storage = self.storage
+        if not storage or _get_device() != self.dev:
+            return self._launch_slow(data, (pa, pb, psa, psb, c.data_ptr()))
+        head, _, packed, result, capi = storage
+        with self.lock:  # one argument storage for all threads (the call releases the GIL)
+            _HEAD.pack_into(head, 0, pa, pb, psa, psb, c.data_ptr(), _current_stream(self.dev))
+            capi(packed)
+            err = result.value
+        if err:
+            raise RuntimeError(f"nvfp4_gemv: kernel launch failed with CUDA error {err}")
         return c
 
-    def _unaligned(self, data):
-        check_inputs(data)  # raises, naming the misaligned argument
-        if self.fallback is None:  # only the bulk kernel's 16-byte sfa alignment is missing
-            self.fallback = _CutePlan(data, *self.data_shape, tuning=())
-        return self.fallback(data)
-
-    def _launch(self, ptrs, stream):
+    def _launch_slow(self, data, ptrs):
+        """First call (builds the argument storage), the DSL's own launch where its layout differs, or
+        a call from another current device (launches go to the current context)."""
         kern = self.kernel
         if self.storage is None:
             kern._executor()
             with self.lock:
                 if self.storage is None:
                     self.storage = kern.args(self.static) if kern.direct else False
-        if not self.storage:
-            kern.launch_dsl(ptrs + self.static, stream)
-            return
-        values, st, packed, result, capi = self.storage
-        with self.lock:
-            values[0].value, values[1].value, values[2].value, values[3].value, values[4].value = ptrs
-            st.value = stream
-            capi(packed)
-            err = result.value
-        if err:
-            raise RuntimeError(f"nvfp4_gemv: kernel launch failed with CUDA error {err}")
+        with torch.cuda.device(self.dev):
+            if self.storage:
+                return self(data)
+            kern.launch_dsl(ptrs + self.static, _current_stream(self.dev))
+        return data[6]
+
+    def _unaligned(self, data):
+        check_inputs(data)  # raises, naming the misaligned argument
+        if self.fallback is None:  # only the bulk kernel's 16-byte sfa alignment is missing
+            self.fallback = _CutePlan(data, *self.data_shape, tuning=())
+        return self.fallback(data)
 
 
 class _ScaledMmPlan:
@@ -1050,7 +1142,11 @@ def _new_plan(data, key):
 
 def pick_tuning(k, m, l, sms, blocked_scales):
     """The kernel and configuration for one problem size: the latency config where one wave of CTAs
-    holds the problem, else the bulk-copy kernel for long rows, else the streaming default ``()``."""
+    holds the problem (rows split over warps where they are long enough), else the bulk-copy kernel for
+    long rows, else the streaming default ``()``."""
+    split = Nvfp4GemvSplit.shape_tuning(k, m, l, sms)
+    if split:
+        return split
     latency = Nvfp4Gemv.shape_tuning(k, m, l, sms)
     if latency:
         return latency

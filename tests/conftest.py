@@ -27,3 +27,16 @@ def task_cases(section):
 
     with open(os.path.join(ROOT, "task.yml")) as f:
         return [(c["m"], c["k"], c["l"], c["seed"]) for c in yaml.safe_load(f)[section]]
+
+
+def check_chosen_kernel(data, kernel_class):
+    """The dispatcher's plan for ``data`` runs ``kernel_class`` and matches float64."""
+    import inputs
+    import reference
+    import submission
+
+    plan = submission._CutePlan(data, *submission.check_inputs(data))
+    assert isinstance(plan.kernel.op, kernel_class)
+    out = plan(inputs.poisoned(data))
+    ok, msg = reference.check_implementation(data, out)
+    assert ok, msg

@@ -50,3 +50,32 @@ def poisoned(data):
     """``data`` with ``c`` replaced by a NaN-filled copy, so an unwritten element cannot pass."""
     c = torch.full_like(data[6], float("nan"))
     return (*data[:6], c)
+
+
+def cancelling_inputs(m, k, l, seed, device="cuda"):
+    """Rows whose second half is the exact negative of the first (all scales 448; ``b`` the same in both
+    halves), but for one byte in a mirrored pair of ``a`` blocks whose scale is the smallest e4m3, 2^-9:
+    the result is at most 144 * 448 / 512 while the running sum of the first half reaches ~1e9, where
+    fp32 rounds to tens. A plain fp32 sum misses the tolerance; a compensated (or wider) one does not."""
+    g = torch.Generator().manual_seed(seed)
+    half = k // 4  # bytes in half a row
+    a1 = torch.randint(0, 256, (l, m, half), generator=g, dtype=torch.uint8) & 0x77  # positive values
+    a2 = a1 | 0x88  # the same magnitudes, negative
+    j = torch.randint(0, half, (l, m), generator=g)  # the byte that does not cancel
+    lm = torch.arange(l).view(l, 1), torch.arange(m).view(1, m)
+    a2[lm[0], lm[1], j] = torch.randint(0, 256, (l, m), generator=g, dtype=torch.uint8)
+    b1 = torch.randint(0, 256, (l, 128, half), generator=g, dtype=torch.uint8) & 0x77
+    big, tiny = 0x7E, 0x01  # e4m3fn 448 and 2^-9
+    sfa = torch.full((l, m, k // 16), big, dtype=torch.uint8)
+    blk = j // 8  # the scale block of byte j, in both halves
+    sfa[lm[0], lm[1], blk] = tiny
+    sfa[lm[0], lm[1], blk + k // 32] = tiny
+    sfb = torch.full((l, 128, k // 16), big, dtype=torch.uint8)
+    a = torch.cat([a1, a2], dim=2).permute(1, 2, 0)
+    b = torch.cat([b1, b1], dim=2).permute(1, 2, 0)
+    sfa = sfa.permute(1, 2, 0).view(torch.float8_e4m3fn)
+    sfb = sfb.permute(1, 2, 0).view(torch.float8_e4m3fn)
+    c = torch.full((l, m, 1), float("nan"), dtype=torch.float16).permute(1, 2, 0)
+    data = [a.view(torch.float4_e2m1fn_x2), b.view(torch.float4_e2m1fn_x2), sfa, sfb,
+            permute_scales(sfa), permute_scales(sfb), c]
+    return tuple(t.to(device) for t in data)

@@ -34,8 +34,10 @@ def test_kernel_compiles_without_gpu(arch, k, blocked, tmp_path):
 
 
 @pytest.mark.parametrize("arch,k,tune", [("sm_90a", 7168, "batch=7,group=32,min_blocks=2"),
-                                          ("sm_90a", 16384, "bulk=1"), ("sm_100a", 7168, "bulk=1")])
-def test_latency_and_bulk_configs_compile_without_gpu(arch, k, tune, tmp_path):
+                                          ("sm_90a", 16384, "bulk=1"), ("sm_100a", 7168, "bulk=1"),
+                                          ("sm_90a", 7168, "split=7,min_blocks=6"),
+                                          ("sm_100a", 4096, "split=2,rows=2,min_blocks=4")])
+def test_latency_split_and_bulk_configs_compile_without_gpu(arch, k, tune, tmp_path):
     cmd = [sys.executable, os.path.join(HERE, "compile_check.py"), arch, str(k), "--dump", str(tmp_path),
            "--tune", tune]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

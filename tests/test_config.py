@@ -33,8 +33,14 @@ def test_long_rows_beyond_one_wave_take_the_bulk_kernel(m, k, l, seed):
 
 
 @pytest.mark.parametrize("m,k,l,seed", ONE_WAVE)
-def test_pick_keeps_the_latency_config_for_one_wave(m, k, l, seed):
-    assert submission.pick_tuning(k, m, l, H200_SMS, False) == G.shape_tuning(k, m, l, H200_SMS)
+def test_one_wave_splits_rows_over_warps_where_k_allows(m, k, l, seed):
+    tuning = submission.pick_tuning(k, m, l, H200_SMS, False)
+    if k % 1024 == 0 and k >= 2048:
+        op = submission.make_op(k, False, **dict(tuning))
+        assert isinstance(op, submission.Nvfp4GemvSplit) and op.per_lane == 1, "one chunk a lane"
+        assert m * l * op.row_lanes <= H200_SMS * 1536, "every thread resident at once"
+    else:
+        assert tuning == G.shape_tuning(k, m, l, H200_SMS)
 
 
 @pytest.mark.parametrize("k", range(64, submission.MAX_K + 1, 64))
@@ -44,6 +50,10 @@ def test_every_k_gets_a_valid_config(k):
             for blocked in (False, True):
                 tuning = dict(submission.pick_tuning(k, m, l, sms, blocked))
                 op = submission.make_op(k, blocked, **tuning)
+                if tuning.get("split"):
+                    assert op.per_lane * op.row_lanes == op.chunks and 1 <= op.per_lane <= 4
+                    assert op.threads <= 1024 and op.grid_x(m, l, sms) * op.rows_per_cta >= m
+                    continue
                 if tuning.get("bulk"):
                     assert op.tr * op.n == op.chunks and op.n <= 12 and 128 % op.rows == 0
                     assert (op.smem_bytes + 1024) * op.ctas <= 233472 and op.grid_x(m, l, sms) >= 1
@@ -59,6 +69,13 @@ def test_bulk_kernel_rejects_what_it_cannot_do():
         submission.Nvfp4GemvBulk(7168, True)
     with pytest.raises(ValueError, match="shared memory"):
         submission.Nvfp4GemvBulk(32768, False, stages=8, ctas=2)
+
+
+def test_split_kernel_rejects_rows_it_cannot_split():
+    with pytest.raises(ValueError, match="7 warps"):
+        submission.Nvfp4GemvSplit(4096, False, split=7)
+    with pytest.raises(ValueError, match="K=1536"):
+        submission.Nvfp4GemvSplit(1536, False, split=1)
 
 
 def test_bad_tuning_is_rejected():

@@ -8,7 +8,7 @@ import torch
 import inputs
 import reference
 import submission
-from conftest import task_cases
+from conftest import check_chosen_kernel, task_cases
 
 pytestmark = pytest.mark.gpu
 
@@ -38,15 +38,6 @@ def test_bulk_kernel_matches_float64(m, k, l):
 @pytest.mark.parametrize("m,k,l", [(7168, 16384, 1), (1024, 7168, 3)])
 def test_bulk_tuning_knobs_keep_results(m, k, l, tune):
     check(inputs.random_inputs(m, k, l, seed=5), BULK + tuple(sorted(tune.items())))
-
-
-def check_chosen_kernel(data, kernel_class):
-    """The dispatcher's plan for ``data`` runs ``kernel_class`` and matches float64."""
-    plan = submission._CutePlan(data, *submission.check_inputs(data))
-    assert isinstance(plan.kernel.op, kernel_class)
-    out = plan(inputs.poisoned(data))
-    ok, msg = reference.check_implementation(data, out)
-    assert ok, msg
 
 
 @pytest.mark.parametrize("m,k,l", [(7168, 16384, 1), (4096, 7168, 8)])

@@ -146,3 +146,31 @@ def test_property_reference_matches_brute_force(kb, l, seed):
     data = inputs.random_inputs(128, 64 * kb, l, seed, device="cpu", min_exp=0, max_exp=12)
     got = reference.portable_ref_kernel((*data[:6], data[6].clone()))
     torch.testing.assert_close(got.float(), brute_force(data).float(), rtol=1e-3, atol=0, equal_nan=True)
+
+
+def plain_fp32_sum(data):
+    """The GEMV with each 16-value block's term exact in fp32 and the terms summed in fp32 in K order."""
+    a, b, sfa, sfb, _, _, c = data
+    m, k2, l = a.shape
+    out = torch.empty(m, 1, l, dtype=torch.float16)
+    for li in range(l):
+        prod = reference.decode_fp4(a[:, :, li:li + 1])[:, :, 0] * reference.decode_fp4(b[0:1, :, li:li + 1])[0, :, 0]
+        blocks = prod.view(m, -1, 16).sum(-1) * (sfa[:, :, li].double() * sfb[0, :, li].double())
+        acc = torch.zeros(m, dtype=torch.float32)
+        for t in blocks.float().unbind(1):
+            acc = acc + t
+        out[:, 0, li] = acc.half()
+    return out
+
+
+@pytest.mark.parametrize("k", [2048, 7168])
+def test_cancelling_inputs_defeat_a_plain_fp32_sum(k):
+    """The GPU tests on ``inputs.cancelling_inputs`` can fail: a plain fp32 sum misses most rows."""
+    data = inputs.cancelling_inputs(128, k, 2, seed=k, device="cpu")
+    want = inputs.expected(data)
+    assert want.abs().max() <= 144 * 448 / 512 and want.abs().max() > 1
+    naive = plain_fp32_sum(data)
+    bad = ~torch.isclose(naive.double(), want.double(), rtol=1e-3, atol=1e-3)
+    assert bad.float().mean() > 0.5
+    ok, _ = reference.check_implementation(data, naive)
+    assert not ok

@@ -1,0 +1,33 @@
+"""Every kernel keeps a row exact when its blocks cancel: on ``inputs.cancelling_inputs`` a plain fp32
+sum misses most rows (tests/test_reference.py shows it), and so did the fp32 Kahan sums these kernels had
+before their fp64 sums."""
+
+import pytest
+import torch
+
+import inputs
+import reference
+import submission
+
+pytestmark = pytest.mark.gpu
+
+KERNELS = {  # name: (k, tuning); None = the dispatcher's choice
+    "streaming": (7168, ()), "streaming-k2048": (2048, ()),
+    "latency": (7168, (("batch", 7), ("group", 32), ("min_blocks", 2))),
+    "split": (7168, (("min_blocks", 6), ("split", 7))), "split-4-chunks": (16384, (("rows", 2), ("split", 4))),
+    "bulk": (7168, (("bulk", 1),)), "chosen": (4096, None),
+}
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["plain-scales", "permuted-scales"])
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_cancelling_blocks_keep_the_small_remainder(kernel, plain):
+    k, tuning = KERNELS[kernel]
+    if kernel == "bulk" and not plain:
+        pytest.skip("the bulk kernel reads the plain scales only")
+    m, l = 256, 2
+    data = inputs.cancelling_inputs(m, k, l, seed=k + plain)
+    out = submission.run_cute(inputs.poisoned(data), m, k, l, plain, tuning=tuning)
+    torch.cuda.synchronize()
+    ok, msg = reference.check_implementation(data, out)
+    assert ok, msg

@@ -1,0 +1,42 @@
+"""The split-row kernel (``Nvfp4GemvSplit``) on a CUDA GPU: every split and chunk count a lane it can
+take, rows a CTA, both scale layouts, more rows than one wave, and the one-wave
+task shapes choosing it. Outputs are poisoned with NaN and compared with the float64 reference."""
+
+import pytest
+import torch
+
+import inputs
+import reference
+import submission
+from conftest import check_chosen_kernel, task_cases
+
+pytestmark = pytest.mark.gpu
+
+
+def tune(**kw):
+    return tuple(sorted({"min_blocks": 2, **kw}.items()))
+
+
+CASES = [  # (m, k, l, tuning): one chunk a lane (split = K / 1024), 2-4 chunks, 1-8 rows a CTA
+    (384, 7168, 2, tune(split=7)), (384, 7168, 2, tune(split=7, min_blocks=6)),
+    (384, 7168, 2, tune(split=7, rows=2)), (512, 4096, 2, tune(split=4, rows=2)),
+    (512, 4096, 2, tune(split=2, rows=4)), (128, 3072, 1, tune(split=3, rows=2)),
+    (256, 16384, 1, tune(split=16)), (256, 16384, 1, tune(split=4, rows=2)),
+    (128, 32768, 1, tune(split=32, min_blocks=1)), (1024, 2048, 3, tune(split=2, rows=8)),
+    (640, 12288, 3, tune(split=4)), (4096, 7168, 2, tune(split=7)),  # many waves
+]
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["plain-scales", "permuted-scales"])
+@pytest.mark.parametrize("m,k,l,tuning", CASES)
+def test_split_kernel_matches_float64(m, k, l, tuning, plain):
+    data = inputs.random_inputs(m, k, l, seed=m + k + l)
+    out = submission.run_cute(inputs.poisoned(data), m, k, l, plain, tuning=tuning)
+    torch.cuda.synchronize()
+    ok, msg = reference.check_implementation(data, out)
+    assert ok, msg
+
+
+@pytest.mark.parametrize("m,k,l", sorted({c[:3] for c in task_cases("tests") if c[1] % 1024 == 0}))
+def test_one_wave_task_shapes_take_the_split_kernel(m, k, l):
+    check_chosen_kernel(inputs.random_inputs(m, k, l, seed=3), submission.Nvfp4GemvSplit)
