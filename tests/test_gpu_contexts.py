@@ -18,20 +18,22 @@ def check(data, out):
     assert ok, msg
 
 
+KERNELS = {"registers": submission.Nvfp4Gemv, "split": submission.Nvfp4GemvSplit, "bulk": submission.Nvfp4GemvBulk}
+
+
 def takes_kernel(m, k, l, kernel):
-    """The shape goes where the test means it to go: the bulk-copy kernel or one of the other configs."""
-    bulk = bool(dict(submission.pick_tuning(k, m, l, torch.cuda.get_device_properties(0).multi_processor_count,
-                                            False)).get("bulk"))
-    assert bulk == (kernel == "bulk")
+    """The shape goes where the test means it to go."""
+    tuning = submission.pick_tuning(k, m, l, torch.cuda.get_device_properties(0).multi_processor_count, False)
+    assert type(submission.make_op(k, False, **dict(tuning))) is KERNELS[kernel]
 
 
-# one shape for the register kernels, one for the bulk-copy kernel
-BOTH = pytest.mark.parametrize("kernel", ["registers", "bulk"])
+# one shape for each kernel class
+EACH_KERNEL = pytest.mark.parametrize("kernel", sorted(KERNELS))
 
 
-@BOTH
+@EACH_KERNEL
 def test_nan_scales_give_nan_rows_like_the_reference(kernel):
-    m, k, l = (256, 1024, 2) if kernel == "registers" else (2048, 7168, 2)
+    m, k, l = {"registers": (256, 1024, 2), "split": (384, 7168, 2), "bulk": (2048, 7168, 2)}[kernel]
     takes_kernel(m, k, l, kernel)
     data = inputs.random_inputs(m, k, l, seed=21)
     sfa = data[2].view(torch.uint8).clone()
@@ -56,9 +58,9 @@ def test_all_zero_inputs_give_zeros():
     assert torch.equal(out, torch.zeros_like(out))
 
 
-@BOTH
+@EACH_KERNEL
 def test_fp16_overflow_gives_inf_like_the_reference(kernel):
-    m, k = (128, 4096) if kernel == "registers" else (4096, 8192)
+    m, k = {"registers": (128, 1536), "split": (128, 4096), "bulk": (4096, 8192)}[kernel]
     takes_kernel(m, k, 1, kernel)
     a = torch.full((m, k // 2, 1), 0x77, dtype=torch.uint8, device="cuda")  # +6, +6
     a[1::2] = 0xFF  # -6, -6
@@ -72,9 +74,9 @@ def test_fp16_overflow_gives_inf_like_the_reference(kernel):
     check(data, out)
 
 
-@BOTH
+@EACH_KERNEL
 def test_cuda_graph_capture_and_replay_with_new_data(kernel):
-    m, k, l = (1024, 2048, 3) if kernel == "registers" else (1024, 16384, 2)
+    m, k, l = {"registers": (1024, 1536, 3), "split": (512, 2048, 3), "bulk": (1024, 16384, 2)}[kernel]
     takes_kernel(m, k, l, kernel)
     first = inputs.random_inputs(m, k, l, seed=1)
     static = [t.clone() for t in first]
@@ -117,10 +119,10 @@ def test_two_threads_on_two_streams():
         check(data, out)
 
 
-@BOTH
+@EACH_KERNEL
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tensors_on_second_gpu(kernel):
-    m, k, l = (512, 2048, 2) if kernel == "registers" else (1024, 16384, 1)
+    m, k, l = {"registers": (512, 1536, 2), "split": (512, 2048, 2), "bulk": (1024, 16384, 1)}[kernel]
     takes_kernel(m, k, l, kernel)
     data = tuple(t.to("cuda:1") for t in inputs.random_inputs(m, k, l, seed=41))
     submission.custom_kernel(inputs.random_inputs(m, k, l, seed=40))  # cache entry for cuda:0 first
