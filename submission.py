@@ -620,14 +620,15 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
     and ``sfb``, which stay in registers (no shared-memory staging, no barrier before the arithmetic).
     Warps add their lanes' terms with a butterfly and meet in shared memory."""
 
-    def __init__(self, k: int, blocked_scales: bool, split=1, rows=1, min_blocks=4, probe=0):
+    def __init__(self, k: int, blocked_scales: bool, split=2, rows=1, min_blocks=4, probe=0):
         self.k = k
         self.blocked_scales = blocked_scales
         self.chunks = k // 32
         self.split = split
         self.row_lanes = 32 * split
-        if split < 1 or self.chunks % self.row_lanes:
-            raise ValueError(f"nvfp4_gemv: K={k}: {split} warps a row do not split its {self.chunks} chunks")
+        if split < 2 or self.chunks % self.row_lanes:  # one warp a row: Nvfp4Gemv's latency config
+            raise ValueError(f"nvfp4_gemv: K={k}: split {split} must be >= 2 warps a row and divide its "
+                             f"{self.chunks} chunks into whole warps")
         self.group = 32
         self.batch = self.per_lane = self.chunks // self.row_lanes
         self.rows_per_cta = rows
@@ -635,14 +636,14 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
         self.min_blocks = min_blocks
         self.probe = probe
         self.shuffle_offsets = [16, 8, 4, 2, 1]
-        self.smem_bytes = 8 * (self.threads // 32) if split > 1 else 0
+        self.smem_bytes = 8 * (self.threads // 32)
 
     @staticmethod
     def shape_tuning(k, m, l, sms):
         """The split for a problem whose threads all fit on the GPU at once (one chunk a lane where
         possible, else up to four: more spill registers), ``()`` where none does or rows are shorter
-        than two warps' chunks.
-        A CTA gets about 256 threads; the occupancy hint caps registers so that the wave fits."""
+        than two warps' chunks. A CTA gets about 256 threads; the occupancy hint caps registers so that
+        the wave fits."""
         warps = k // 1024 if k % 1024 == 0 else 0  # warps a row at one chunk a lane
         for split in range(warps, 1, -1):
             threads_a_sm = 1536 if split == warps else 1024  # more chunks a lane, more registers
@@ -693,24 +694,19 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
             else:
                 acc = scaled_chunk_dot(acc, x, s16, wb[8 * i:8 * i + 8], sb[2 * i], sb[2 * i + 1], tbl)
         acc = group_sum(acc, self.shuffle_offsets)
-        c_base = c_ptr + l_idx * c_ls
-        if cutlass.const_expr(self.split == 1):
-            if jl == 0 and valid:
-                stg_f16(c_base + cutlass.Int64(row) * c_rs, cutlass.Float32(acc))
-        else:
-            smem = cutlass.utils.SmemAllocator()
-            s_buf = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.smem_bytes // 4), byte_alignment=16)
-            s_red = s_buf.iterator.toint()
-            if tidx % 32 == 0:
-                sts_f64(s_red + (tidx // 32) * 8, acc)
-            cute.arch.sync_threads()
-            out_row = bidx * self.rows_per_cta + tidx
-            if tidx < self.rows_per_cta and out_row < m:
-                slot = s_red + tidx * (8 * self.split)
-                acc = lds_stage_f64(slot)
-                for w in cutlass.range_constexpr(1, self.split):
-                    acc = acc + lds_stage_f64(slot + 8 * w)
-                stg_f16(c_base + cutlass.Int64(out_row) * c_rs, cutlass.Float32(acc))
+        smem = cutlass.utils.SmemAllocator()
+        s_buf = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.smem_bytes // 4), byte_alignment=16)
+        s_red = s_buf.iterator.toint()  # one fp64 a warp, a row's warps side by side
+        if tidx % 32 == 0:
+            sts_f64(s_red + (tidx // 32) * 8, acc)
+        cute.arch.sync_threads()
+        out_row = bidx * self.rows_per_cta + tidx
+        if tidx < self.rows_per_cta and out_row < m:
+            slot = s_red + tidx * (8 * self.split)
+            acc = lds_stage_f64(slot)
+            for w in cutlass.range_constexpr(1, self.split):
+                acc = acc + lds_stage_f64(slot + 8 * w)
+            stg_f16(c_ptr + l_idx * c_ls + cutlass.Int64(out_row) * c_rs, cutlass.Float32(acc))
 
 
 class Nvfp4GemvBulk(_GemvLaunch):
@@ -931,7 +927,7 @@ class _Kernel:
 
     def args(self, static):
         """Argument storage for this kernel, ``(head, static values, packed, result, capi)``: ``head`` holds
-        the five data pointers and the stream side by side (one ``HEAD.pack_into`` a call), the 11 values
+        the five data pointers and the stream side by side (one ``_HEAD.pack_into`` a call), the 11 values
         after the pointers are set to ``static``; the layout of the packed array is the DSL executor's."""
         ex = self._executor()
         head = (ctypes.c_int64 * 6)()

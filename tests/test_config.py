@@ -72,10 +72,12 @@ def test_bulk_kernel_rejects_what_it_cannot_do():
 
 
 def test_split_kernel_rejects_rows_it_cannot_split():
-    with pytest.raises(ValueError, match="7 warps"):
+    with pytest.raises(ValueError, match="split 7"):
         submission.Nvfp4GemvSplit(4096, False, split=7)
     with pytest.raises(ValueError, match="K=1536"):
-        submission.Nvfp4GemvSplit(1536, False, split=1)
+        submission.Nvfp4GemvSplit(1536, False, split=3)
+    with pytest.raises(ValueError, match=">= 2 warps"):
+        submission.Nvfp4GemvSplit(2048, False, split=1)
 
 
 def test_bad_tuning_is_rejected():
