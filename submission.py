@@ -889,9 +889,10 @@ class Nvfp4GemvBulk(_GemvLaunch):
 class _Kernel:
     """A compiled kernel on one device, launched by writing its 17 arguments into ctypes storage and
     calling the compiled host function directly: the DSL's own call converts every argument each time,
-    which cost 236 us a call on the H200 machine (the launch itself about 5). The storage layout (16 pointers to int64/int32 values, then a
-    pointer to the stream handle) is checked once against the DSL's conversion; where it differs
-    (another DSL version) ``direct`` is False and launches go through the DSL's call."""
+    which cost 236 us a call on the H200 machine (the launch itself about 5). The storage layout (16
+    pointers to int64/int32 values, then a pointer to the stream handle) is checked once against the
+    DSL's conversion; where it differs (another DSL version) ``direct`` is False and launches go through
+    the DSL's call."""
 
     I32 = (5, 14, 15)  # m, grid_x, num_l; the others are int64 addresses and strides
 

@@ -1,5 +1,6 @@
-"""Times the kernel configurations that ``Nvfp4Gemv.shape_tuning`` chooses between, per shape, the
-leaderboard's way (L2 flushed, CUDA events, median of 50), each checked on signed random inputs.
+"""Times the kernel configurations that ``pick_tuning`` chooses between (streaming, latency configs, the
+split-row kernel's splits, the bulk kernel), per shape, the leaderboard's way (L2 flushed, CUDA events,
+median of 50), each checked on signed random inputs.
 
     python tools/sweep_configs.py 256x7168x1,2432x4608x2
     python tools/sweep_configs.py 7168x16384x1 "bulk=1;bulk=1,warps=8,ctas=1"   # these tunings instead
@@ -28,6 +29,13 @@ def variants(m, k, l):
     per = G(k, False).per_lane
     if per % 3 == 0 and per > 3:
         out.append({"batch": 3, "min_blocks": 3})
+    warps = k // 1024 if k % 1024 == 0 else 0  # the split kernel: 2+ whole warps a row, <= 4 chunks a lane
+    for split in (s for s in range(2, warps + 1) if warps % s == 0 and warps // s <= 4):
+        for rows in (1, 2, 4):
+            if rows * 32 * split <= 1024:
+                out.append({"split": split, "rows": rows, "min_blocks": max(1, 1024 // (rows * 32 * split))})
+    if submission.BULK_MIN_K <= k and submission.Nvfp4GemvBulk.suits(k):
+        out.append({"bulk": 1})
     return out
 
 
