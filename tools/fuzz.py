@@ -3,7 +3,8 @@
     python tools/fuzz.py --cases 500 --seed 0
 
 Shapes: M in 128..16384 (steps of 128), K in 64..32768 (steps of 64), L in 1..16, with the total size
-bounded so that the float64 reference stays quick; both scale layouts; output poisoned before each call.
+bounded so that the float64 reference stays quick; both scale layouts; a fifth of the cases with rows that
+cancel (``inputs.cancelling_inputs``); output poisoned before each call.
 Prints one line a mismatch and a summary `cases: N, mismatches: N`; exits 1 on any mismatch.
 """
 
@@ -40,8 +41,11 @@ def main():
             m, k, l = 128 * rng.randint(1, 128), rng.choice(k_values), rng.randint(1, 16)
             if m * k * l <= args.max_values:
                 break
-        data = inputs.random_inputs(m, k, l, seed=rng.randrange(2**31), min_exp=rng.randint(0, 4),
-                                    max_exp=rng.randint(6, 10))
+        if rng.random() < 0.2:  # rows that cancel down to a small remainder: the sums' precision
+            data = inputs.cancelling_inputs(m, k, l, seed=rng.randrange(2**31))
+        else:
+            data = inputs.random_inputs(m, k, l, seed=rng.randrange(2**31), min_exp=rng.randint(0, 4),
+                                        max_exp=rng.randint(6, 10))
         if rng.random() < 0.2:  # the old generator's CPU scales: the kernel reads the permuted ones
             data = (*data[:2], data[2].cpu(), data[3].cpu(), *data[4:])
         out = submission.custom_kernel(inputs.poisoned(data))
