@@ -324,6 +324,20 @@ def scaled_chunk_dot(acc, x, s16, w, sb0, sb1, tbl):
     return acc + cutlass.Float64(cutlass.Float32(d1) * (sa1 * sb1))
 
 
+def b_in_registers(b_base, sfb_base, first, step, n, scale_offset):
+    """Chunks ``first, first + step, ...`` (``n`` of them) of ``b`` as int8 ``2b`` (8 words a chunk) and
+    their two scales / 4 as fp32: the share of ``b`` a lane keeps in registers."""
+    wb, sb = [], []
+    for i in range(n):
+        ch = first + i * step
+        x = ldg_v4(b_base + cutlass.Int64(ch) * 16)
+        for w in range(4):
+            wb += list(fp4x8_to_i8(x[w]))
+        s0, s1 = e4m3x2_to_f32x2(ldg_u16(sfb_base + scale_offset(ch)))
+        sb += [s0 * 0.25, s1 * 0.25]
+    return wb, sb
+
+
 def probe_sum(acc, x, s16):
     """The probe's stand-in for the arithmetic: keeps the loads alive, computes nothing useful."""
     return acc + cutlass.Float64(cutlass.Float32(x[0] ^ x[1] ^ x[2] ^ x[3] ^ s16))
@@ -673,17 +687,7 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
         valid = row < m  # the same for a whole warp
         xw = self._load_unit(row, cutlass.Int32(0), valid, jl, a_ptr + l_idx * a_ls, sfa_ptr + l_idx * sfa_ls,
                              a_rs, sfa_rs)
-        b_base = b_ptr + l_idx * b_ls
-        sfb_base = sfb_ptr + l_idx * sfb_ls
-        wb = []
-        sb = []
-        for i in cutlass.range_constexpr(n):
-            ch = jl + i * tr
-            x = ldg_v4(b_base + cutlass.Int64(ch) * 16)
-            for w in cutlass.range_constexpr(4):
-                wb += list(fp4x8_to_i8(x[w]))
-            s0, s1 = e4m3x2_to_f32x2(ldg_u16(sfb_base + self._scale_offset(ch)))
-            sb += [s0 * 0.25, s1 * 0.25]
+        wb, sb = b_in_registers(b_ptr + l_idx * b_ls, sfb_ptr + l_idx * sfb_ls, jl, tr, n, self._scale_offset)
         tbl = cutlass.Int32(E2M1_TIMES2_LO)
         acc = cutlass.Float64(0.0)
         for i in cutlass.range_constexpr(n):
@@ -847,15 +851,7 @@ class Nvfp4GemvBulk(_GemvLaunch):
         R = self.rows
         r = tidx // self.tr
         jl = tidx % self.tr
-        wb = []
-        sb = []
-        for i in cutlass.range_constexpr(self.n):
-            ch = cutlass.Int64(jl + i * self.tr)
-            x = ldg_v4(b_base + ch * 16)
-            for w in cutlass.range_constexpr(4):
-                wb += list(fp4x8_to_i8(x[w]))
-            s0, s1 = e4m3x2_to_f32x2(ldg_u16(sfb_base + ch * 2))
-            sb += [s0 * 0.25, s1 * 0.25]
+        wb, sb = b_in_registers(b_base, sfb_base, jl, self.tr, self.n, lambda ch: cutlass.Int64(ch) * 2)
         tbl = cutlass.Int32(E2M1_TIMES2_LO)
         for j in cutlass.range(n_t, unroll=1):
             s = j % S
