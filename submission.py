@@ -421,9 +421,9 @@ def bulk_g2s(dst, src, nbytes, mbar, evict_first=False, *, loc=None, ip=None):
 
 
 class _GemvLaunch:
-    """The host side both kernels share: the 16 run-time arguments (five addresses, M, strides in bytes,
-    the grid) and one launch of ``kernel`` on ``stream`` with the subclass's block, shared memory and
-    occupancy."""
+    """What every kernel class shares: the 16 run-time arguments (five addresses, M, strides in bytes,
+    the grid), one launch on ``stream`` with the subclass's block, shared memory and occupancy, and the
+    typed kernel entry, which runs the subclass's ``body``."""
 
     @cute.jit
     def __call__(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
@@ -435,6 +435,14 @@ class _GemvLaunch:
         self.kernel(a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls,
                     c_rs, c_ls).launch(grid=[grid_x, num_l, 1], block=[self.threads, 1, 1],
                                        smem=self.smem_bytes, stream=stream, min_blocks_per_mp=self.min_blocks)
+
+    @cute.kernel
+    def kernel(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
+               sfb_ptr: cutlass.Int64, c_ptr: cutlass.Int64, m: cutlass.Int32,
+               a_rs: cutlass.Int64, a_ls: cutlass.Int64, b_ls: cutlass.Int64,
+               sfa_rs: cutlass.Int64, sfa_ls: cutlass.Int64, sfb_ls: cutlass.Int64,
+               c_rs: cutlass.Int64, c_ls: cutlass.Int64):
+        self.body(a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls, c_rs, c_ls)
 
 
 class Nvfp4Gemv(_GemvLaunch):
@@ -514,12 +522,8 @@ class Nvfp4Gemv(_GemvLaunch):
         sb0, sb1 = lds_f32x2(s_sf + c * 8)
         return scaled_chunk_dot(acc, x, s16, w, sb0, sb1, tbl)
 
-    @cute.kernel
-    def kernel(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
-               sfb_ptr: cutlass.Int64, c_ptr: cutlass.Int64, m: cutlass.Int32,
-               a_rs: cutlass.Int64, a_ls: cutlass.Int64, b_ls: cutlass.Int64,
-               sfa_rs: cutlass.Int64, sfa_ls: cutlass.Int64, sfb_ls: cutlass.Int64,
-               c_rs: cutlass.Int64, c_ls: cutlass.Int64):
+    @cute.jit
+    def body(self, a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls, c_rs, c_ls):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, _ = cute.arch.block_idx()
         gdimx, _, _ = cute.arch.grid_dim()
@@ -671,12 +675,8 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
     def grid_x(self, m, l, sms):
         return -(-m // self.rows_per_cta)
 
-    @cute.kernel
-    def kernel(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
-               sfb_ptr: cutlass.Int64, c_ptr: cutlass.Int64, m: cutlass.Int32,
-               a_rs: cutlass.Int64, a_ls: cutlass.Int64, b_ls: cutlass.Int64,
-               sfa_rs: cutlass.Int64, sfa_ls: cutlass.Int64, sfb_ls: cutlass.Int64,
-               c_rs: cutlass.Int64, c_ls: cutlass.Int64):
+    @cute.jit
+    def body(self, a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls, c_rs, c_ls):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, _ = cute.arch.block_idx()
         n = self.per_lane
@@ -782,12 +782,8 @@ class Nvfp4GemvBulk(_GemvLaunch):
     def grid_x(self, m, l, sms):
         return max(1, min(m // self.rows, sms * self.ctas // l))
 
-    @cute.kernel
-    def kernel(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
-               sfb_ptr: cutlass.Int64, c_ptr: cutlass.Int64, m: cutlass.Int32,
-               a_rs: cutlass.Int64, a_ls: cutlass.Int64, b_ls: cutlass.Int64,
-               sfa_rs: cutlass.Int64, sfa_ls: cutlass.Int64, sfb_ls: cutlass.Int64,
-               c_rs: cutlass.Int64, c_ls: cutlass.Int64):
+    @cute.jit
+    def body(self, a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls, c_rs, c_ls):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, _ = cute.arch.block_idx()
         gdimx, _, _ = cute.arch.grid_dim()

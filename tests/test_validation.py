@@ -40,34 +40,20 @@ def test_non_tensor_argument():
     raises(d, TypeError, "'sfb'", "torch.Tensor")
 
 
-def test_m_not_multiple_of_128():
+SLICED = [  # (what is wrong, index in data, the slice that makes it so, words the error must contain)
+    ("m_not_multiple_of_128", 0, (slice(0, 200),), ("'a'", "multiple of 128", "200")),
+    ("k_not_multiple_of_64", 0, (slice(None), slice(0, 48)), ("'a'", "multiple of 64", "96")),
+    ("b_with_mismatched_k", 1, (slice(None), slice(0, 128)), ("'b'", "shape")),
+    ("b_not_padded_to_128_rows", 1, (slice(0, 1),), ("'b'", "(128, 256, 2)", "(1, 256, 2)")),
+    ("c_with_mismatched_l", 6, (slice(None), slice(None), slice(0, 1)), ("'c'", "shape")),
+]
+
+
+@pytest.mark.parametrize("idx,cut,words", [pytest.param(*c[1:], id=c[0]) for c in SLICED])
+def test_sliced_tensor_is_named(idx, cut, words):
     d = good()
-    d[0] = d[0][:200]
-    raises(d, ValueError, "'a'", "multiple of 128", "200")
-
-
-def test_k_not_multiple_of_64():
-    d = good()
-    d[0] = d[0][:, :48]
-    raises(d, ValueError, "'a'", "multiple of 64", "96")
-
-
-def test_b_with_mismatched_k():
-    d = good()
-    d[1] = d[1][:, :128]
-    raises(d, ValueError, "'b'", "shape")
-
-
-def test_b_not_padded_to_128_rows():
-    d = good()
-    d[1] = d[1][:1]
-    raises(d, ValueError, "'b'", "(128, 256, 2)", "(1, 256, 2)")
-
-
-def test_c_with_mismatched_l():
-    d = good()
-    d[6] = d[6][:, :, :1]
-    raises(d, ValueError, "'c'", "shape")
+    d[idx] = d[idx][cut]
+    raises(d, ValueError, *words)
 
 
 @pytest.mark.parametrize("idx,name,cut", [(2, "sfa", (slice(None), slice(0, 16))), (3, "sfb", (slice(0, 1),)),
