@@ -372,9 +372,11 @@ def human_main(mode, cases, submission, args):
         if not r.get("ok"):
             msg = r.get("error") or r.get("message", "")
             if not cuda and "CUDA" in msg:
-                msg += ("\n  This submission needs a CUDA GPU. Without one you can run the CPU tests "
-                        "(pytest) or evaluate a CPU-capable submission, e.g. "
-                        "python eval.py test --submission tests/submissions/cpu_ok.py")
+                # every other case would fail the same way: say it once and stop
+                print(f"  FAIL: {msg}\n\nThis submission needs a CUDA GPU. Without one you can run the CPU "
+                      "tests (pytest) or evaluate a CPU-capable submission, e.g.\n"
+                      "  python eval.py test --submission tests/submissions/cpu_ok.py", file=sys.stderr)
+                return EXIT_FAIL
             rows.append(Row(case, "FAIL", msg))
             print(f"  FAIL: {msg}")
             continue

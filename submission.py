@@ -1,3 +1,4 @@
+# Generated from nvfp4_gemv/kernel.py by tools/gen_submission.py: edit that file, then run the tool.
 """NVFP4 batched GEMV for the GPU MODE ``nvfp4_gemv`` problem, on Hopper (sm_90a) and Blackwell (sm_100a).
 
 Computes ``c[m, 0, l] = sum_k a[m, k, l] * sfa[m, k // 16, l] * b[0, k, l] * sfb[0, k // 16, l]`` in fp16.

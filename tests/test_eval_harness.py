@@ -117,12 +117,15 @@ def test_cuda_only_submission_on_cpu_says_a_gpu_is_needed(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("only meaningful without a GPU")
-    (tmp_path / "cases.txt").write_text("m: 128; k: 64; l: 1; seed: 2\n")
+    (tmp_path / "cases.txt").write_text("m: 128; k: 64; l: 1; seed: 2\nm: 256; k: 128; l: 1; seed: 3\n")
     env = {k: v for k, v in os.environ.items() if k != "POPCORN_FD"}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "test", str(tmp_path / "cases.txt")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == harness.EXIT_FAIL
-    assert "needs a CUDA GPU" in proc.stdout and "tests/submissions/cpu_ok.py" in proc.stdout
+    said = proc.stdout + proc.stderr
+    # said once, then it stops: the second case would fail the same way
+    assert said.count("needs a CUDA GPU") == 1 and said.count("expected a CUDA tensor") == 1, said
+    assert "tests/submissions/cpu_ok.py" in said and "[2/2]" not in said
 
 
 def test_harness_runs_where_cute_dsl_is_missing(tmp_path):

@@ -1,0 +1,34 @@
+"""What installs, and the one file the leaderboard takes."""
+
+import os
+import subprocess
+import sys
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import gen_submission  # noqa: E402
+
+
+def test_submission_is_generated_from_the_package_kernel():
+    with open(gen_submission.TARGET) as f:
+        assert f.read() == gen_submission.render(), "run python tools/gen_submission.py"
+
+
+def test_submission_imports_only_torch_cutlass_and_task():
+    with open(gen_submission.TARGET) as f:
+        tops = {line.split()[1].split(".")[0] for line in f if line.startswith(("import ", "from "))}
+    assert tops <= {"ctypes", "os", "struct", "threading", "torch", "task", "cutlass", "cuda"}, tops
+
+
+def test_wheel_installs_only_the_package(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), ROOT],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = [p for p in os.listdir(tmp_path) if p.endswith(".whl")]
+    with zipfile.ZipFile(tmp_path / wheel) as z:
+        tops = {name.split("/")[0] for name in z.namelist()}
+        names = set(z.namelist())
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"nvfp4_gemv"}, tops
+    assert "nvfp4_gemv/kernel.py" in names and "nvfp4_gemv/__init__.py" in names
