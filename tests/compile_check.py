@@ -1,6 +1,7 @@
 """Compiles the CuTe DSL kernel for a GPU arch on a machine without a GPU; prints a JSON summary.
 
-Usage: python tests/compile_check.py ARCH K [--blocked] [--dump DIR]
+Usage: python tests/compile_check.py ARCH K [--blocked] [--dump DIR] [--tune k=v,...]
+(NVFP4_GEMV_LAUNCH=direct compiles without TVM-FFI)
 Run it in a subprocess: a compiler crash must not take the caller down.
 """
 
@@ -40,9 +41,11 @@ def main():
     path = os.path.join(dump, "kernel.cubin")
     with open(path, "wb") as f:
         f.write(cubin)
-    kern = submission._Kernel(fn, 0, submission.make_op(args.k, args.blocked, **tuning))
+    import importlib.metadata as md
+
     print(json.dumps({"arch": args.arch, "k": args.k, "cubin": path, "bytes": len(cubin),
-                      "elf": cubin[:4] == b"\x7fELF", "direct_launch_layout": kern.direct}))
+                      "elf": cubin[:4] == b"\x7fELF", "launch": submission.launch_kind(fn),
+                      "dsl": md.version("nvidia-cutlass-dsl")}))
 
 
 if __name__ == "__main__":

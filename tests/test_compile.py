@@ -17,7 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
                                             ("sm_90a", 256, True), ("sm_100a", 16384, True),
                                             ("sm_90a", 64, False)])
 def test_kernel_compiles_without_gpu(arch, k, blocked, tmp_path):
-    cmd = [sys.executable, os.path.join(HERE, "compile_check.py"), arch, str(k), "--dump", str(tmp_path)]
+    cmd = [sys.executable, "-W", "error::DeprecationWarning", os.path.join(HERE, "compile_check.py"), arch, str(k), "--dump", str(tmp_path)]
     if blocked:
         cmd.append("--blocked")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -29,8 +29,8 @@ def test_kernel_compiles_without_gpu(arch, k, blocked, tmp_path):
     assert cubin[:4] == b"\x7fELF" and b"kernel_cutlass_kernel" in cubin
     # the fp4 values are decoded with integer ops, never the sm_100-only e2m1 conversion
     assert b"e2m1" not in cubin
-    # the launcher's argument storage matches this DSL version's (else every call pays its conversion)
-    assert info["direct_launch_layout"]
+    # a fast launch path: TVM-FFI where apache-tvm-ffi is installed (else each call pays the DSL's conversion)
+    assert info["launch"] == "tvm-ffi", info
 
 
 @pytest.mark.parametrize("arch,k,tune", [("sm_90a", 7168, "batch=7,group=32,min_blocks=2"),
@@ -38,9 +38,23 @@ def test_kernel_compiles_without_gpu(arch, k, blocked, tmp_path):
                                           ("sm_90a", 7168, "split=7,min_blocks=6"),
                                           ("sm_100a", 4096, "split=2,rows=2,min_blocks=4")])
 def test_latency_split_and_bulk_configs_compile_without_gpu(arch, k, tune, tmp_path):
-    cmd = [sys.executable, os.path.join(HERE, "compile_check.py"), arch, str(k), "--dump", str(tmp_path),
+    cmd = [sys.executable, "-W", "error::DeprecationWarning", os.path.join(HERE, "compile_check.py"), arch, str(k), "--dump", str(tmp_path),
            "--tune", tune]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert info["elf"] and info["direct_launch_layout"]
+    assert info["elf"] and info["launch"] == "tvm-ffi", info
+
+
+def test_without_tvm_ffi_the_leaderboards_dsl_keeps_the_direct_launcher(tmp_path):
+    """The leaderboard's image may lack apache-tvm-ffi: on DSL 4.3 our ctypes launcher must still match
+    (on later versions it does not, and the slow path warns)."""
+    import importlib.metadata as md
+
+    cmd = [sys.executable, "-W", "error::DeprecationWarning", os.path.join(HERE, "compile_check.py"), "sm_100a", "7168", "--dump", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, NVFP4_GEMV_LAUNCH="direct"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    expected = "direct" if md.version("nvidia-cutlass-dsl").startswith("4.3.") else "dsl"
+    assert info["launch"] == expected, info

@@ -2,6 +2,7 @@
 layouts, any stream. The output is poisoned with NaN before each run."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -119,16 +120,48 @@ def test_cached_plan_still_rejects_a_misaligned_a():
 
 
 def test_dsl_launch_fallback_matches_float64(monkeypatch):
-    """Where the launcher's storage layout does not match the DSL's (another DSL version), launches go
-    through the DSL's own call: that path must be right too."""
+    """Where no fast launcher works (no apache-tvm-ffi and another DSL version's storage layout), launches
+    go through the DSL's own call: that path must be right too."""
     data = inputs.random_inputs(384, 7168, 2, seed=31)
     plan = submission._CutePlan(data, *submission.check_inputs(data))
     monkeypatch.setattr(plan.kernel, "direct", False)
+    monkeypatch.setattr(plan, "ffi", None)
     poisoned = inputs.poisoned(data)
     out = plan(poisoned)
     assert plan.storage is False
     ok, msg = reference.check_implementation(data, out)
     assert ok, msg
+
+
+def test_launch_uses_tvm_ffi_where_installed():
+    pytest.importorskip("tvm_ffi")
+    data = inputs.random_inputs(256, 1024, 1, seed=32)
+    plan = submission._CutePlan(data, *submission.check_inputs(data))
+    assert plan.kernel.kind == "tvm-ffi" and plan.ffi is not None
+    ok, msg = reference.check_implementation(data, plan(inputs.poisoned(data)))
+    assert ok, msg
+
+
+@pytest.mark.parametrize("path", ["direct", "dsl"])
+def test_launch_paths_without_tvm_ffi_match_float64(path, monkeypatch):
+    """The leaderboard's image may lack apache-tvm-ffi: its launch paths (our ctypes storage on DSL 4.3,
+    else the DSL's own call, which warns once) must be right too."""
+    import importlib.metadata as md
+
+    monkeypatch.setenv(submission.LAUNCH_ENV, path)
+    monkeypatch.setattr(submission, "_compiled", {})
+    monkeypatch.setattr(submission, "_warned", set())
+    data = inputs.random_inputs(256, 2048, 2, seed=33)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        plan = submission._CutePlan(data, *submission.check_inputs(data))
+    dsl43 = md.version("nvidia-cutlass-dsl").startswith("4.3.")
+    assert plan.kernel.kind == ("direct" if path == "direct" and dsl43 else "dsl")
+    assert any("100 us" in str(w.message) for w in seen) == (plan.kernel.kind == "dsl")
+    for seed in (34, 35):  # the first call builds the launch storage, the second reuses it
+        d = inputs.random_inputs(256, 2048, 2, seed=seed)
+        ok, msg = reference.check_implementation(d, plan(inputs.poisoned(d)))
+        assert ok, msg
 
 
 def test_scaled_mm_route_compiles_the_cute_kernel_only_when_forced(monkeypatch):

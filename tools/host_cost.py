@@ -24,17 +24,26 @@ def busy_us(fn):
 
 
 def main():
+    import importlib.metadata as md
+
     data = reference.generate_input(128, 256, 1, 1)
     submission.custom_kernel(data)
     plan = submission._plans[submission._metadata(data)]
+    print(f"nvidia-cutlass-dsl {md.version('nvidia-cutlass-dsl')}, launch path: {plan.kernel.kind}")
     cases = [("custom_kernel", lambda: submission.custom_kernel(data)),
              ("metadata key + plan lookup", lambda: submission._plans.get(submission._metadata(data))),
              ("plan(data): pointers, stream, launch", lambda: plan(data))]
-    if plan.storage:
+    if plan.ffi is not None:
+        args = (data[0].data_ptr(), data[1].data_ptr(), data[2].data_ptr(), data[3].data_ptr(),
+                data[6].data_ptr(), *plan.static, submission._current_stream(plan.dev))
+        cases.append(("compiled launcher alone (TVM-FFI)", lambda: plan.ffi(*args)))
+    elif plan.storage:
         _, _, packed, _, capi = plan.storage
-        cases.append(("compiled launcher alone", lambda: capi(packed)))
+        cases.append(("compiled launcher alone (ctypes)", lambda: capi(packed)))
     c = data[6]
+    x = torch.ones(64, device="cuda")
     cases += [("torch.cuda._sleep(0): a bare torch launch", lambda: torch.cuda._sleep(0)),
+              ("torch.add(x, x): a bare torch op", lambda: torch.add(x, x)),
               ("torch c.zero_()", lambda: c.zero_())]
     for name, fn in cases:
         print(f"{name:45s} {busy_us(fn)}")

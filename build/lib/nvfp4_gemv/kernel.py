@@ -33,8 +33,10 @@ Algorithm (CuTe DSL kernel, both architectures):
   (older official generators kept them on the CPU), from the permuted cuBLAS-blocked tensors.
 
 Host side: a launch plan is cached per tensor metadata (shapes, strides, dtypes, devices), validated
-once; a call then reads five data pointers and the stream and calls the compiled launcher with reused
-ctypes argument storage (the DSL's own argument conversion costs far more than the launch).
+once; a call then reads five data pointers and the stream and calls the compiled launcher: through
+TVM-FFI (``--enable-tvm-ffi``, where apache-tvm-ffi is installed), else with reused ctypes argument
+storage where this DSL version's layout is the one checked for (the DSL's own argument conversion costs
+far more than the launch; ``_Kernel``). Works with nvidia-cutlass-dsl 4.3 to 4.8.
 
 On a GPU whose ``torch._scaled_mm`` supports fp4 (sm_100 family), ``L == 1`` goes to ``_scaled_mm``
 instead, with its blocked scales taken from ``sfa_permuted``/``sfb_permuted`` by a permute and reshape.
@@ -49,6 +51,7 @@ import ctypes
 import os
 import struct
 import threading
+import warnings
 
 import torch
 input_t = output_t = tuple  # submission.py: the competition's own types, from task (tools/gen_submission.py)
@@ -58,6 +61,11 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cuda.bindings.driver import CUstream as _CUstream
+
+try:  # DSL 4.8 moved it; the old name warns there
+    from cutlass.memory import SmemAllocator
+except ImportError:
+    from cutlass.utils import SmemAllocator
 
 FORCE_CUTE_ENV = "NVFP4_GEMV_FORCE_CUTE"
 E2M1_TIMES2_LO = 0x03020100  # 2 * e2m1 magnitude codes 0..3; codes 4..7 give 0x0C080604
@@ -531,7 +539,7 @@ class Nvfp4Gemv(_GemvLaunch):
         C = self.chunks
         nb = self.per_lane // self.batch
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         s_buf = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.smem_bytes // 4), byte_alignment=16)
         s_b0 = s_buf.iterator.toint()  # int8 b, first 16 values of each chunk, 16 B apart
         s_b1 = s_b0 + 16 * C  # last 16 values of each chunk
@@ -698,7 +706,7 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
             else:
                 acc = scaled_chunk_dot(acc, x, s16, wb[8 * i:8 * i + 8], sb[2 * i], sb[2 * i + 1], tbl)
         acc = group_sum(acc, self.shuffle_offsets)
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         s_buf = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.smem_bytes // 4), byte_alignment=16)
         s_red = s_buf.iterator.toint()  # one fp64 a warp, a row's warps side by side
         if tidx % 32 == 0:
@@ -789,7 +797,7 @@ class Nvfp4GemvBulk(_GemvLaunch):
         gdimx, _, _ = cute.arch.grid_dim()
         S = self.stages
         R = self.rows
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         s_buf = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.smem_bytes // 4), byte_alignment=128)
         s_a = s_buf.iterator.toint()  # stage s: R rows of a, then R rows of sfa
         s_part = s_a + S * self.stage_bytes  # fp64 partial per stage, row and part
@@ -878,13 +886,59 @@ class Nvfp4GemvBulk(_GemvLaunch):
 # Compile cache
 # ----------------------------------------------------------------------------------------------------
 
+LAUNCH_ENV = "NVFP4_GEMV_LAUNCH"  # "tvm-ffi", "direct" or "dsl": force one launch path (tests, measurements)
+_warned = set()
+
+
+def _warn_once(key, message):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _tvm_ffi_module():
+    try:
+        import tvm_ffi
+    except ImportError:
+        return None
+    return tvm_ffi
+
+
+def launch_kind(fn):
+    """How a compiled kernel launches: ``"tvm-ffi"`` (compiled with ``--enable-tvm-ffi``), ``"direct"``
+    (our ctypes storage matches this DSL version's) or ``"dsl"`` (the DSL's own argument conversion)."""
+    tvm_ffi = _tvm_ffi_module()
+    if tvm_ffi is not None and (isinstance(fn, tvm_ffi.Function) or hasattr(fn, "__tvm_ffi_object__")):
+        return "tvm-ffi"
+    return "direct" if _Kernel.layout_matches(fn) else "dsl"
+
+
+def tvm_ffi_function(fn):
+    """The C function behind a kernel compiled with ``--enable-tvm-ffi``, called with plain ints and no
+    Python in between; None where there is none (compiled for another arch than this machine's). DSL
+    4.3-4.7 return a ``tvm_ffi.Function`` subclass; 4.8 wraps one (``__tvm_ffi_object__``, the FFI's
+    own protocol) in a keyword-argument layer that costs about 0.2 us a call."""
+    tvm_ffi = _tvm_ffi_module()
+    if tvm_ffi is None:
+        return None
+    if isinstance(fn, tvm_ffi.Function):
+        return fn if fn.__chandle__() else None
+    get = getattr(fn, "__tvm_ffi_object__", None)
+    raw = get() if get is not None else None
+    return raw if isinstance(raw, tvm_ffi.Function) else None
+
+
 class _Kernel:
-    """A compiled kernel on one device, launched by writing its 17 arguments into ctypes storage and
-    calling the compiled host function directly: the DSL's own call converts every argument each time,
-    which cost 236 us a call on the H200 machine (the launch itself about 5). The storage layout (16
-    pointers to int64/int32 values, then a pointer to the stream handle) is checked once against the
-    DSL's conversion; where it differs (another DSL version) ``direct`` is False and launches go through
-    the DSL's call."""
+    """A compiled kernel on one device and its launch path, the fastest that this install offers:
+
+    * ``tvm-ffi``: compiled with ``--enable-tvm-ffi`` (the DSL's public fast path, package
+      apache-tvm-ffi); a call passes the 17 values as Python ints to a C function.
+    * ``direct``: without apache-tvm-ffi (the leaderboard's image), the 17 values are written into ctypes
+      storage and the compiled host function is called directly. This reads DSL internals, so the
+      storage layout is checked once against the DSL's own conversion (it matches on 4.3, not on 4.8).
+    * ``dsl``: the DSL's own call, which converts every argument each time (about 100 us of host time a
+      call, against 5-10 for the others); a warning says so once.
+    """
 
     I32 = (5, 14, 15)  # m, grid_x, num_l; the others are int64 addresses and strides
 
@@ -892,19 +946,31 @@ class _Kernel:
         self.fn = fn
         self.device_index = device_index
         self.op = op
-        self.direct = self._layout_matches()
+        self.kind = launch_kind(fn)
+        self.ffi = tvm_ffi_function(fn) if self.kind == "tvm-ffi" else None
+        self.direct = self.kind == "direct"
         self.executor = None
 
-    def _layout_matches(self):
+    def check_fast(self):
+        """Warns once where launches will go through the DSL's slow argument conversion."""
+        if self.ffi is None and not self.direct:
+            import importlib.metadata as md
+
+            _warn_once("dsl", f"nvfp4_gemv: no fast launch path with nvidia-cutlass-dsl "
+                       f"{md.version('nvidia-cutlass-dsl')} ({self.kind}): every call pays the DSL's "
+                       "argument conversion, about 100 us of host time; pip install apache-tvm-ffi")
+
+    @classmethod
+    def layout_matches(cls, fn):
         probe = [1000 + i for i in range(16)] + [_CUstream(0x5EED)]
         try:
-            exe, _ = self.fn.args_spec.generate_execution_args(probe, {})
+            exe, _ = fn.args_spec.generate_execution_args(probe, {})
             addr = [e.value if isinstance(e, ctypes.c_void_p) else e for e in exe]
-            vals = [(ctypes.c_int32 if i in self.I32 else ctypes.c_int64).from_address(addr[i]).value
+            vals = [(ctypes.c_int32 if i in cls.I32 else ctypes.c_int64).from_address(addr[i]).value
                     for i in range(16)]
             return (len(exe) == 17 and vals == probe[:16]
                     and ctypes.c_void_p.from_address(addr[16]).value == 0x5EED)
-        except Exception:  # noqa: BLE001 - any surprise: use the DSL's own path
+        except Exception:  # noqa: BLE001 - any surprise: not this layout
             return False
 
     def _executor(self):
@@ -935,7 +1001,7 @@ class _Kernel:
         return head, values, (ctypes.c_void_p * len(ptrs))(*ptrs), result, ex.jit_module.capi_func
 
     def launch_dsl(self, values, stream_handle):
-        self.fn(*values, _CUstream(stream_handle))
+        self.fn(*values, stream_handle if self.kind == "tvm-ffi" else _CUstream(stream_handle))
 
 
 _compiled = {}
@@ -975,11 +1041,16 @@ def make_op(k, blocked_scales, **tuning):
     return cls(k, blocked_scales, **tuning)
 
 
-def compile_gemv(k, blocked_scales, arch, options=None, **tuning):
-    """Compiles the kernel for ``k`` (no GPU needed when ``options`` names ``--gpu-arch``)."""
+def compile_gemv(k, blocked_scales, arch, options=None, tvm_ffi=None, **tuning):
+    """Compiles the kernel for ``k`` (no GPU needed when ``options`` names ``--gpu-arch``); ``tvm_ffi``
+    (default: where apache-tvm-ffi is installed and ``NVFP4_GEMV_LAUNCH`` does not say otherwise) builds
+    the TVM-FFI launcher."""
+    if tvm_ffi is None:
+        tvm_ffi = os.environ.get(LAUNCH_ENV, "tvm-ffi") == "tvm-ffi" and _tvm_ffi_module() is not None
+    opts = ((options or "") + (" --enable-tvm-ffi" if tvm_ffi else "")).strip()
     i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
     return cute.compile(make_op(k, blocked_scales, **tuning), *[i64] * 5, i32, *[i64] * 8, i32, i32,
-                        _CUstream(0), options=options or "")
+                        _CUstream(0), options=opts)
 
 
 def _get_kernel(device_index, k, blocked_scales, tuning):
@@ -992,6 +1063,7 @@ def _get_kernel(device_index, k, blocked_scales, tuning):
                 kw = dict(tuning)
                 fn = compile_gemv(k, blocked_scales, device_info(device_index)[0], **kw)
                 kern = _Kernel(fn, device_index, make_op(k, blocked_scales, **kw))
+                kern.check_fast()
                 _compiled[key] = kern
     return kern
 
@@ -1036,6 +1108,7 @@ class _CutePlan:
         self.static = (m, a.stride(0), a.stride(2), b.stride(2), *strides, c.stride(0) * 2, c.stride(2) * 2,
                        ctas_per_l, l)
         self.lock = threading.Lock()
+        self.ffi = kern.ffi
         self.storage = None
 
     def __call__(self, data):
@@ -1044,6 +1117,10 @@ class _CutePlan:
         psa, psb = data[self.scale_idx[0]].data_ptr(), data[self.scale_idx[1]].data_ptr()
         if (pa | pb) & 15 or psa & self.sfa_mask or psb & 1:
             return self._unaligned(data)
+        ffi = self.ffi
+        if ffi is not None and _get_device() == self.dev:
+            ffi(pa, pb, psa, psb, c.data_ptr(), *self.static, _current_stream(self.dev))
+            return c
         storage = self.storage
         if not storage or _get_device() != self.dev:
             return self._launch_slow(data, (pa, pb, psa, psb, c.data_ptr()))
@@ -1060,13 +1137,13 @@ class _CutePlan:
         """First call (builds the argument storage), the DSL's own launch where its layout differs, or
         a call from another current device (launches go to the current context)."""
         kern = self.kernel
-        if self.storage is None:
+        if self.storage is None and self.ffi is None:
             kern._executor()
             with self.lock:
                 if self.storage is None:
                     self.storage = kern.args(self.static) if kern.direct else False
         with torch.cuda.device(self.dev):
-            if self.storage:
+            if self.ffi is not None or self.storage:
                 return self(data)
             kern.launch_dsl(ptrs + self.static, _current_stream(self.dev))
         return data[6]
