@@ -946,7 +946,7 @@ class _Kernel:
         self.fn = fn
         self.device_index = device_index
         self.op = op
-        self.kind = launch_kind(fn)
+        self.kind = "dsl" if os.environ.get(LAUNCH_ENV) == "dsl" else launch_kind(fn)
         self.ffi = tvm_ffi_function(fn) if self.kind == "tvm-ffi" else None
         self.direct = self.kind == "direct"
         self.executor = None
