@@ -308,14 +308,19 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
     :param alpha: None (1) or a one-element fp32 tensor on the device (e.g. the product of the two
         per-tensor scales), read by the kernel: no host sync.
     :param out_dtype: ``torch.bfloat16`` (default) or ``torch.float16``.
-    :param out: optional preallocated [N, M] tensor of ``out_dtype`` (unit stride along M on CUDA),
-        written and returned.
+    :param out: optional preallocated [N, M] bf16 or fp16 tensor (unit stride along M on CUDA), written
+        and returned; its dtype is the result's (``out_dtype`` is then ignored).
     :return: [N, M] ``out_dtype``: ``out[n, m] = alpha * sum_k x[n,k] xs[n,k//16] w[m,k] ws[m,k//16]``.
     :raises TypeError, ValueError: naming the argument, for inputs the op cannot take.
     """
     if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype not in _OUT:
+            _fail(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor",
+                  getattr(out, "dtype", type(out).__name__))
         out_dtype = out.dtype
     if torch.compiler.is_compiling() or not getattr(w, "is_cuda", False):
+        if not torch.compiler.is_compiling():
+            check_args(x, x_scale, w, w_scale, alpha, out_dtype, out)  # our errors, not the dispatcher's
         if out is None:
             return torch.ops.nvfp4.gemv(x, x_scale, w, w_scale, alpha, out_dtype)
         torch.ops.nvfp4.gemv_out(x, x_scale, w, w_scale, alpha, out)

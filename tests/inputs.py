@@ -79,3 +79,49 @@ def cancelling_inputs(m, k, l, seed, device="cuda"):
     data = [a.view(torch.float4_e2m1fn_x2), b.view(torch.float4_e2m1fn_x2), sfa, sfb,
             permute_scales(sfa), permute_scales(sfb), c]
     return tuple(t.to(device) for t in data)
+
+
+# ------------------------------------------------------------------------------------- the op (gemv)
+
+
+def op_inputs(n, m, k, seed, device="cuda", min_exp=2, max_exp=10, alpha=True):
+    """Random signed operands of ``nvfp4_gemv.gemv``: both nibbles, scales of either sign over
+    2^-5..2^3 (exponent fields ``min_exp``..``max_exp``), alpha != 1. Returns ``(x, x_scale, w, w_scale,
+    alpha)`` in the torch dtypes (fp4x2, e4m3, fp32)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    w = torch.randint(0, 256, (m, k // 2), generator=g, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    xs = random_scales((n, k // 16), g, "cpu", min_exp, max_exp)
+    ws = random_scales((m, k // 16), g, "cpu", min_exp, max_exp)
+    a = (0.5 + torch.rand(1, generator=g, dtype=torch.float32)) if alpha else None
+    return tuple(t.to(device) if t is not None else None for t in (x, xs, w, ws, a))
+
+
+def op_exact(x, xs, w, ws, alpha):
+    """``(result, sum of |terms|)`` in float64 for plain scales, from first principles: decoded values
+    times scales, products summed in float64 (on the CPU)."""
+    def deq(q, s):
+        u = q.view(torch.uint8).cpu()
+        table = torch.tensor(reference.E2M1_VALUES, dtype=torch.float64)
+        v = torch.stack((table[(u & 0xF).long()], table[(u >> 4).long()]), dim=-1).reshape(u.shape[0], -1)
+        return v * s.view(torch.float8_e4m3fn).cpu().to(torch.float64).repeat_interleave(16, dim=1)
+
+    xv, wv = deq(x, xs), deq(w, ws)
+    a = 1.0 if alpha is None else float(alpha.item())
+    return (xv @ wv.T) * a, (xv.abs() @ wv.abs().T) * abs(a)
+
+
+def op_violations(out, exact, terms):
+    """Elements of ``out`` farther from ``exact`` than half an ulp of ``out``'s dtype at the exact value
+    plus 2^-14 of the sum of |terms| (the op's accuracy contract); returns ``(count, message)``."""
+    fi = torch.finfo(out.dtype)
+    mag = exact.abs().clamp(min=fi.smallest_normal)
+    half_ulp = 0.5 * fi.eps * torch.exp2(torch.floor(torch.log2(mag)))
+    half_ulp = half_ulp.clamp(min=0.5 * fi.smallest_normal * fi.eps)
+    err = (out.cpu().to(torch.float64) - exact).abs()
+    bad = ~(err <= half_ulp + terms * 2.0 ** -14)
+    if not bad.any():
+        return 0, "ok"
+    i = bad.nonzero()[0].tolist()
+    return int(bad.sum()), (f"{int(bad.sum())} of {bad.numel()} outside the bound; first at {i}: got "
+                            f"{out[i[0], i[1]].item()!r}, exact {exact[i[0], i[1]].item()!r}")

@@ -1045,12 +1045,17 @@ def compile_gemv(k, blocked_scales, arch, options=None, tvm_ffi=None, **tuning):
     """Compiles the kernel for ``k`` (no GPU needed when ``options`` names ``--gpu-arch``); ``tvm_ffi``
     (default: where apache-tvm-ffi is installed and ``NVFP4_GEMV_LAUNCH`` does not say otherwise) builds
     the TVM-FFI launcher."""
-    if tvm_ffi is None:
-        tvm_ffi = os.environ.get(LAUNCH_ENV, "tvm-ffi") == "tvm-ffi" and _tvm_ffi_module() is not None
-    opts = ((options or "") + (" --enable-tvm-ffi" if tvm_ffi else "")).strip()
     i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
     return cute.compile(make_op(k, blocked_scales, **tuning), *[i64] * 5, i32, *[i64] * 8, i32, i32,
-                        _CUstream(0), options=opts)
+                        _CUstream(0), options=launch_options(options, tvm_ffi))
+
+
+def launch_options(options, tvm_ffi):
+    """Compile options: ``options`` plus ``--enable-tvm-ffi`` where ``tvm_ffi`` says so (by default where
+    apache-tvm-ffi is installed and ``NVFP4_GEMV_LAUNCH`` does not name another path)."""
+    if tvm_ffi is None:
+        tvm_ffi = os.environ.get(LAUNCH_ENV, "tvm-ffi") == "tvm-ffi" and _tvm_ffi_module() is not None
+    return ((options or "") + (" --enable-tvm-ffi" if tvm_ffi else "")).strip()
 
 
 def _get_kernel(device_index, k, blocked_scales, tuning):

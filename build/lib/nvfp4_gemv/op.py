@@ -1,0 +1,328 @@
+"""``nvfp4_gemv.gemv``: NVFP4 x NVFP4 linear layers in decode, as a PyTorch op.
+
+``out[n, m] = alpha * sum_k x[n, k] * x_scale[n, k // 16] * w[m, k] * w_scale[m, k // 16]``, the product
+``(dequant(x) @ dequant(w).T) * alpha`` of an NVFP4 checkpoint's linear layer (alpha: the product of the
+two per-tensor scales). On a CUDA GPU (Hopper or Blackwell) the CuTe DSL kernel of ``nvfp4_gemv.tokens``
+reads ``w`` once for all ``N`` rows of ``x``; elsewhere an exact float64 implementation runs.
+
+The op is ``torch.ops.nvfp4.gemv`` (and ``torch.ops.nvfp4.gemv_out`` for ``out=``), with fake
+implementations for tracing, so ``torch.compile(fullgraph=True)`` and CUDA graphs take it. Eager calls of
+``gemv`` skip the dispatcher and launch directly (a cached launch plan per tensor metadata).
+"""
+
+import threading
+from typing import Optional
+
+import torch
+
+from . import kernel as _k
+from .tokens import Nvfp4GemvTokens, compile_tokens
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_FP4 = (torch.float4_e2m1fn_x2, torch.uint8)
+_FP8 = (torch.float8_e4m3fn, torch.uint8)
+_OUT = (torch.bfloat16, torch.float16)
+
+
+def _fail(exc, name, expected, got):
+    raise exc(f"nvfp4_gemv.gemv: argument '{name}': expected {expected}, got {got}")
+
+
+def swizzled_scale_shape(rows, k):
+    """Shape of the 128x4 blocked ("swizzled") scales of a [rows, K] operand as torchao keeps them:
+    ``(ceil(rows / 128) * 32, ceil(K / 64) * 16)``; ``to_blocked``'s flat form has as many elements."""
+    return (-(-rows // 128) * 32, -(-k // 64) * 16)
+
+
+def _scale_layout(s, name, rows, k):
+    """``False`` for plain [rows, K/16] scales, ``True`` for the blocked layout (told apart by shape)."""
+    if not isinstance(s, torch.Tensor):
+        _fail(TypeError, name, "a torch.Tensor", type(s).__name__)
+    if s.dtype not in _FP8:
+        _fail(TypeError, name, "dtype torch.float8_e4m3fn or torch.uint8", s.dtype)
+    shape = tuple(s.shape)
+    if shape == (rows, k // 16):
+        return False
+    swz = swizzled_scale_shape(rows, k)
+    if shape in (swz, (swz[0] * swz[1],)):
+        if not s.is_contiguous():
+            _fail(ValueError, name, "contiguous blocked scales", f"strides {s.stride()}")
+        return True
+    _fail(ValueError, name, f"plain scales of shape {(rows, k // 16)}, or blocked ones of shape {swz} or "
+          f"({swz[0] * swz[1]},)", shape)
+
+
+def check_args(x, x_scale, w, w_scale, alpha, out_dtype, out=None):
+    """Validates the op's arguments from metadata only (no device sync).
+
+    :return: ``(n, m, k, x_blocked, w_blocked)``; raises ``TypeError``/``ValueError`` naming the argument.
+    """
+    for t, name in ((x, "x"), (w, "w")):
+        if not isinstance(t, torch.Tensor):
+            _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
+        if t.dtype not in _FP4:
+            _fail(TypeError, name, "dtype torch.float4_e2m1fn_x2 or torch.uint8 (two e2m1 values a byte)", t.dtype)
+        if t.dim() != 2:
+            _fail(ValueError, name, "a 2-d tensor [rows, K/2]", f"{t.dim()}-d")
+    n, k2 = x.shape
+    m = w.shape[0]
+    k = 2 * k2
+    if n == 0:
+        _fail(ValueError, "x", "N (dim 0) >= 1", n)
+    if w.shape[1] != k2:
+        _fail(ValueError, "w", f"K/2 = {k2} bytes a row, as x has", w.shape[1])
+    if m == 0 or m % 128:
+        _fail(ValueError, "w", "M (dim 0) a positive multiple of 128", m)
+    if k == 0 or k % 64:
+        _fail(ValueError, "x", "K = 2 * dim 1 a positive multiple of 64", k)
+    if k > _k.MAX_K:
+        _fail(ValueError, "x", f"K <= {_k.MAX_K}", k)
+    x_blocked = _scale_layout(x_scale, "x_scale", n, k)
+    w_blocked = _scale_layout(w_scale, "w_scale", m, k)
+    if out_dtype not in _OUT:
+        _fail(TypeError, "out_dtype", "torch.bfloat16 or torch.float16", out_dtype)
+    dev = w.device
+    for t, name in ((x, "x"), (x_scale, "x_scale"), (w_scale, "w_scale")):
+        if t.device != dev:
+            _fail(ValueError, name, f"a tensor on {dev} (where 'w' is)", f"a tensor on {t.device}")
+    if alpha is not None:
+        if not isinstance(alpha, torch.Tensor):
+            _fail(TypeError, "alpha", "None or a one-element torch.float32 tensor", type(alpha).__name__)
+        if alpha.dtype != torch.float32 or alpha.numel() != 1:
+            _fail(TypeError, "alpha", "a one-element torch.float32 tensor", f"{alpha.dtype} of {alpha.numel()} elements")
+        if alpha.device != dev:
+            _fail(ValueError, "alpha", f"a tensor on {dev} (where 'w' is), read there without a sync",
+                  f"a tensor on {alpha.device}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            _fail(TypeError, "out", "a torch.Tensor", type(out).__name__)
+        if out.dtype != out_dtype or tuple(out.shape) != (n, m):
+            _fail(ValueError, "out", f"a [{n}, {m}] {out_dtype} tensor", f"{tuple(out.shape)} {out.dtype}")
+        if out.device != dev:
+            _fail(ValueError, "out", f"a tensor on {dev} (where 'w' is)", f"a tensor on {out.device}")
+    return n, m, k, x_blocked, w_blocked
+
+
+# ----------------------------------------------------------------------------------------------------
+# Exact implementation (any device)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _decode(q):
+    u = q.view(torch.uint8)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=u.device)
+    return torch.stack((table[(u & 0xF).long()], table[(u >> 4).long()]), dim=-1).reshape(u.shape[0], -1)
+
+
+def unswizzle_scales(s, rows, k):
+    """Plain [rows, K/16] scales from the 128x4 blocked layout (either of its shapes)."""
+    r128, c4 = -(-rows // 128), -(-(k // 16) // 4)
+    blocks = s.reshape(r128, c4, 32, 4, 4).permute(0, 3, 2, 1, 4)  # (tile r, group 4, row 32, tile c, col 4)
+    return blocks.reshape(r128 * 128, c4 * 4)[:rows, : k // 16]
+
+
+def _scales64(s, rows, k, blocked):
+    s = s.view(torch.float8_e4m3fn)
+    if blocked:
+        s = unswizzle_scales(s, rows, k)
+    return s.to(torch.float64).repeat_interleave(16, dim=1)
+
+
+def gemv_reference(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16):
+    """The exact result: float64 products and sums of the decoded, scaled values, times ``alpha``,
+    rounded once to ``out_dtype``."""
+    n, m, k, xb, wb = check_args(x, x_scale, w, w_scale, alpha, out_dtype)
+    xv = _decode(x) * _scales64(x_scale, n, k, xb)
+    wv = _decode(w) * _scales64(w_scale, m, k, wb)
+    res = xv @ wv.T
+    if alpha is not None:
+        res = res * alpha.to(torch.float64)
+    return res.to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA launch
+# ----------------------------------------------------------------------------------------------------
+
+_compiled = {}
+_plans = {}
+_lock = threading.RLock()
+
+
+def token_group(n, k):
+    """Tokens a launch takes: all ``n`` where their decoded copies fit shared memory, else equal groups."""
+    cap = max(1, Nvfp4GemvTokens.max_tokens(k))
+    launches = -(-n // cap)
+    return -(-n // launches)
+
+
+def _get_kernel(device_index, key):
+    kern = _compiled.get(key)
+    if kern is None:
+        with _lock:
+            kern = _compiled.get(key)
+            if kern is None:
+                op, fn = compile_tokens(*key[1:])
+                kern = _k._Kernel(fn, device_index, op)
+                kern.check_fast()
+                _compiled[key] = kern
+    return kern
+
+
+class _TokensPlan:
+    """What the tensors' metadata fixes for a launch (kernels, grid, strides, token groups), so that a
+    call only reads the data pointers and the stream."""
+
+    def __init__(self, x, x_scale, w, w_scale, alpha, out, out_dtype):
+        n, m, k, xb, wb = check_args(x, x_scale, w, w_scale, alpha, out_dtype, out)
+        dev = w.device
+        self.dev = dev.index
+        self.out_shape = (n, m)
+        for t, name in ((x, "x"), (w, "w")):
+            if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
+                _fail(ValueError, name, "K-contiguous rows (stride(1) == 1) at 16-byte aligned addresses",
+                      f"strides {t.stride()} at address {t.data_ptr():#x}")
+        for t, name, blocked in ((x_scale, "x_scale", xb), (w_scale, "w_scale", wb)):
+            if not blocked and (t.stride(1) != 1 or t.stride(0) % 2 or t.data_ptr() % 2):
+                _fail(ValueError, name, "K-contiguous scales (stride(1) == 1) at even addresses", f"strides {t.stride()}")
+        out_rs = m
+        if out is not None:
+            if out.stride(1) != 1 and m > 1:
+                _fail(ValueError, "out", "unit stride along M", f"strides {out.stride()}")
+            out_rs = out.stride(0)
+        sms = _k.device_info(self.dev)[1]
+        g = token_group(n, k)
+        # blocked x scales: the kernel indexes tokens within one launch; rows below 32 of a tile are 16
+        # bytes apart, so a later group starts 16 * t0 bytes in; beyond that the plan unswizzles on the host
+        self.unswizzle_x = xb and g < n and n > 32
+        if self.unswizzle_x:
+            _k._warn_once("xs", "nvfp4_gemv.gemv: blocked x_scale for more than 32 tokens is unswizzled on the "
+                          "host each call (extra torch kernels): pass plain x_scale")
+            xb = False
+        tile = 512 * (-(-(k // 16) // 4))  # bytes of a 128-row tile of blocked scales
+        ws_rs = tile if wb else w_scale.stride(0)
+        xs_rs = tile if xb else (k // 16 if self.unswizzle_x else x_scale.stride(0))
+        self.k = k
+        self.launches = []
+        for t0 in range(0, n, g):
+            nt = min(g, n - t0)
+            key = (self.dev, k, nt, wb, xb, alpha is not None, out_dtype == torch.bfloat16)
+            kern = _get_kernel(self.dev, key)
+            offsets = (t0 * x.stride(0), 16 * t0 if xb else t0 * xs_rs, t0 * out_rs * 2)
+            self.launches.append((kern, offsets, (m, w.stride(0), ws_rs, x.stride(0), xs_rs, out_rs * 2,
+                                                  kern.op.grid_x(m, sms))))
+
+    def __call__(self, x, x_scale, w, w_scale, alpha, out, out_dtype):
+        px, pw = x.data_ptr(), w.data_ptr()
+        if (px | pw) & 15:
+            bad = "x" if px & 15 else "w"
+            _fail(ValueError, bad, "16-byte aligned rows", f"address {(px if px & 15 else pw):#x}")
+        if self.unswizzle_x:
+            x_scale = unswizzle_scales(x_scale.view(torch.uint8), self.out_shape[0], self.k).contiguous()
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=out_dtype, device=w.device)
+        pxs, pws, pout = x_scale.data_ptr(), w_scale.data_ptr(), out.data_ptr()
+        pa = alpha.data_ptr() if alpha is not None else 0
+        dev_ok = _k._get_device() == self.dev
+        stream = _k._current_stream(self.dev)
+        for kern, (dx, dxs, dout), static in self.launches:
+            if kern.ffi is not None and dev_ok:
+                kern.ffi(pw, px + dx, pws, pxs + dxs, pout + dout, pa, *static, stream)
+            else:
+                with torch.cuda.device(self.dev):
+                    kern.launch_dsl((pw, px + dx, pws, pxs + dxs, pout + dout, pa, *static), stream)
+        return out
+
+
+def _metadata(ts):
+    return tuple((t.shape, t.stride(), t.dtype, t.device) if t is not None else None for t in ts)
+
+
+def _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype):
+    try:
+        key = (_metadata((x, x_scale, w, w_scale, alpha, out)), out_dtype)
+    except (AttributeError, TypeError):
+        key = None
+    plan = _plans.get(key)
+    if plan is None:
+        if w.device.type != "cuda":
+            _fail(ValueError, "w", "a CUDA tensor for the CUDA path", f"a tensor on {w.device}")
+        plan = _TokensPlan(x, x_scale, w, w_scale, alpha, out, out_dtype)
+        if key is not None:
+            if len(_plans) >= _k.MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+    return plan(x, x_scale, w, w_scale, alpha, out, out_dtype)
+
+
+def _run(x, x_scale, w, w_scale, alpha, out, out_dtype):
+    if w.is_cuda:
+        return _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype)
+    res = gemv_reference(x, x_scale, w, w_scale, alpha, out_dtype)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# torch.library ops
+# ----------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("nvfp4::gemv", mutates_args=())
+def _gemv_op(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+             alpha: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    return _run(x, x_scale, w, w_scale, alpha, None, out_dtype)
+
+
+@_gemv_op.register_fake
+def _gemv_fake(x, x_scale, w, w_scale, alpha, out_dtype):
+    n, m, _, _, _ = check_args(x, x_scale, w, w_scale, alpha, out_dtype)
+    return x.new_empty((n, m), dtype=out_dtype, device=w.device)
+
+
+@torch.library.custom_op("nvfp4::gemv_out", mutates_args=("out",))
+def _gemv_out_op(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                 alpha: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    check_args(x, x_scale, w, w_scale, alpha, out.dtype, out)
+    _run(x, x_scale, w, w_scale, alpha, out, out.dtype)
+
+
+@_gemv_out_op.register_fake
+def _gemv_out_fake(x, x_scale, w, w_scale, alpha, out):
+    check_args(x, x_scale, w, w_scale, alpha, out.dtype, out)
+
+
+def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None):
+    """NVFP4 x NVFP4 matrix-vector product for decode: ``(dequant(x) @ dequant(w).T) * alpha``.
+
+    :param x: activations [N, K/2], ``torch.float4_e2m1fn_x2`` or ``torch.uint8`` (two e2m1 values a
+        byte, the first in the low nibble). N up to 16 runs at about the speed of a read of ``w``.
+    :param x_scale: [N, K/16] ``torch.float8_e4m3fn`` (or its uint8 bytes), one scale per 16 values; or
+        the 128x4 blocked layout (see ``w_scale``).
+    :param w: weights [M, K/2], the same dtypes; M % 128 == 0, K % 64 == 0, K <= 32768.
+    :param w_scale: [M, K/16] plain scales, or the 128x4 blocked ("swizzled") layout of cuBLAS, torchao
+        and flashinfer (``to_blocked``): shape ``(ceil(M/128)*32, ceil(K/64)*16)`` as torchao's
+        ``NVFP4Tensor`` keeps it, or that many elements flat. The two are told apart by shape.
+    :param alpha: None (1) or a one-element fp32 tensor on the device (e.g. the product of the two
+        per-tensor scales), read by the kernel: no host sync.
+    :param out_dtype: ``torch.bfloat16`` (default) or ``torch.float16``.
+    :param out: optional preallocated [N, M] bf16 or fp16 tensor (unit stride along M on CUDA), written
+        and returned; its dtype is the result's (``out_dtype`` is then ignored).
+    :return: [N, M] ``out_dtype``: ``out[n, m] = alpha * sum_k x[n,k] xs[n,k//16] w[m,k] ws[m,k//16]``.
+    :raises TypeError, ValueError: naming the argument, for inputs the op cannot take.
+    """
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype not in _OUT:
+            _fail(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor",
+                  getattr(out, "dtype", type(out).__name__))
+        out_dtype = out.dtype
+    if torch.compiler.is_compiling() or not getattr(w, "is_cuda", False):
+        if not torch.compiler.is_compiling():
+            check_args(x, x_scale, w, w_scale, alpha, out_dtype, out)  # our errors, not the dispatcher's
+        if out is None:
+            return torch.ops.nvfp4.gemv(x, x_scale, w, w_scale, alpha, out_dtype)
+        torch.ops.nvfp4.gemv_out(x, x_scale, w, w_scale, alpha, out)
+        return out
+    return _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype)

@@ -1,0 +1,231 @@
+"""The model-code op's kernel: ``out[n, m] = alpha * sum_k x[n, k] xs[n, k // 16] w[m, k] ws[m, k // 16]`` for
+``N`` token rows ``x`` at once, so that the weights ``w`` (the bytes that bound the time) are read once.
+
+It is the streaming kernel of ``nvfp4_gemv.kernel`` (``Nvfp4Gemv``: groups of lanes own a row of ``w`` at a
+time, grid-strided over the rows, 16-byte loads in flight while the previous unit computes) with ``N``
+vectors decoded into shared memory instead of one. A chunk of ``w`` (32 values) is decoded once into its
+positive and negative byte lookups; each token then costs eight ``dp4a`` a block against its int8 copy,
+one scaling and an fp64 addition. ``N`` is a compile-time constant. Where ``N`` tokens' decoded copies do
+not fit in shared memory the op launches the kernel once per group of tokens (``token_group``).
+
+Layouts: ``w`` [M, K/2] and ``x`` [N, K/2] K-contiguous with 16-byte aligned rows; each scale tensor plain
+([rows, K/16], K-contiguous) or the 128x4 blocked layout of ``to_blocked`` (``w_blocked``/``x_blocked``);
+``out`` [N, M] with unit stride along M; ``alpha`` one fp32 on the device, or none.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .kernel import (
+    E2M1_TIMES2_LO,
+    Nvfp4Gemv,
+    SmemAllocator,
+    _asm,
+    _asm_store,
+    _CUstream,
+    launch_options,
+    e4m3x2_to_f32x2,
+    fp4x8_to_i8,
+    group_sum,
+    ldg_u16,
+    ldg_v4,
+    lds_f32x2,
+    lds_u32,
+    lds_v4,
+    sts_f32x2,
+    sts_u32,
+    sts_v4,
+)
+
+SMEM_A_SM = 233472  # 228 KiB a SM on sm_90 and sm_100, 1 KiB of it reserved for each CTA
+
+
+@dsl_user_op
+def fp4x16_lookups(x0, x1, tbl, *, loc=None, ip=None):
+    """The byte lookups of 16 e2m1 nibbles that ``fp4x16_dot_i8`` makes, kept for reuse across tokens:
+    ``(p, q)`` for each group of four values, ``p`` the magnitudes ``2|v|`` of the positive values, ``q``
+    of the negative ones."""
+    r = _asm([T.i32()] * 8, [cutlass.Int32(v) for v in (x0, x1, tbl)],
+             "{\n.reg .b32 n0, n1, h;\n"
+             "xor.b32 n0, $8, 0x88888888;\nxor.b32 n1, $9, 0x88888888;\n"
+             "prmt.b32 $0, $10, 0x0C080604, $8;\nprmt.b32 $1, $10, 0x0C080604, n0;\n"
+             "shr.b32 h, $8, 16;\nprmt.b32 $2, $10, 0x0C080604, h;\n"
+             "shr.b32 h, n0, 16;\nprmt.b32 $3, $10, 0x0C080604, h;\n"
+             "prmt.b32 $4, $10, 0x0C080604, $9;\nprmt.b32 $5, $10, 0x0C080604, n1;\n"
+             "shr.b32 h, $9, 16;\nprmt.b32 $6, $10, 0x0C080604, h;\n"
+             "shr.b32 h, n1, 16;\nprmt.b32 $7, $10, 0x0C080604, h;\n}",
+             "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def lookups_dot(s, w, *, loc=None, ip=None):
+    """Exact ``sum(2a * 2b)`` over 16 values from ``fp4x16_lookups``' eight words and ``b``'s four int8
+    words."""
+    r = _asm([T.i32()], [cutlass.Int32(v) for v in (*s, *w)],
+             "{\n.reg .b32 p, q;\n"
+             "dp4a.s32.s32 p, $1, $9, 0;\ndp4a.s32.s32 q, $2, $9, 0;\n"
+             "dp4a.s32.s32 p, $3, $10, p;\ndp4a.s32.s32 q, $4, $10, q;\n"
+             "dp4a.s32.s32 p, $5, $11, p;\ndp4a.s32.s32 q, $6, $11, q;\n"
+             "dp4a.s32.s32 p, $7, $12, p;\ndp4a.s32.s32 q, $8, $12, q;\n"
+             "sub.s32 $0, p, q;\n}", "=r,r,r,r,r,r,r,r,r,r,r,r,r", loc, ip)
+    return cutlass.Int32(r[0])
+
+
+@dsl_user_op
+def ldg_f32(addr, *, loc=None, ip=None):
+    r = _asm([T.f32()], [cutlass.Int64(addr)], "ld.global.nc.f32 $0, [$1];", "=f,l", loc, ip)
+    return cutlass.Float32(r[0])
+
+
+@dsl_user_op
+def stg_f64_as(addr, v, bf16, *, loc=None, ip=None):
+    """Stores fp64 ``v`` rounded to bf16 (``bf16``) or fp16."""
+    cvt = "cvt.rn.bf16.f32" if bf16 else "cvt.rn.f16.f32"
+    _asm_store([cutlass.Int64(addr), cutlass.Float64(v)],
+               "{\n.reg .b16 h;\n.reg .f32 f;\ncvt.rn.f32.f64 f, $1;\n" + cvt + " h, f;\nst.global.b16 [$0], h;\n}",
+               "l,d", loc, ip)
+
+
+def blocked_row(row64, tile_stride):
+    """Byte offset of a row's first scale in the 128x4 blocked layout (``to_blocked``): 128-row tiles
+    ``tile_stride`` bytes apart, 32 rows of 16 bytes, four such groups 4 bytes apart."""
+    return (row64 >> 7) * tile_stride + (row64 & 31) * 16 + ((row64 >> 5) & 3) * 4
+
+
+class Nvfp4GemvTokens(Nvfp4Gemv):
+    """``Nvfp4Gemv`` over ``n_tok`` token rows at once: see the module docstring."""
+
+    def __init__(self, k: int, n_tok: int, w_blocked: bool, x_blocked: bool, has_alpha: bool, out_bf16: bool,
+                 threads=256, min_blocks=None, depth=None):
+        self.threads = threads
+        self.n_tok = n_tok
+        self.x_blocked = x_blocked
+        self.has_alpha = has_alpha
+        self.out_bf16 = out_bf16
+        super().__init__(k, w_blocked, depth=depth or 2)
+        self.smem_bytes = 40 * self.chunks * n_tok + 16
+        fit = SMEM_A_SM // (self.smem_bytes + 1024)
+        if fit < 1:
+            raise ValueError(f"nvfp4_gemv: K={k}: {n_tok} tokens do not fit in shared memory")
+        self.min_blocks = max(1, min(fit, min_blocks or (4 if n_tok == 1 else 2)))
+
+    @staticmethod
+    def max_tokens(k):
+        """The most tokens whose decoded copies fit one CTA's shared memory."""
+        return (SMEM_A_SM - 1024 - 16) // (40 * (k // 32))
+
+    @cute.jit
+    def __call__(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, xs_ptr: cutlass.Int64,
+                 out_ptr: cutlass.Int64, alpha_ptr: cutlass.Int64, m: cutlass.Int32, w_rs: cutlass.Int64,
+                 ws_rs: cutlass.Int64, x_rs: cutlass.Int64, xs_rs: cutlass.Int64, out_rs: cutlass.Int64,
+                 grid_x: cutlass.Int32, stream):
+        self.kernel(w_ptr, x_ptr, ws_ptr, xs_ptr, out_ptr, alpha_ptr, m, w_rs, ws_rs, x_rs, xs_rs,
+                    out_rs).launch(grid=[grid_x, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
+                                   stream=stream, min_blocks_per_mp=self.min_blocks)
+
+    @cute.kernel
+    def kernel(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, xs_ptr: cutlass.Int64,
+               out_ptr: cutlass.Int64, alpha_ptr: cutlass.Int64, m: cutlass.Int32, w_rs: cutlass.Int64,
+               ws_rs: cutlass.Int64, x_rs: cutlass.Int64, xs_rs: cutlass.Int64, out_rs: cutlass.Int64):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdimx, _, _ = cute.arch.grid_dim()
+        G = self.group
+        C = self.chunks
+        NT = self.n_tok
+        nb = self.per_lane // self.batch
+
+        smem = SmemAllocator()
+        s_buf = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.smem_bytes // 4), byte_alignment=16)
+        s_b = s_buf.iterator.toint()  # token t: int8 x in two 16-byte halves a chunk, then its scales / 4
+        s_tbl = s_b + 40 * C * NT
+
+        lane = tidx % G
+        step = gdimx * self.rows_per_cta
+        warp_row0 = bidx * self.rows_per_cta + (tidx // 32) * (32 // G)
+        n_units = cutlass.Int32(0)
+        if warp_row0 < m:
+            n_units = (m - warp_row0 + step - 1) // step * nb
+        row = bidx * self.rows_per_cta + tidx // G
+        bt = cutlass.Int32(0)
+        pipe = []
+        irow = row
+        ibt = cutlass.Int32(0)
+        for _j in cutlass.range_constexpr(self.depth - 1):
+            pipe.append(self._load_unit(irow, ibt, irow < m, lane, w_ptr, ws_ptr, w_rs, ws_rs))
+            irow, ibt = self._next_unit(irow, ibt, step)
+
+        for i in cutlass.range(tidx, C * NT, self.threads):
+            t = i // C
+            c = i - t * C
+            t64 = cutlass.Int64(t)
+            xw = ldg_v4(x_ptr + t64 * x_rs + cutlass.Int64(c) * 16)
+            base = s_b + t * (40 * C)
+            w0, w1 = fp4x8_to_i8(xw[0])
+            w2, w3 = fp4x8_to_i8(xw[1])
+            w4, w5 = fp4x8_to_i8(xw[2])
+            w6, w7 = fp4x8_to_i8(xw[3])
+            sts_v4(base + c * 16, w0, w1, w2, w3)
+            sts_v4(base + 16 * C + c * 16, w4, w5, w6, w7)
+            if cutlass.const_expr(self.x_blocked):
+                xs_row = xs_ptr + blocked_row(t64, xs_rs) + cutlass.Int64((c >> 1) * 512 + (c & 1) * 2)
+            else:
+                xs_row = xs_ptr + t64 * xs_rs + cutlass.Int64(2 * c)
+            s0, s1 = e4m3x2_to_f32x2(ldg_u16(xs_row))
+            sts_f32x2(base + 32 * C + c * 8, s0 * 0.25, s1 * 0.25)
+        if tidx == 0:
+            sts_u32(s_tbl, cutlass.Int32(E2M1_TIMES2_LO))
+        cute.arch.sync_threads()
+        tbl = lds_u32(s_tbl)
+        alpha = cutlass.Float64(1.0)
+        if cutlass.const_expr(self.has_alpha):
+            alpha = cutlass.Float64(ldg_f32(alpha_ptr))
+
+        acc = [cutlass.Float64(0.0)] * NT
+        for _u in cutlass.range(n_units, unroll=1):
+            pipe.append(self._load_unit(irow, ibt, irow < m, lane, w_ptr, ws_ptr, w_rs, ws_rs))
+            irow, ibt = self._next_unit(irow, ibt, step)
+            cur = pipe[0]
+            c0 = lane + bt * (self.batch * G)
+            for i in cutlass.range_constexpr(self.batch):
+                acc = self._chunk_dot_tokens(acc, cur[4 * i:4 * i + 4], cur[4 * self.batch + i], c0 + i * G,
+                                             s_b, tbl)
+            if bt == nb - 1:
+                for t in cutlass.range_constexpr(NT):
+                    total = group_sum(acc[t], self.shuffle_offsets)
+                    if lane == 0:
+                        stg_f64_as(out_ptr + cutlass.Int64(t) * out_rs + cutlass.Int64(row) * 2, total * alpha,
+                                   self.out_bf16)
+                acc = [cutlass.Float64(0.0)] * NT
+            row, bt = self._next_unit(row, bt, step)
+            pipe = pipe[1:]
+
+    @cute.jit
+    def _chunk_dot_tokens(self, acc, x, s16, c, s_b, tbl):
+        sa0, sa1 = e4m3x2_to_f32x2(s16)
+        lk0 = fp4x16_lookups(x[0], x[1], tbl)
+        lk1 = fp4x16_lookups(x[2], x[3], tbl)
+        C = self.chunks
+        out = []
+        for t in cutlass.range_constexpr(self.n_tok):
+            base = s_b + t * (40 * C)
+            w = lds_v4(base + c * 16) + lds_v4(base + 16 * C + c * 16)
+            sb0, sb1 = lds_f32x2(base + 32 * C + c * 8)
+            d0 = lookups_dot(lk0, w[0:4])
+            d1 = lookups_dot(lk1, w[4:8])
+            a = acc[t] + cutlass.Float64(cutlass.Float32(d0) * (sa0 * sb0))
+            out.append(a + cutlass.Float64(cutlass.Float32(d1) * (sa1 * sb1)))
+        return out
+
+    def grid_x(self, m, sms):
+        return max(1, min(-(-m // self.rows_per_cta), sms * self.ctas_per_sm()))
+
+
+def compile_tokens(k, n_tok, w_blocked, x_blocked, has_alpha, out_bf16, options=None, tvm_ffi=None, **tuning):
+    """Compiles the kernel (no GPU needed when ``options`` names ``--gpu-arch``)."""
+    op = Nvfp4GemvTokens(k, n_tok, w_blocked, x_blocked, has_alpha, out_bf16, **tuning)
+    i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
+    return op, cute.compile(op, *[i64] * 6, i32, *[i64] * 5, i32, _CUstream(0),
+                            options=launch_options(options, tvm_ffi))

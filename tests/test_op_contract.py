@@ -1,0 +1,93 @@
+"""nvfp4_gemv.gemv's contract, on the CPU (its exact path): the result, dtypes, scale layouts, out=."""
+
+import pytest
+import torch
+
+import inputs
+import reference
+from nvfp4_gemv import gemv, gemv_reference, swizzled_scale_shape
+
+
+def brute_force(x, xs, w, ws, alpha):
+    """One float64 sum per output element, value by value."""
+    xu, wu = x.view(torch.uint8), w.view(torch.uint8)
+    xsv, wsv = xs.view(torch.float8_e4m3fn).double(), ws.view(torch.float8_e4m3fn).double()
+    n, m, k = xu.shape[0], wu.shape[0], 2 * xu.shape[1]
+    val = lambda u, r, j: reference.E2M1_VALUES[(int(u[r, j // 2]) >> (4 * (j % 2))) & 0xF]  # noqa: E731
+    out = torch.empty(n, m, dtype=torch.float64)
+    for i in range(n):
+        for r in range(m):
+            out[i, r] = sum(val(xu, i, j) * float(xsv[i, j // 16]) * val(wu, r, j) * float(wsv[r, j // 16])
+                            for j in range(k))
+    return out * (1.0 if alpha is None else float(alpha))
+
+
+@pytest.mark.parametrize("n,m,k", [(1, 128, 64), (3, 128, 128), (16, 128, 64)])
+def test_exact_path_matches_a_value_by_value_sum(n, m, k):
+    x, xs, w, ws, alpha = inputs.op_inputs(n, m, k, seed=n + k, device="cpu")
+    ref = brute_force(x, xs, w, ws, alpha)
+    assert torch.equal(gemv_reference(x, xs, w, ws, alpha, torch.float16), ref.to(torch.float16))
+    out = gemv(x, xs, w, ws, alpha)
+    assert out.dtype == torch.bfloat16 and out.shape == (n, m)
+    assert torch.equal(out, ref.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_result_is_the_exact_value_rounded_once(out_dtype):
+    x, xs, w, ws, alpha = inputs.op_inputs(5, 256, 512, seed=7, device="cpu")
+    exact, _ = inputs.op_exact(x, xs, w, ws, alpha)
+    assert torch.equal(gemv(x, xs, w, ws, alpha, out_dtype=out_dtype), exact.to(out_dtype))
+
+
+def test_uint8_views_are_the_same_operands():
+    x, xs, w, ws, alpha = inputs.op_inputs(4, 128, 256, seed=8, device="cpu")
+    ref = gemv(x, xs, w, ws, alpha)
+    u8 = [t.view(torch.uint8) for t in (x, xs, w, ws)]
+    assert torch.equal(gemv(*u8, alpha), ref)
+    assert torch.equal(gemv(u8[0], xs, w, u8[3], alpha), ref)
+
+
+def test_alpha_none_is_one():
+    x, xs, w, ws, _ = inputs.op_inputs(2, 128, 128, seed=9, device="cpu")
+    assert torch.equal(gemv(x, xs, w, ws, None), gemv(x, xs, w, ws, torch.ones(1)))
+    assert not torch.equal(gemv(x, xs, w, ws, None), gemv(x, xs, w, ws, torch.full((1,), 0.75)))
+
+
+@pytest.mark.parametrize("form", ["flat", "torchao"])
+@pytest.mark.parametrize("which", ["w_scale", "x_scale", "both"])
+def test_blocked_scales_give_the_same_result(form, which):
+    n, m, k = 3, 256, 320  # K/16 = 20 columns: the blocked layout pads them to 24
+    x, xs, w, ws, alpha = inputs.op_inputs(n, m, k, seed=10, device="cpu")
+    ref = gemv(x, xs, w, ws, alpha)
+
+    def blocked(s, rows):
+        padded = torch.zeros(-(-rows // 128) * 128, -(-(k // 16) // 4) * 4, dtype=torch.uint8)
+        padded[:rows, : k // 16] = s.view(torch.uint8)
+        flat = reference.to_blocked(padded).view(torch.float8_e4m3fn)
+        return flat if form == "flat" else flat.view(swizzled_scale_shape(rows, k))
+
+    if which in ("x_scale", "both"):
+        xs = blocked(xs, n)
+    if which in ("w_scale", "both"):
+        ws = blocked(ws, m)
+    assert torch.equal(gemv(x, xs, w, ws, alpha), ref)
+
+
+def test_out_is_written_and_returned():
+    x, xs, w, ws, alpha = inputs.op_inputs(4, 128, 256, seed=11, device="cpu")
+    ref = gemv(x, xs, w, ws, alpha, out_dtype=torch.float16)
+    out = torch.full((4, 128), float("nan"), dtype=torch.float16)
+    assert gemv(x, xs, w, ws, alpha, out=out) is out
+    assert torch.equal(out, ref)
+    wide = torch.full((4, 256), float("nan"), dtype=torch.bfloat16)
+    view = wide[:, 64:192]  # rows 256 elements apart
+    assert gemv(x, xs, w, ws, alpha, out=view) is view
+    assert torch.equal(view, gemv(x, xs, w, ws, alpha))
+    assert wide[:, :64].isnan().all() and wide[:, 192:].isnan().all()
+
+
+def test_non_contiguous_operands_on_the_exact_path():
+    x, xs, w, ws, alpha = inputs.op_inputs(3, 128, 256, seed=12, device="cpu")
+    ref = gemv(x, xs, w, ws, alpha)
+    wt = w.view(torch.uint8).T.contiguous().T  # same values, column-major
+    assert torch.equal(gemv(x, xs, wt, ws, alpha), ref)

@@ -1,0 +1,50 @@
+"""nvfp4_gemv.gemv rejects what it cannot take with a TypeError/ValueError naming the argument."""
+
+import pytest
+import torch
+
+import inputs
+from nvfp4_gemv import gemv
+
+
+def ops(n=2, m=128, k=128):
+    return list(inputs.op_inputs(n, m, k, seed=1, device="cpu"))
+
+
+BAD = [
+    # (id, change to [x, x_scale, w, w_scale, alpha], kwargs, exception, argument)
+    ("x not a tensor", lambda a: a.__setitem__(0, [1, 2]), {}, TypeError, "x"),
+    ("x float", lambda a: a.__setitem__(0, torch.zeros(2, 64)), {}, TypeError, "x"),
+    ("x 3-d", lambda a: a.__setitem__(0, a[0].view(torch.uint8).view(2, 8, 8)), {}, ValueError, "x"),
+    ("x no tokens", lambda a: a.__setitem__(0, a[0][:0]), {}, ValueError, "x"),
+    ("w other K", lambda a: a.__setitem__(2, a[2][:, :32]), {}, ValueError, "w"),
+    ("w M % 128", lambda a: a.__setitem__(2, a[2][:64]), {}, ValueError, "w"),
+    ("w int8", lambda a: a.__setitem__(2, a[2].view(torch.int8)), {}, TypeError, "w"),
+    ("K % 64", lambda a: (a.__setitem__(0, a[0][:, :16]), a.__setitem__(2, a[2][:, :16])), {}, ValueError, "x"),
+    ("x_scale shape", lambda a: a.__setitem__(1, a[1][:, :4]), {}, ValueError, "x_scale"),
+    ("x_scale fp16", lambda a: a.__setitem__(1, torch.ones(2, 8, dtype=torch.float16)), {}, TypeError, "x_scale"),
+    ("w_scale shape", lambda a: a.__setitem__(3, a[3][:64]), {}, ValueError, "w_scale"),
+    ("w_scale blocked, strided", lambda a: a.__setitem__(3, torch.zeros(32, 32, dtype=torch.uint8)[:, ::2]),
+     {}, ValueError, "w_scale"),
+    ("alpha fp64", lambda a: a.__setitem__(4, torch.ones(1, dtype=torch.float64)), {}, TypeError, "alpha"),
+    ("alpha two elements", lambda a: a.__setitem__(4, torch.ones(2)), {}, TypeError, "alpha"),
+    ("alpha a float", lambda a: a.__setitem__(4, 0.5), {}, TypeError, "alpha"),
+    ("out_dtype fp32", lambda a: None, {"out_dtype": torch.float32}, TypeError, "out_dtype"),
+    ("out shape", lambda a: None, {"out": torch.empty(2, 64, dtype=torch.bfloat16)}, ValueError, "out"),
+    ("out dtype", lambda a: None, {"out": torch.empty(2, 128, dtype=torch.float32)}, TypeError, "out"),
+]
+
+
+@pytest.mark.parametrize("change,kwargs,exc,name", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_argument_raises_naming_it(change, kwargs, exc, name):
+    args = ops()
+    change(args)
+    with pytest.raises(exc, match=f"argument '{name}'"):
+        gemv(*args, **kwargs)
+
+
+def test_operands_on_two_devices_are_rejected():
+    args = ops()
+    args[1] = args[1].to("meta")
+    with pytest.raises(ValueError, match="argument 'x_scale'"):
+        gemv(*args)

@@ -1,0 +1,52 @@
+"""Fuzzes nvfp4_gemv.gemv on the GPU against float64: random N, M, K, scale layouts, dtypes and alpha;
+each output must be within half an ulp of its dtype plus 2^-14 of the sum of |terms|.
+
+    python tools/fuzz_op.py --cases 300        # must print 'mismatches: 0'
+"""
+
+import argparse
+import os
+import random
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+import torch  # noqa: E402
+
+import inputs  # noqa: E402
+from nvfp4_gemv import gemv  # noqa: E402
+from test_gpu_op import assert_exact, blocked  # noqa: E402
+
+KS = (64, 256, 2048 + 320, 7168)  # few K values: each (K, N, layout) compiles once
+NS = (1, 2, 3, 4, 6, 8, 11, 16, 20)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--cases", type=int, default=300)
+    p.add_argument("--seed", type=int, default=2026)
+    args = p.parse_args()
+    rnd = random.Random(args.seed)
+    bad = 0
+    for i in range(args.cases):
+        n, k = rnd.choice(NS), rnd.choice(KS)
+        m = 128 * rnd.randint(1, 24)
+        dtype = rnd.choice((torch.bfloat16, torch.float16))
+        wb, xb, has_alpha = rnd.random() < 0.3, rnd.random() < 0.2, rnd.random() < 0.8
+        x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=rnd.randrange(1 << 30), alpha=has_alpha)
+        ops = (x, blocked(xs, n, k) if xb else xs, w, blocked(ws, m, k) if wb else ws, a)
+        out = torch.full((n, m), float("nan"), dtype=dtype, device="cuda")
+        gemv(*ops, out=out)
+        torch.cuda.synchronize()
+        try:
+            assert_exact(ops, out, k)
+        except AssertionError as e:
+            bad += 1
+            print(f"case {i}: N={n} M={m} K={k} {dtype} w_blocked={wb} x_blocked={xb} alpha={has_alpha}: {e}")
+    print(f"cases: {args.cases}\nmismatches: {bad}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
