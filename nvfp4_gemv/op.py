@@ -162,7 +162,7 @@ def _get_kernel(device_index, key):
         with _lock:
             kern = _compiled.get(key)
             if kern is None:
-                op, fn = compile_tokens(*key[1:])
+                op, fn = compile_tokens(*key[1:-1], **dict(key[-1]))
                 kern = _k._Kernel(fn, device_index, op)
                 kern.check_fast()
                 _compiled[key] = kern
@@ -173,10 +173,10 @@ class _TokensPlan:
     """What the tensors' metadata fixes for a launch (kernels, grid, strides, token groups), so that a
     call only reads the data pointers and the stream."""
 
-    def __init__(self, x, x_scale, w, w_scale, alpha, out, out_dtype):
+    def __init__(self, x, x_scale, w, w_scale, alpha, out, out_dtype, tuning=()):
         n, m, k, xb, wb = check_args(x, x_scale, w, w_scale, alpha, out_dtype, out)
-        dev = w.device
-        self.dev = dev.index
+        self.device = w.device
+        self.dev = w.device.index
         self.out_shape = (n, m)
         for t, name in ((x, "x"), (w, "w")):
             if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
@@ -206,7 +206,7 @@ class _TokensPlan:
         self.launches = []
         for t0 in range(0, n, g):
             nt = min(g, n - t0)
-            key = (self.dev, k, nt, wb, xb, alpha is not None, out_dtype == torch.bfloat16)
+            key = (self.dev, k, nt, wb, xb, alpha is not None, out_dtype == torch.bfloat16, tuning)
             kern = _get_kernel(self.dev, key)
             offsets = (t0 * x.stride(0), 16 * t0 if xb else t0 * xs_rs, t0 * out_rs * 2)
             self.launches.append((kern, offsets, (m, w.stride(0), ws_rs, x.stride(0), xs_rs, out_rs * 2,
@@ -220,7 +220,7 @@ class _TokensPlan:
         if self.unswizzle_x:
             x_scale = unswizzle_scales(x_scale.view(torch.uint8), self.out_shape[0], self.k).contiguous()
         if out is None:
-            out = torch.empty(self.out_shape, dtype=out_dtype, device=w.device)
+            out = torch.empty(self.out_shape, dtype=out_dtype, device=self.device)
         pxs, pws, pout = x_scale.data_ptr(), w_scale.data_ptr(), out.data_ptr()
         pa = alpha.data_ptr() if alpha is not None else 0
         dev_ok = _k._get_device() == self.dev
@@ -234,15 +234,21 @@ class _TokensPlan:
         return out
 
 
-def _metadata(ts):
-    return tuple((t.shape, t.stride(), t.dtype, t.device) if t is not None else None for t in ts)
+def _key(x, x_scale, w, w_scale, alpha, out, out_dtype):
+    """Everything a plan depends on; ``get_device()`` is -1 off CUDA, where no plan is ever made."""
+    return (x.shape, x.stride(), x.dtype, x.get_device(), x_scale.shape, x_scale.stride(), x_scale.dtype,
+            x_scale.get_device(), w.shape, w.stride(), w.dtype, w.get_device(), w_scale.shape, w_scale.stride(),
+            w_scale.dtype, w_scale.get_device(),
+            None if alpha is None else (alpha.shape, alpha.dtype, alpha.get_device()),
+            None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()), out_dtype)
 
 
-def _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype):
-    try:
-        key = (_metadata((x, x_scale, w, w_scale, alpha, out)), out_dtype)
-    except (AttributeError, TypeError):
-        key = None
+def _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype, key=None):
+    if key is None:
+        try:
+            key = _key(x, x_scale, w, w_scale, alpha, out, out_dtype)
+        except (AttributeError, TypeError):
+            key = None
     plan = _plans.get(key)
     if plan is None:
         if w.device.type != "cuda":
@@ -313,6 +319,14 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
     :return: [N, M] ``out_dtype``: ``out[n, m] = alpha * sum_k x[n,k] xs[n,k//16] w[m,k] ws[m,k//16]``.
     :raises TypeError, ValueError: naming the argument, for inputs the op cannot take.
     """
+    if not torch.compiler.is_compiling():
+        try:  # the eager fast path: a plan made for tensors with exactly this metadata
+            key = _key(x, x_scale, w, w_scale, alpha, out, out_dtype)
+            plan = _plans.get(key)
+        except (AttributeError, TypeError):
+            key = plan = None
+        if plan is not None:
+            return plan(x, x_scale, w, w_scale, alpha, out, out.dtype if out is not None else out_dtype)
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.dtype not in _OUT:
             _fail(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor",

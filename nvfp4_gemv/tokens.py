@@ -4,8 +4,9 @@
 It is the streaming kernel of ``nvfp4_gemv.kernel`` (``Nvfp4Gemv``: groups of lanes own a row of ``w`` at a
 time, grid-strided over the rows, 16-byte loads in flight while the previous unit computes) with ``N``
 vectors decoded into shared memory instead of one. A chunk of ``w`` (32 values) is decoded once into its
-positive and negative byte lookups; each token then costs eight ``dp4a`` a block against its int8 copy,
-one scaling and an fp64 addition. ``N`` is a compile-time constant. Where ``N`` tokens' decoded copies do
+positive and negative byte lookups (from three tokens on, into signed int8); each token then costs eight
+(four) ``dp4a`` a block against its int8 copy, one scaling and an fp32 fused multiply-add (the op's
+accuracy contract allows fp32 sums: ``_chunk_dot_tokens``). ``N`` is a compile-time constant. Where ``N`` tokens' decoded copies do
 not fit in shared memory the op launches the kernel once per group of tokens (``token_group``).
 
 Layouts: ``w`` [M, K/2] and ``x`` [N, K/2] K-contiguous with 16-byte aligned rows; each scale tensor plain
@@ -59,18 +60,49 @@ def fp4x16_lookups(x0, x1, tbl, *, loc=None, ip=None):
     return [cutlass.Int32(v) for v in r]
 
 
+# The integer dot products start from the bits of 1.5 * 2^23: the sum's bits are then those of the fp32
+# 1.5 * 2^23 + dot (|dot| <= 2304 < 2^22), and one exact fp32 subtraction gives float(dot) (no I2F, whose
+# quarter-rate pipe bounds several tokens a block).
+MAGIC, MAGIC_F = "0x4B400000", "0f4B400000"
+
+
 @dsl_user_op
 def lookups_dot(s, w, *, loc=None, ip=None):
-    """Exact ``sum(2a * 2b)`` over 16 values from ``fp4x16_lookups``' eight words and ``b``'s four int8
-    words."""
-    r = _asm([T.i32()], [cutlass.Int32(v) for v in (*s, *w)],
-             "{\n.reg .b32 p, q;\n"
-             "dp4a.s32.s32 p, $1, $9, 0;\ndp4a.s32.s32 q, $2, $9, 0;\n"
+    """``float(sum(2a * 2b))`` over 16 values (exact) from ``fp4x16_lookups``' eight words and ``b``'s
+    four int8 words."""
+    r = _asm([T.f32()], [cutlass.Int32(v) for v in (*s, *w)],
+             "{\n.reg .b32 p, q;\n.reg .f32 f;\n"
+             f"dp4a.s32.s32 p, $1, $9, {MAGIC};\ndp4a.s32.s32 q, $2, $9, 0;\n"
              "dp4a.s32.s32 p, $3, $10, p;\ndp4a.s32.s32 q, $4, $10, q;\n"
              "dp4a.s32.s32 p, $5, $11, p;\ndp4a.s32.s32 q, $6, $11, q;\n"
              "dp4a.s32.s32 p, $7, $12, p;\ndp4a.s32.s32 q, $8, $12, q;\n"
-             "sub.s32 $0, p, q;\n}", "=r,r,r,r,r,r,r,r,r,r,r,r,r", loc, ip)
-    return cutlass.Int32(r[0])
+             f"sub.s32 p, p, q;\nmov.b32 f, p;\nsub.f32 $0, f, {MAGIC_F};\n}}", "=f,r,r,r,r,r,r,r,r,r,r,r,r", loc, ip)
+    return cutlass.Float32(r[0])
+
+
+@dsl_user_op
+def lookups_signed(s, *, loc=None, ip=None):
+    """The four signed int8 words ``2a`` of a block from its eight lookup words (``p - q`` a byte: at most
+    one of the two is non-zero, so the bytes never borrow from each other)."""
+    r = _asm([T.i32()] * 4, [cutlass.Int32(v) for v in s],
+             "{\n.reg .b32 t;\n"
+             "or.b32 t, $4, 0x80808080;\nsub.u32 t, t, $5;\nxor.b32 $0, t, 0x80808080;\n"
+             "or.b32 t, $6, 0x80808080;\nsub.u32 t, t, $7;\nxor.b32 $1, t, 0x80808080;\n"
+             "or.b32 t, $8, 0x80808080;\nsub.u32 t, t, $9;\nxor.b32 $2, t, 0x80808080;\n"
+             "or.b32 t, $10, 0x80808080;\nsub.u32 t, t, $11;\nxor.b32 $3, t, 0x80808080;\n}",
+             "=r,=r,=r,=r,r,r,r,r,r,r,r,r", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def signed_dot(a, w, *, loc=None, ip=None):
+    """``float(sum(2a * 2b))`` over 16 values (exact) from four signed int8 words of each."""
+    r = _asm([T.f32()], [cutlass.Int32(v) for v in (*a, *w)],
+             "{\n.reg .b32 p;\n.reg .f32 f;\n"
+             f"dp4a.s32.s32 p, $1, $5, {MAGIC};\ndp4a.s32.s32 p, $2, $6, p;\n"
+             "dp4a.s32.s32 p, $3, $7, p;\ndp4a.s32.s32 p, $4, $8, p;\n"
+             f"mov.b32 f, p;\nsub.f32 $0, f, {MAGIC_F};\n}}", "=f,r,r,r,r,r,r,r,r", loc, ip)
+    return cutlass.Float32(r[0])
 
 
 @dsl_user_op
@@ -80,12 +112,11 @@ def ldg_f32(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def stg_f64_as(addr, v, bf16, *, loc=None, ip=None):
-    """Stores fp64 ``v`` rounded to bf16 (``bf16``) or fp16."""
+def stg_as(addr, v, bf16, *, loc=None, ip=None):
+    """Stores fp32 ``v`` rounded to bf16 (``bf16``) or fp16."""
     cvt = "cvt.rn.bf16.f32" if bf16 else "cvt.rn.f16.f32"
-    _asm_store([cutlass.Int64(addr), cutlass.Float64(v)],
-               "{\n.reg .b16 h;\n.reg .f32 f;\ncvt.rn.f32.f64 f, $1;\n" + cvt + " h, f;\nst.global.b16 [$0], h;\n}",
-               "l,d", loc, ip)
+    _asm_store([cutlass.Int64(addr), cutlass.Float32(v)],
+               "{\n.reg .b16 h;\n" + cvt + " h, $1;\nst.global.b16 [$0], h;\n}", "l,f", loc, ip)
 
 
 def blocked_row(row64, tile_stride):
@@ -98,13 +129,15 @@ class Nvfp4GemvTokens(Nvfp4Gemv):
     """``Nvfp4Gemv`` over ``n_tok`` token rows at once: see the module docstring."""
 
     def __init__(self, k: int, n_tok: int, w_blocked: bool, x_blocked: bool, has_alpha: bool, out_bf16: bool,
-                 threads=256, min_blocks=None, depth=None):
+                 threads=256, min_blocks=None, depth=None, group=None, signed=None):
         self.threads = threads
         self.n_tok = n_tok
         self.x_blocked = x_blocked
         self.has_alpha = has_alpha
         self.out_bf16 = out_bf16
-        super().__init__(k, w_blocked, depth=depth or 2)
+        # a signed int8 copy of a w block costs 12 instructions and saves 5 a token: from 3 tokens on
+        self.signed = n_tok >= 3 if signed is None else bool(signed)
+        super().__init__(k, w_blocked, depth=depth or 2, group=group)
         self.smem_bytes = 40 * self.chunks * n_tok + 16
         fit = SMEM_A_SM // (self.smem_bytes + 1024)
         if fit < 1:
@@ -179,11 +212,11 @@ class Nvfp4GemvTokens(Nvfp4Gemv):
             sts_u32(s_tbl, cutlass.Int32(E2M1_TIMES2_LO))
         cute.arch.sync_threads()
         tbl = lds_u32(s_tbl)
-        alpha = cutlass.Float64(1.0)
+        alpha = cutlass.Float32(1.0)
         if cutlass.const_expr(self.has_alpha):
-            alpha = cutlass.Float64(ldg_f32(alpha_ptr))
+            alpha = ldg_f32(alpha_ptr)
 
-        acc = [cutlass.Float64(0.0)] * NT
+        acc = [cutlass.Float32(0.0)] * NT
         for _u in cutlass.range(n_units, unroll=1):
             pipe.append(self._load_unit(irow, ibt, irow < m, lane, w_ptr, ws_ptr, w_rs, ws_rs))
             irow, ibt = self._next_unit(irow, ibt, step)
@@ -196,27 +229,38 @@ class Nvfp4GemvTokens(Nvfp4Gemv):
                 for t in cutlass.range_constexpr(NT):
                     total = group_sum(acc[t], self.shuffle_offsets)
                     if lane == 0:
-                        stg_f64_as(out_ptr + cutlass.Int64(t) * out_rs + cutlass.Int64(row) * 2, total * alpha,
-                                   self.out_bf16)
-                acc = [cutlass.Float64(0.0)] * NT
+                        stg_as(out_ptr + cutlass.Int64(t) * out_rs + cutlass.Int64(row) * 2, total * alpha,
+                               self.out_bf16)
+                acc = [cutlass.Float32(0.0)] * NT
             row, bt = self._next_unit(row, bt, step)
             pipe = pipe[1:]
 
     @cute.jit
     def _chunk_dot_tokens(self, acc, x, s16, c, s_b, tbl):
+        """Adds chunk ``c``'s terms (two blocks) to each token's fp32 sums. Each block's term is exact
+        (an integer dot below 2^12 times two e4m3 scales); a lane adds K / (16 G) of them and the butterfly
+        log2(G) more, so a result is within (K / (16 G) + log2 G) * 2^-24 of the sum of |terms|: at most
+        2^-18 for K <= 32768 (the op promises 2^-14)."""
         sa0, sa1 = e4m3x2_to_f32x2(s16)
         lk0 = fp4x16_lookups(x[0], x[1], tbl)
         lk1 = fp4x16_lookups(x[2], x[3], tbl)
+        if cutlass.const_expr(self.signed):
+            lk0 = lookups_signed(lk0)
+            lk1 = lookups_signed(lk1)
         C = self.chunks
         out = []
         for t in cutlass.range_constexpr(self.n_tok):
             base = s_b + t * (40 * C)
             w = lds_v4(base + c * 16) + lds_v4(base + 16 * C + c * 16)
             sb0, sb1 = lds_f32x2(base + 32 * C + c * 8)
-            d0 = lookups_dot(lk0, w[0:4])
-            d1 = lookups_dot(lk1, w[4:8])
-            a = acc[t] + cutlass.Float64(cutlass.Float32(d0) * (sa0 * sb0))
-            out.append(a + cutlass.Float64(cutlass.Float32(d1) * (sa1 * sb1)))
+            if cutlass.const_expr(self.signed):
+                d0 = signed_dot(lk0, w[0:4])
+                d1 = signed_dot(lk1, w[4:8])
+            else:
+                d0 = lookups_dot(lk0, w[0:4])
+                d1 = lookups_dot(lk1, w[4:8])
+            a = acc[t] + d0 * (sa0 * sb0)
+            out.append(a + d1 * (sa1 * sb1))
         return out
 
     def grid_x(self, m, sms):

@@ -22,6 +22,7 @@ def main():
     p.add_argument("--blocked", action="store_true")
     p.add_argument("--dump", default=None)
     p.add_argument("--tune", default="", help="e.g. batch=4,min_blocks=3,group=16")
+    p.add_argument("--tokens", type=int, default=0, help="compile the op's kernel for this many tokens")
     args = p.parse_args()
     # CuTe DSL compiles for --gpu-arch only when CUTE_DSL_ARCH names another arch.
     os.environ["CUTE_DSL_ARCH"] = "sm_80" if args.arch != "sm_80" else "sm_86"
@@ -35,8 +36,14 @@ def main():
     dump = args.dump or tempfile.mkdtemp(prefix="nvfp4_cc_")
     os.makedirs(dump, exist_ok=True)
     tuning = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.tune.split(",") if kv}
-    fn = submission.compile_gemv(args.k, args.blocked, args.arch,
-                                 options=f"--gpu-arch {args.arch} --keep-cubin --dump-dir {dump}", **tuning)
+    options = f"--gpu-arch {args.arch} --keep-cubin --dump-dir {dump}"
+    if args.tokens:  # the op's kernel (nvfp4_gemv.tokens), alpha and bf16 out
+        from nvfp4_gemv import tokens
+
+        _, fn = tokens.compile_tokens(args.k, args.tokens, args.blocked, args.blocked, True, True, options=options,
+                                      **tuning)
+    else:
+        fn = submission.compile_gemv(args.k, args.blocked, args.arch, options=options, **tuning)
     cubin = fn.artifacts.CUBIN
     path = os.path.join(dump, "kernel.cubin")
     with open(path, "wb") as f:

@@ -58,3 +58,14 @@ def test_without_tvm_ffi_the_leaderboards_dsl_keeps_the_direct_launcher(tmp_path
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     expected = "direct" if md.version("nvidia-cutlass-dsl").startswith("4.3.") else "dsl"
     assert info["launch"] == expected, info
+
+
+@pytest.mark.parametrize("arch,k,tokens,blocked", [("sm_90a", 7168, 1, False), ("sm_90a", 16384, 8, True),
+                                                   ("sm_100a", 2048, 16, False), ("sm_100a", 4096, 2, True)])
+def test_op_kernel_compiles_without_gpu(arch, k, tokens, blocked, tmp_path):
+    cmd = [sys.executable, "-W", "error::DeprecationWarning", os.path.join(HERE, "compile_check.py"), arch, str(k),
+           "--dump", str(tmp_path), "--tokens", str(tokens)] + (["--blocked"] if blocked else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["elf"] and info["bytes"] > 4096 and info["launch"] == "tvm-ffi", info

@@ -144,12 +144,15 @@ def test_torch_compile_fullgraph_matches_eager():
     torch._dynamo.reset()
 
     def layer(x, xs, w, ws, a, bias):
-        return torch.nn.functional.silu(gemv(x, xs, w, ws, a) + bias)
+        y = gemv(x, xs, w, ws, a)
+        return y, torch.nn.functional.silu(y + bias)
 
     eager = layer(*args, bias)
     compiled = torch.compile(layer, fullgraph=True)(*args, bias)
     torch.cuda.synchronize()
-    assert torch.equal(compiled, eager)
+    assert torch.equal(compiled[0], eager[0])
+    # inductor fuses the epilogue in fp32 (eager rounds y + bias to bf16 first): close, not equal
+    torch.testing.assert_close(compiled[1], eager[1], rtol=1e-2, atol=1e-2)
 
 
 def test_misaligned_rows_raise_naming_the_argument():

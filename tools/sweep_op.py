@@ -1,0 +1,43 @@
+"""Times configurations of the op's kernel (nvfp4_gemv.tokens) on the GPU, leaderboard timing, each
+output checked against float64.
+
+    python tools/sweep_op.py 7168x16384 1,2,4,8 "signed=0;signed=1;group=8;threads=512,min_blocks=1;depth=3"
+"""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+import torch  # noqa: E402
+
+import inputs  # noqa: E402
+from bench import time_leaderboard  # noqa: E402
+from nvfp4_gemv import op  # noqa: E402
+
+
+def main():
+    m, k = (int(v) for v in sys.argv[1].split("x"))
+    ns = [int(v) for v in sys.argv[2].split(",")]
+    tunings = [tuple(sorted((kv.split("=")[0], int(kv.split("=")[1])) for kv in t.split(",") if kv))
+               for t in sys.argv[3].split(";")] if len(sys.argv) > 3 else [()]
+    for n in ns:
+        args = inputs.op_inputs(n, m, k, seed=n)
+        exact, terms = inputs.op_exact(*args)
+        for tuning in tunings:
+            out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
+            try:
+                plan = op._TokensPlan(*args, out, torch.bfloat16, tuning=tuning)
+            except ValueError as e:
+                print(f"{m}x{k} N={n:2d} {dict(tuning)}: {e}")
+                continue
+            plan(*args, out, torch.bfloat16)
+            torch.cuda.synchronize()
+            bad, msg = inputs.op_violations(out, exact, terms)
+            us = time_leaderboard(lambda: plan(*args, out, torch.bfloat16), 40)
+            print(f"{m}x{k} N={n:2d} {str(dict(tuning)):40s} {us:7.2f} us  {'ok' if bad == 0 else msg}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
