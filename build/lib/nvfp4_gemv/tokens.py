@@ -129,8 +129,10 @@ class Nvfp4GemvTokens(Nvfp4Gemv):
     """``Nvfp4Gemv`` over ``n_tok`` token rows at once: see the module docstring."""
 
     def __init__(self, k: int, n_tok: int, w_blocked: bool, x_blocked: bool, has_alpha: bool, out_bf16: bool,
-                 threads=256, min_blocks=None, depth=None, group=None, signed=None):
-        self.threads = threads
+                 threads=None, min_blocks=None, depth=None, group=None, signed=None):
+        # several tokens: 512 threads and one CTA a SM (up to 128 registers a thread) measured 8-12% faster
+        # than 256 x 2 at N = 2..16 on H200 (docs/perf-notes.md); one token keeps the streaming kernel's
+        self.threads = threads or (256 if n_tok == 1 else 512)
         self.n_tok = n_tok
         self.x_blocked = x_blocked
         self.has_alpha = has_alpha
@@ -142,7 +144,7 @@ class Nvfp4GemvTokens(Nvfp4Gemv):
         fit = SMEM_A_SM // (self.smem_bytes + 1024)
         if fit < 1:
             raise ValueError(f"nvfp4_gemv: K={k}: {n_tok} tokens do not fit in shared memory")
-        self.min_blocks = max(1, min(fit, min_blocks or (4 if n_tok == 1 else 2)))
+        self.min_blocks = max(1, min(fit, min_blocks or (4 if n_tok == 1 else 1)))
 
     @staticmethod
     def max_tokens(k):
