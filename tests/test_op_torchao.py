@@ -36,3 +36,19 @@ def test_torchao_nvfp4_tensors_go_in_as_they_are(device, x_swizzled, w_swizzled,
     # and the layer's product is close to the unquantized one (quantization error, not ours)
     rel = (out.double().cpu() - x.double().cpu() @ w.double().cpu().T).norm() / (x.double() @ w.double().T).norm().cpu()
     assert rel < 0.2
+
+
+def test_readme_example_runs_and_approximates_the_layer():
+    import os
+    import re
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        code = re.search(r"## Use it in a model.*?```python\n(.*?)```", f.read(), re.S).group(1)
+    linear = torch.nn.Linear(1024, 256).requires_grad_(False)
+    ns = {"linear": linear}
+    exec(code, ns)  # noqa: S102 - our own README
+    x = torch.randn(4, 1024, dtype=torch.bfloat16)
+    y = ns["forward"](x)
+    ref = x.double() @ linear.weight.double().T
+    assert y.shape == (4, 256) and y.dtype == torch.bfloat16
+    assert (y.double() - ref).norm() / ref.norm() < 0.25  # NVFP4 quantization of both operands
