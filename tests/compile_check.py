@@ -36,7 +36,7 @@ def main():
     dump = args.dump or tempfile.mkdtemp(prefix="nvfp4_cc_")
     os.makedirs(dump, exist_ok=True)
     tuning = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.tune.split(",") if kv}
-    options = f"--gpu-arch {args.arch} --keep-cubin --dump-dir {dump}"
+    options = f"--gpu-arch {args.arch} --keep-cubin --keep-ptx --dump-dir {dump}"
     if args.tokens:  # the op's kernel (nvfp4_gemv.tokens), alpha and bf16 out
         from nvfp4_gemv import tokens
 
@@ -50,7 +50,13 @@ def main():
         f.write(cubin)
     import importlib.metadata as md
 
-    print(json.dumps({"arch": args.arch, "k": args.k, "cubin": path, "bytes": len(cubin),
+    import glob
+
+    ptx = "".join(open(f).read() for f in glob.glob(os.path.join(dump, "*.ptx")))
+    # the instruction names are in the PTX (a cubin holds none): no e2m1 conversion, which sm_90a lacks
+    fp4_cvt = [line.strip() for line in ptx.splitlines() if "e2m1" in line and not line.lstrip().startswith("//")]
+    print(json.dumps({"arch": args.arch, "k": args.k, "cubin": path, "bytes": len(cubin), "ptx_bytes": len(ptx),
+                      "fp4_cvt": fp4_cvt[:3],
                       "elf": cubin[:4] == b"\x7fELF", "launch": submission.launch_kind(fn),
                       "dsl": md.version("nvidia-cutlass-dsl")}))
 

@@ -36,7 +36,7 @@ def check_chosen_kernel(data, kernel_class):
     import submission
 
     plan = submission._CutePlan(data, *submission.check_inputs(data))
-    assert isinstance(plan.kernel.op, kernel_class)
+    assert type(plan.kernel.op) is kernel_class  # a subclass (the split kernel is an Nvfp4Gemv) is another kernel
     out = plan(inputs.poisoned(data))
-    ok, msg = reference.check_implementation(data, out)
+    ok, msg = inputs.check_exact(data, out)
     assert ok, msg

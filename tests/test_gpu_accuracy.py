@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import inputs
-import reference
 import submission
 
 pytestmark = pytest.mark.gpu
@@ -25,11 +24,16 @@ CASES = [pytest.param(name, plain, id=f"{name}-{'plain' if plain else 'permuted'
 
 
 @pytest.mark.parametrize("kernel,plain", CASES)
-def test_cancelling_blocks_keep_the_small_remainder(kernel, plain):
+@pytest.mark.parametrize("make", [inputs.cancelling_inputs, inputs.random_inputs], ids=["cancelling", "random"])
+def test_results_are_the_float64_value_rounded_to_fp16(kernel, plain, make):
+    """Within half an fp16 ulp of the exact value (plus the fp64 sum's and the double rounding's few
+    2^-24): the README's claim, which one fp16 step off fails (tests/test_reference.py)."""
     k, tuning = KERNELS[kernel]
     m, l = 256, 2
-    data = inputs.cancelling_inputs(m, k, l, seed=k + plain)
+    data = make(m, k, l, seed=k + plain)
     out = submission.run_cute(inputs.poisoned(data), m, k, l, plain, tuning=tuning)
     torch.cuda.synchronize()
-    ok, msg = reference.check_implementation(data, out)
+    bad, msg = inputs.check_tight(data, out)
+    assert bad == 0, msg
+    ok, msg = inputs.check_exact(data, out)
     assert ok, msg

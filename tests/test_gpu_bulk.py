@@ -23,7 +23,7 @@ SHAPES = sorted({c[:3] for c in task_cases("tests") + task_cases("benchmarks")}
 def check(data, tuning=BULK):
     out = submission.run_cute(inputs.poisoned(data), *submission.check_inputs(data), tuning=tuning)
     torch.cuda.synchronize()
-    ok, msg = reference.check_implementation(data, out)
+    ok, msg = inputs.check_exact(data, out)
     assert ok, msg
     return out
 
@@ -82,5 +82,5 @@ def test_cached_bulk_plan_with_a_misaligned_sfa_falls_back():
     data = (data[0], data[1], moved, *data[3:])
     out = submission.custom_kernel(inputs.poisoned(data))
     torch.cuda.synchronize()
-    ok, msg = reference.check_implementation(data, out)
+    ok, msg = inputs.check_exact(data, out)
     assert ok, msg

@@ -174,3 +174,17 @@ def test_cancelling_inputs_defeat_a_plain_fp32_sum(k):
     assert bad.float().mean() > 0.5
     ok, _ = reference.check_implementation(data, naive)
     assert not ok
+
+
+def test_tight_check_fails_one_fp16_step_that_the_official_check_passes():
+    data = inputs.random_inputs(256, 512, 2, seed=77, device="cpu")
+    good = inputs.expected(data)
+    assert inputs.check_tight(data, good) == (0, "ok")
+    bad = good.clone()
+    i = int(good[:, 0, 1].abs().argmax())
+    bad[i, 0, 1] = torch.nextafter(good[i, 0, 1].float(), torch.tensor(float("inf"))).half()
+    if bad[i, 0, 1] == good[i, 0, 1]:  # float32 nextafter rounds back: step in fp16 bits instead
+        bad[i, 0, 1] = (good[i, 0, 1:2].view(torch.int16) + 1).view(torch.float16)[0]
+    assert inputs.check_exact(data, bad)[0]  # 1e-3 relative: one step (2^-11 relative) passes
+    count, msg = inputs.check_tight(data, bad)
+    assert count == 1 and f"[{i}, 1]" in msg

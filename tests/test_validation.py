@@ -92,3 +92,40 @@ def test_cpu_tensors_rejected():
 def test_k_above_supported_maximum():
     d = good(128, submission.MAX_K + 64, 1)
     raises(d, ValueError, "'a'", f"K <= {submission.MAX_K}")
+
+
+def column_major(t):
+    u = t.view(torch.uint8)
+    return u.transpose(0, 1).contiguous().transpose(0, 1).view(t.dtype)
+
+
+LAYOUT = [  # (what is wrong, index in data, how, words the error must contain)
+    ("b_not_k_contiguous", 1, column_major, ("'b'", "K-contiguous")),
+    ("b_misaligned", 1, lambda t: inputs.misaligned(t, 8), ("'b'", "16-byte")),
+    ("sfa_not_k_contiguous", 2, column_major, ("'sfa'", "K-contiguous scales")),
+    ("sfb_not_k_contiguous", 3, column_major, ("'sfb'", "K-contiguous scales")),
+    ("sfa_odd_address", 2, lambda t: inputs.misaligned(t, 1), ("'sfa'", "K-contiguous scales")),
+]
+
+
+@pytest.mark.parametrize("idx,how,words", [pytest.param(*c[1:], id=c[0]) for c in LAYOUT])
+def test_layout_the_kernel_cannot_read_is_named(idx, how, words):
+    d = good()
+    d[idx] = how(d[idx])
+    raises(d, ValueError, *words)
+
+
+@pytest.mark.parametrize("idx,name", [(4, "sfa_permuted"), (5, "sfb_permuted")])
+def test_permuted_scales_in_another_layout_are_named(idx, name):
+    """Where the plain scales are elsewhere (the meta device stands in for 'not where a is'), the permuted
+    ones are read, and must have the generator's layout."""
+    d = good()
+    d[2], d[3] = d[2].to("meta"), d[3].to("meta")
+    d[idx] = d[idx].contiguous()  # the generator's are a permuted view, not contiguous
+    raises(d, ValueError, f"'{name}'", "the generator's layout")
+
+
+def test_empty_batch_is_named():
+    d = good()
+    d = [t[..., :0] for t in d]
+    raises(d, ValueError, "'a'", "L (dim 2) >= 1")

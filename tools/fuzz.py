@@ -49,7 +49,7 @@ def main():
         if rng.random() < 0.2:  # the old generator's CPU scales: the kernel reads the permuted ones
             data = (*data[:2], data[2].cpu(), data[3].cpu(), *data[4:])
         out = submission.custom_kernel(inputs.poisoned(data))
-        ok, msg = reference.check_implementation(data, out)
+        ok, msg = inputs.check_exact(data, out)
         if not ok:
             bad += 1
             print(f"MISMATCH case {i}: m={m} k={k} l={l}: {msg}", flush=True)

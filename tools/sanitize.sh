@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# compute-sanitizer (memcheck) over every task.yml shape and a few fuzz shapes; shared memory hazards
-# (CTA barrier, and the bulk kernel's mbarriers) with racecheck, barrier use with synccheck, on a few.
+# compute-sanitizer over the configuration pick_tuning chooses for every task.yml shape (benchmarks
+# included; each case names its kernel class): memcheck (plus fuzz shapes), racecheck (shared memory:
+# CTA barriers, the bulk kernel's mbarriers) and synccheck.
 # Usage: tools/sanitize.sh   (needs a GPU and compute-sanitizer on PATH)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SAN=${COMPUTE_SANITIZER:-compute-sanitizer}
 run() { "$SAN" --tool "$1" --error-exitcode 9 --target-processes all python3 tools/sanitize_cases.py "${@:2}"; }
 run memcheck all
-run racecheck small
-run synccheck small
+run racecheck task
+run synccheck task
 echo "compute-sanitizer: memcheck, racecheck and synccheck clean"

@@ -59,7 +59,7 @@ def main():
                 submission.make_op(k, False, **v)
             except ValueError:
                 continue
-            ok, _ = reference.check_implementation(
+            ok, _ = inputs.check_exact(
                 signed, submission.run_cute(inputs.poisoned(signed), *shape, tuning=t))
             us = time_leaderboard(lambda t=t: submission.run_cute(data, *shape, tuning=t), 50)
             res.append((us, t, ok))
