@@ -32,7 +32,6 @@ def task_cases(section):
 def check_chosen_kernel(data, kernel_class):
     """The dispatcher's plan for ``data`` runs ``kernel_class`` and matches float64."""
     import inputs
-    import reference
     import submission
 
     plan = submission._CutePlan(data, *submission.check_inputs(data))

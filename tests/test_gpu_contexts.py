@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import inputs
-import reference
 import submission
 
 pytestmark = pytest.mark.gpu

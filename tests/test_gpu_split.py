@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import inputs
-import reference
 import submission
 from conftest import check_chosen_kernel, task_cases
 

@@ -19,7 +19,6 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import torch  # noqa: E402
 
 import inputs  # noqa: E402
-import reference  # noqa: E402
 import submission  # noqa: E402
 
 

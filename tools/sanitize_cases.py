@@ -11,7 +11,6 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 import inputs  # noqa: E402
-import reference  # noqa: E402
 import submission  # noqa: E402
 
 with open(os.path.join(ROOT, "task.yml")) as f:

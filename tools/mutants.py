@@ -1,0 +1,169 @@
+"""Mutation check: deliberate breakages of the code, each of which some test must catch.
+
+    python tools/mutants.py --cpu          # the CPU mutants (CI runs these; every one must be killed)
+    python tools/mutants.py --gpu          # the GPU mutants (on a GPU machine)
+    python tools/mutants.py --only NAME    # one mutant
+
+Each mutant replaces one exact piece of text (found exactly once) in a copy of the tree (tracked and
+untracked, not ignored, files), regenerates ``submission.py`` there when the package kernel changed, runs
+the tests named for it and prints a table: mutant, tests, killed or SURVIVED. A survivor is a missing
+test, or a mutant that changes nothing (then drop it, saying why). Exit status 1 if any survived.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+K = "nvfp4_gemv/kernel.py"
+OP = "nvfp4_gemv/op.py"
+TOK = "nvfp4_gemv/tokens.py"
+
+# (name, file, old, new, tests, gpu)
+MUTANTS = [
+    # -- competition entry: validation (CPU) --
+    ("check: M % 128 dropped", K, "if m == 0 or m % 128:", "if m == 0:", ["tests/test_validation.py"], False),
+    ("check: K % 64 dropped", K, "if k == 0 or k % 64:", "if k == 0:", ["tests/test_validation.py"], False),
+    ("check: K <= MAX_K dropped", K, "    if k > MAX_K:\n        _fail", "    if False:\n        _fail",
+     ["tests/test_validation.py"], False),
+    ("check: L == 0 accepted", K, "    if l == 0:\n", "    if l < 0:\n", ["tests/test_validation.py"], False),
+    ("check: a layout dropped", K, "if a.stride(1) != 1 or a.stride(0) % 16 or a.data_ptr() % 16 or (l > 1 and a.stride(2) % 16):",
+     "if False:",
+     ["tests/test_validation.py"], False),
+    ("check: b layout dropped", K, "if b.stride(1) != 1 or b.data_ptr() % 16", "if False",
+     ["tests/test_validation.py"], False),
+    ("check: plain scale layout dropped", K, "if t.stride(1) != 1 or t.stride(0) % 2 or t.data_ptr() % 2",
+     "if False", ["tests/test_validation.py"], False),
+    ("check: permuted scale layout dropped", K,
+     "if ((s[0], s[1], s[3], s[4]) != (16, 4, 1, 512) or (t.shape[2] > 1 and s[2] != 512 * (sfk // 4))\n"
+     "                    or (l > 1 and s[5] % 2) or t.data_ptr() % 2):", "if False:",
+     ["tests/test_validation.py"], False),
+    ("check: c writability dropped", K, "if size > 1 and c.stride(dim) <= 0:", "if False:",
+     ["tests/test_validation.py"], False),
+    ("check: a on the CPU accepted", K, 'if dev.type != "cuda":', 'if dev.type == "xla":',
+     ["tests/test_validation.py"], False),
+    # -- the op: validation and exact path (CPU) --
+    ("op: M % 128 dropped", OP, "if m == 0 or m % 128:", "if m == 0:", ["tests/test_op_validation.py"], False),
+    ("op: mismatched K accepted", OP, "if w.shape[1] != k2:", "if False:", ["tests/test_op_validation.py"], False),
+    ("op: alpha dtype unchecked", OP, "if alpha.dtype != torch.float32 or alpha.numel() != 1:",
+     "if alpha.numel() > 8:", ["tests/test_op_validation.py"], False),
+    ("op: out shape unchecked", OP, "if out.dtype != out_dtype or tuple(out.shape) != (n, m):", "if False:",
+     ["tests/test_op_validation.py"], False),
+    ("op: blocked scales read as plain", OP, "    if shape in (swz, (swz[0] * swz[1],)):", "    if False:",
+     ["tests/test_op_contract.py", "tests/test_op_validation.py"], False),
+    ("op: unswizzle transposes the 4x4 groups", OP, "permute(0, 3, 2, 1, 4)", "permute(0, 2, 3, 1, 4)",
+     ["tests/test_op_contract.py"], False),
+    # (a nibble swap in the shared decoder is not here: it swaps the same pair of x and of w, which leaves
+    # every product, and so the result, unchanged)
+    ("op: scale signs lost", OP, "    return s.to(torch.float64).repeat_interleave(16, dim=1)",
+     "    return s.to(torch.float64).abs().repeat_interleave(16, dim=1)", ["tests/test_op_contract.py"], False),
+    ("op: alpha ignored on the exact path", OP, "        res = res * alpha.to(torch.float64)", "        res = res",
+     ["tests/test_op_contract.py"], False),
+    ("op: out= not written on the CPU", OP, "    out.copy_(res)\n    return out", "    return out",
+     ["tests/test_op_contract.py"], False),
+    # -- build, launch, packaging, harness (CPU) --
+    ("launch: no TVM-FFI", K, '(" --enable-tvm-ffi" if tvm_ffi else "")', '""',
+     ["tests/test_compile.py::test_kernel_compiles_without_gpu"], False),
+    ("decode: an e2m1 conversion in the kernel", K,
+     '"{\\n.reg .b32 t0, t1, n, h, p, q;\\n"',
+     '"{\\n.reg .b32 t0, t1, n, h, p, q;\\n.reg .b16 e2m1_probe;\\n.reg .b32 e2m1_out;\\n'
+     'mov.b16 e2m1_probe, 0;\\ncvt.rn.f16x2.e2m1x2 e2m1_out, e2m1_probe;\\n"',
+     ["tests/test_compile.py::test_kernel_compiles_without_gpu"], False),
+    ("packaging: submission.py stale", K, "MAX_K = 32768", "MAX_K = 32768  # edited, not regenerated",
+     ["tests/test_packaging.py::test_submission_is_generated_from_the_package_kernel"], False),
+    ("packaging: generic modules installed", "pyproject.toml", 'packages = ["nvfp4_gemv"]',
+     'packages = ["nvfp4_gemv"]\npy-modules = ["task", "utils"]', ["tests/test_packaging.py"], False),
+    ("harness: 'needs CUDA' for every case", "eval.py", "                return EXIT_FAIL\n            rows.append",
+     "            rows.append", ["tests/test_eval_harness.py::test_cuda_only_submission_on_cpu_says_a_gpu_is_needed"],
+     False),
+    ("routing: bulk never chosen", K, "    if not blocked_scales and Nvfp4GemvBulk.suits(k):", "    if False:",
+     ["tests/test_config.py"], False),
+    # -- arithmetic, routing, streams (GPU) --
+    ("store: fp16 rounds toward zero", K, "cvt.rn.f16.f32 h, $1", "cvt.rz.f16.f32 h, $1",
+     ["tests/test_gpu_accuracy.py"], True),
+    ("sum: fp32 instead of fp64", K,
+     "    acc = acc + cutlass.Float64(cutlass.Float32(d0) * (sa0 * sb0))\n    return acc + cutlass.Float64(cutlass.Float32(d1) * (sa1 * sb1))",
+     "    acc = cutlass.Float64(cutlass.Float32(acc) + cutlass.Float32(d0) * (sa0 * sb0))\n"
+     "    return cutlass.Float64(cutlass.Float32(acc) + cutlass.Float32(d1) * (sa1 * sb1))",
+     ["tests/test_gpu_accuracy.py"], True),
+    ("scales: blocked offset of the odd block", K, "return cutlass.Int64((c >> 1) * 512 + (c & 1) * 2)",
+     "return cutlass.Int64((c >> 1) * 512 + (c & 1) * 1)", ["tests/test_gpu_correctness.py"], True),
+    ("cached plan: address check dropped", K, "if (pa | pb) & 15 or psa & self.sfa_mask or psb & 1:", "if False:",
+     ["tests/test_gpu_correctness.py::test_cached_plan_still_rejects_a_misaligned_tensor"], True),
+    ("routing: split kernel never chosen", K, "    split = Nvfp4GemvSplit.shape_tuning(k, m, l, sms)\n",
+     "    split = ()\n", ["tests/test_gpu_split.py"], True),
+    ("stream: the legacy default stream", K, "ffi(pa, pb, psa, psb, c.data_ptr(), *self.static, _current_stream(self.dev))",
+     "ffi(pa, pb, psa, psb, c.data_ptr(), *self.static, 0)", ["tests/test_gpu_correctness.py", "tests/test_gpu_contexts.py"],
+     True),
+    ("op: alpha ignored in the kernel", TOK, "            alpha = ldg_f32(alpha_ptr)\n", "            alpha = cutlass.Float32(1.0)\n",
+     ["tests/test_gpu_op.py"], True),
+    ("op: second token group at the first's x", OP, "offsets = (t0 * x.stride(0),", "offsets = (0,",
+     ["tests/test_gpu_op.py::test_token_groups_beyond_shared_memory"], True),
+    ("op: bf16 stored as fp16", TOK, 'cvt = "cvt.rn.bf16.f32" if bf16 else "cvt.rn.f16.f32"', 'cvt = "cvt.rn.f16.f32"',
+     ["tests/test_gpu_op.py"], True),
+]
+
+
+def tree_files():
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return [f for f in out.splitlines() if os.path.isfile(os.path.join(ROOT, f))]
+
+
+def run_mutant(name, path, old, new, tests, files):
+    with tempfile.TemporaryDirectory(prefix="nvfp4_mutant_") as tmp:
+        for f in files:
+            os.makedirs(os.path.dirname(os.path.join(tmp, f)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, f), os.path.join(tmp, f))
+        target = os.path.join(tmp, path)
+        with open(target) as f:
+            text = f.read()
+        if text.count(old) != 1:
+            return f"BAD MUTANT: the text occurs {text.count(old)} times in {path}"
+        with open(target, "w") as f:
+            f.write(text.replace(old, new))
+        if path == K and name != "packaging: submission.py stale":
+            subprocess.run([sys.executable, "tools/gen_submission.py"], cwd=tmp, check=True)
+        env = dict(os.environ, PYTHONPATH=tmp, PYTHONDONTWRITEBYTECODE="1")
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], cwd=tmp,
+                              env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode in (1,):
+            return "killed"
+        if proc.returncode == 0:
+            skipped = "skipped" in proc.stdout.splitlines()[-1] if proc.stdout else False
+            return "SURVIVED" + (" (tests skipped: needs a GPU?)" if skipped else "")
+        return f"ERROR (pytest exit {proc.returncode}): {proc.stdout[-300:]}"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--cpu", action="store_true")
+    g.add_argument("--gpu", action="store_true")
+    g.add_argument("--only")
+    args = p.parse_args()
+    chosen = [m for m in MUTANTS if (args.only and m[0] == args.only) or (args.cpu and not m[5])
+              or (args.gpu and m[5])]
+    if not chosen:
+        raise SystemExit(f"no mutant selected; names: {[m[0] for m in MUTANTS]}")
+    files = tree_files()
+    rows = []
+    for name, path, old, new, tests, _ in chosen:
+        t0 = time.time()
+        result = run_mutant(name, path, old, new, tests, files)
+        rows.append((name, " ".join(t.replace("tests/", "") for t in tests), result))
+        print(f"{result:9s} {name}  ({time.time() - t0:.0f} s)", flush=True)
+    print("\n| mutant | tests run | result |\n|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} |")
+    survived = [r for r in rows if r[2] != "killed"]
+    print(f"\nmutants: {len(rows)}, killed: {len(rows) - len(survived)}, not killed: {len(survived)}")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
