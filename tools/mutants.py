@@ -70,9 +70,9 @@ MUTANTS = [
      ["tests/test_compile.py::test_kernel_compiles_without_gpu"], False),
     ("decode: an e2m1 conversion in the kernel", K,
      '"{\\n.reg .b32 t0, t1, n, h, p, q;\\n"',
-     '"{\\n.reg .b32 t0, t1, n, h, p, q;\\n.reg .b16 e2m1_probe;\\n.reg .b32 e2m1_out;\\n'
-     'mov.b16 e2m1_probe, 0;\\ncvt.rn.f16x2.e2m1x2 e2m1_out, e2m1_probe;\\n"',
-     ["tests/test_compile.py::test_kernel_compiles_without_gpu"], False),
+     '"{\\n.reg .b32 t0, t1, n, h, p, q;\\n.reg .b8 probe_in;\\n.reg .b32 probe_out;\\n'
+     'cvt.u8.u32 probe_in, $2;\\ncvt.rn.f16x2.e2m1x2 probe_out, probe_in;\\n"',
+     ["tests/test_compile.py::test_kernel_compiles_without_gpu[sm_100a-7168-False]"], False),  # sm_100a has it
     ("packaging: submission.py stale", K, "MAX_K = 32768", "MAX_K = 32768  # edited, not regenerated",
      ["tests/test_packaging.py::test_submission_is_generated_from_the_package_kernel"], False),
     ("packaging: generic modules installed", "pyproject.toml", 'packages = ["nvfp4_gemv"]',
