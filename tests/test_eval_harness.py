@@ -143,3 +143,34 @@ def test_harness_runs_where_cute_dsl_is_missing(tmp_path):
                               env=env, pass_fds=(f.fileno(),), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "check: pass" in out.read_text()
+
+
+def test_leaderboard_mode_checks_every_timed_run(tmp_path):
+    """benchmark mode checks the first call only; leaderboard mode checks each run's fresh inputs."""
+    rc, lines = run_protocol(tmp_path, "benchmark", "wrong_later.py")
+    assert rc == 0 and lines["check"] == "pass"
+    rc, lines = run_protocol(tmp_path, "leaderboard", "wrong_later.py")
+    assert rc == harness.EXIT_FAIL and lines["check"] == "fail"
+    assert lines["benchmark.0.status"] == "fail" and "seed" in lines["benchmark.0.error"]
+
+
+def test_leaderboard_mode_passes_a_right_submission(tmp_path):
+    rc, lines = run_protocol(tmp_path, "leaderboard", "cpu_ok.py")
+    assert rc == 0 and lines["check"] == "pass" and int(lines["benchmark.0.runs"]) > 2
+
+
+def test_profile_mode_reports_a_profiler_table(tmp_path):
+    import base64
+
+    rc, lines = run_protocol(tmp_path, "profile", "cpu_ok.py")
+    assert rc == 0 and lines["check"] == "pass"
+    report = base64.b64decode(lines["benchmark.0.report"]).decode()
+    assert "Self CPU time total" in report
+
+
+def test_a_time_faster_than_the_bandwidth_allows_is_flagged(capsys):
+    case = {"m": 7168, "k": 16384, "l": 1, "seed": 1}
+    stats = {"median": 1.0, "p20": 1.0, "p80": 1.0, "mean": 1.0, "err": 0.0, "best": 1.0, "runs": 10}
+    row = harness.Row(case, "pass", stats=stats, tbps=60.0, pct=1500.0, sol_us=15.0, suspect=True)
+    harness.print_table([row], "benchmark")
+    assert "SUSPECT" in capsys.readouterr().out

@@ -129,3 +129,15 @@ def test_empty_batch_is_named():
     d = good()
     d = [t[..., :0] for t in d]
     raises(d, ValueError, "'a'", "L (dim 2) >= 1")
+
+
+def test_changed_metadata_of_the_same_tensor_objects_gives_a_new_plan_key():
+    """The launch-plan cache is keyed by metadata read on every call: ``t.data = view`` keeps the Python
+    object (and its version counter) but changes strides, so the key changes and the call is validated
+    afresh (here: rejected, as the new layout is not K-contiguous)."""
+    d = good()
+    key = submission._metadata(tuple(d))
+    a = d[0]
+    a.data = column_major(a)
+    assert submission._metadata(tuple(d)) != key
+    raises(d, ValueError, "'a'", "K-contiguous")
