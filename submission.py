@@ -319,6 +319,21 @@ def stg_f16(addr, v, *, loc=None, ip=None):
                "{\n.reg .b16 h;\ncvt.rn.f16.f32 h, $1;\nst.global.b16 [$0], h;\n}", "l,f", loc, ip)
 
 
+def blocked_row(base, row64, tile_stride):
+    """Address of a row's first scale in the 128x4 blocked layout (``to_blocked``; the permuted scales'
+    memory order) from ``base``: 128-row tiles ``tile_stride`` bytes apart, in a tile 32 rows of 16 bytes,
+    the four 32-row groups 4 bytes apart."""
+    return base + (row64 >> 7) * tile_stride + (row64 & 31) * 16 + ((row64 >> 5) & 3) * 4
+
+
+def scale_offset(c, blocked):
+    """Byte offset, from a row's first scale, of the two scales of its 16-byte chunk ``c`` (scales 2c and
+    2c + 1): adjacent, and in the blocked layout in groups of four 512 bytes apart."""
+    if blocked:
+        return cutlass.Int64((c >> 1) * 512 + (c & 1) * 2)
+    return cutlass.Int64(2 * c)
+
+
 def scaled_chunk_dot(acc, x, s16, w, sb0, sb1, tbl):
     """``acc`` (fp64) plus the scaled dot of one 16-byte chunk of ``a`` (32 values, 2 blocks; ``x`` its
     words, ``s16`` its two scale bytes) with ``b`` (``w`` 8 words of int8 ``2b``, ``sb0``/``sb1`` its
@@ -517,10 +532,7 @@ class Nvfp4Gemv(_GemvLaunch):
         return max(1, min(self.min_blocks, 233472 // (self.smem_bytes + 1024)))
 
     def _scale_offset(self, c):
-        """Byte offset, from the row's base, of the two scales of chunk ``c`` (scales 2c and 2c+1)."""
-        if cutlass.const_expr(self.blocked_scales):
-            return cutlass.Int64((c >> 1) * 512 + (c & 1) * 2)
-        return cutlass.Int64(2 * c)
+        return scale_offset(c, self.blocked_scales)
 
     @cute.jit
     def _chunk_dot(self, acc, x, s16, c, s_b0, s_b1, s_sf, tbl):
@@ -627,7 +639,7 @@ class Nvfp4Gemv(_GemvLaunch):
             pred = cutlass.Int32(1)
         a_row = a_base + row64 * a_rs
         if cutlass.const_expr(self.blocked_scales):
-            sfa_row = sfa_base + (row64 >> 7) * sfa_rs + (row64 & 31) * 16 + ((row64 >> 5) & 3) * 4
+            sfa_row = blocked_row(sfa_base, row64, sfa_rs)
         else:
             sfa_row = sfa_base + row64 * sfa_rs
         c0 = lane + bt * (self.batch * self.row_lanes)
@@ -933,10 +945,12 @@ class _Kernel:
     """A compiled kernel on one device and its launch path, the fastest that this install offers:
 
     * ``tvm-ffi``: compiled with ``--enable-tvm-ffi`` (the DSL's public fast path, package
-      apache-tvm-ffi); a call passes the 17 values as Python ints to a C function.
-    * ``direct``: without apache-tvm-ffi (the leaderboard's image), the 17 values are written into ctypes
-      storage and the compiled host function is called directly. This reads DSL internals, so the
-      storage layout is checked once against the DSL's own conversion (it matches on 4.3, not on 4.8).
+      apache-tvm-ffi); a call passes its values (17 for ``custom_kernel``'s kernels, 14 for the op's) as
+      Python ints to a C function.
+    * ``direct``: without apache-tvm-ffi (the leaderboard's image), ``custom_kernel``'s 17 values are
+      written into ctypes storage and the compiled host function is called directly. This reads DSL
+      internals, so the storage layout is checked once against the DSL's own conversion (it matches on
+      4.3, not on 4.8; the op's kernel never takes this path).
     * ``dsl``: the DSL's own call, which converts every argument each time (about 100 us of host time a
       call, against 5-10 for the others); a warning says so once.
     """
@@ -1047,8 +1061,22 @@ def compile_gemv(k, blocked_scales, arch, options=None, tvm_ffi=None, **tuning):
     (default: where apache-tvm-ffi is installed and ``NVFP4_GEMV_LAUNCH`` does not say otherwise) builds
     the TVM-FFI launcher."""
     i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
-    return cute.compile(make_op(k, blocked_scales, **tuning), *[i64] * 5, i32, *[i64] * 8, i32, i32,
-                        _CUstream(0), options=launch_options(options, tvm_ffi))
+    return dsl_compile(make_op(k, blocked_scales, **tuning), (*[i64] * 5, i32, *[i64] * 8, i32, i32, _CUstream(0)),
+                       options, tvm_ffi)
+
+
+def dsl_compile(op, args, options=None, tvm_ffi=None):
+    """``cute.compile`` with ``launch_options``; where the TVM-FFI build fails (an apache-tvm-ffi this DSL
+    does not work with), warns once and builds without it (the ctypes launcher or the DSL's call)."""
+    opts = launch_options(options, tvm_ffi)
+    try:
+        return cute.compile(op, *args, options=opts)
+    except Exception as e:  # noqa: BLE001 - any failure of the optional path: retry without it
+        if "--enable-tvm-ffi" not in opts:
+            raise
+        _warn_once("tvm-ffi-compile", f"nvfp4_gemv: compiling with --enable-tvm-ffi failed ({type(e).__name__}: "
+                   f"{str(e)[:200]}); compiled without it")
+        return cute.compile(op, *args, options=launch_options(options, False))
 
 
 def launch_options(options, tvm_ffi):

@@ -3,7 +3,9 @@
 ``out[n, m] = alpha * sum_k x[n, k] * x_scale[n, k // 16] * w[m, k] * w_scale[m, k // 16]``, the product
 ``(dequant(x) @ dequant(w).T) * alpha`` of an NVFP4 checkpoint's linear layer (alpha: the product of the
 two per-tensor scales). On a CUDA GPU (Hopper or Blackwell) the CuTe DSL kernel of ``nvfp4_gemv.tokens``
-reads ``w`` once for all ``N`` rows of ``x``; elsewhere an exact float64 implementation runs.
+reads ``w`` once for each group of tokens whose int8 copies fit shared memory (all of them up to 25 tokens
+at K = 7168, 11 at K = 16384: ``token_group``); elsewhere a float64 implementation runs (exact products,
+float64 sums, one rounding to the output dtype: ``gemv_reference``).
 
 The op is ``torch.ops.nvfp4.gemv`` (and ``torch.ops.nvfp4.gemv_out`` for ``out=``), with fake
 implementations for tracing, so ``torch.compile(fullgraph=True)`` and CUDA graphs take it. Eager calls of
@@ -88,8 +90,9 @@ def check_args(x, x_scale, w, w_scale, alpha, out_dtype, out=None):
     if alpha is not None:
         if not isinstance(alpha, torch.Tensor):
             _fail(TypeError, "alpha", "None or a one-element torch.float32 tensor", type(alpha).__name__)
-        if alpha.dtype != torch.float32 or alpha.numel() != 1:
-            _fail(TypeError, "alpha", "a one-element torch.float32 tensor", f"{alpha.dtype} of {alpha.numel()} elements")
+        if alpha.dtype != torch.float32 or alpha.numel() != 1 or alpha.dim() > 1:
+            _fail(TypeError, "alpha", "a one-element torch.float32 tensor of 0 or 1 dimensions",
+                  f"{alpha.dtype} of shape {tuple(alpha.shape)}")
         if alpha.device != dev:
             _fail(ValueError, "alpha", f"a tensor on {dev} (where 'w' is), read there without a sync",
                   f"a tensor on {alpha.device}")
@@ -128,16 +131,30 @@ def _scales64(s, rows, k, blocked):
     return s.to(torch.float64).repeat_interleave(16, dim=1)
 
 
+def round_to(v, dtype):
+    """float64 ``v`` rounded once to ``dtype`` (bf16 or fp16). torch's cast goes through fp32, rounding
+    twice (8880127.6 -> bf16 gives 8912896, not 8847360); rounding to fp32 by round-to-odd first makes
+    the second rounding the only one (fp32 carries more than two extra bits over either)."""
+    f = v.to(torch.float32)
+    back = f.to(torch.float64)
+    inexact = back != v
+    toward_zero = inexact & (back.abs() > v.abs())  # round-to-nearest went away from zero: step back
+    bits = f.view(torch.int32)
+    bits = torch.where(toward_zero & f.isfinite(), bits - 1, bits)  # magnitude one ulp down, same sign
+    bits = torch.where(inexact & f.isfinite(), bits | 1, bits)  # sticky bit: odd
+    return bits.view(torch.float32).to(dtype)
+
+
 def gemv_reference(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16):
-    """The exact result: float64 products and sums of the decoded, scaled values, times ``alpha``,
-    rounded once to ``out_dtype``."""
+    """The result from float64 sums of the decoded, scaled values (each product is exact; a sum rounds
+    at most by 2^-53 of its running value), times ``alpha``, rounded once to ``out_dtype``."""
     n, m, k, xb, wb = check_args(x, x_scale, w, w_scale, alpha, out_dtype)
     xv = _decode(x) * _scales64(x_scale, n, k, xb)
     wv = _decode(w) * _scales64(w_scale, m, k, wb)
     res = xv @ wv.T
     if alpha is not None:
-        res = res * alpha.to(torch.float64)
-    return res.to(out_dtype)
+        res = res * alpha.reshape(()).to(torch.float64)
+    return round_to(res, out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -147,6 +164,17 @@ def gemv_reference(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16)
 _compiled = {}
 _plans = {}
 _lock = threading.RLock()
+
+
+_sms = {}
+
+
+def _sm_count(device_index):
+    """SMs of a device (not ``kernel.device_info``, whose sm_100 probe of ``_scaled_mm`` synchronises)."""
+    sms = _sms.get(device_index)
+    if sms is None:
+        sms = _sms[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return sms
 
 
 def token_group(n, k):
@@ -190,7 +218,7 @@ class _TokensPlan:
             if out.stride(1) != 1 and m > 1:
                 _fail(ValueError, "out", "unit stride along M", f"strides {out.stride()}")
             out_rs = out.stride(0)
-        sms = _k.device_info(self.dev)[1]
+        sms = _sm_count(self.dev)
         g = token_group(n, k)
         # blocked x scales: the kernel indexes tokens within one launch; rows below 32 of a tile are 16
         # bytes apart, so a later group starts 16 * t0 bytes in; beyond that the plan unswizzles on the host
@@ -213,15 +241,20 @@ class _TokensPlan:
                                                   kern.op.grid_x(m, sms))))
 
     def __call__(self, x, x_scale, w, w_scale, alpha, out, out_dtype):
-        px, pw = x.data_ptr(), w.data_ptr()
-        if (px | pw) & 15:
-            bad = "x" if px & 15 else "w"
-            _fail(ValueError, bad, "16-byte aligned rows", f"address {(px if px & 15 else pw):#x}")
+        # addresses are not in the plan's key: checked on every call (the kernel reads 16-byte rows and
+        # 2-byte scale pairs; a misaligned read would fault and break the CUDA context)
+        px, pw, pxs, pws = x.data_ptr(), w.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr()
+        if (px | pw) & 15 or (pxs | pws) & 1:
+            bad = [n for n, p, mask in (("x", px, 15), ("w", pw, 15), ("x_scale", pxs, 1), ("w_scale", pws, 1))
+                   if p & mask][0]
+            _fail(ValueError, bad, "16-byte aligned rows of x and w, even addresses of the scales",
+                  f"address {dict(x=px, w=pw, x_scale=pxs, w_scale=pws)[bad]:#x}")
         if self.unswizzle_x:
             x_scale = unswizzle_scales(x_scale.view(torch.uint8), self.out_shape[0], self.k).contiguous()
+            pxs = x_scale.data_ptr()
         if out is None:
             out = torch.empty(self.out_shape, dtype=out_dtype, device=self.device)
-        pxs, pws, pout = x_scale.data_ptr(), w_scale.data_ptr(), out.data_ptr()
+        pout = out.data_ptr()
         pa = alpha.data_ptr() if alpha is not None else 0
         dev_ok = _k._get_device() == self.dev
         stream = _k._current_stream(self.dev)
@@ -304,7 +337,8 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
     """NVFP4 x NVFP4 matrix-vector product for decode: ``(dequant(x) @ dequant(w).T) * alpha``.
 
     :param x: activations [N, K/2], ``torch.float4_e2m1fn_x2`` or ``torch.uint8`` (two e2m1 values a
-        byte, the first in the low nibble). N up to 16 runs at about the speed of a read of ``w``.
+        byte, the first in the low nibble). ``w`` is read once per group of tokens that fits shared memory;
+        the time still grows with N (H200: N = 4 at 1.1-1.4x the time of N = 1, N = 16 at 2.6-4.5x).
     :param x_scale: [N, K/16] ``torch.float8_e4m3fn`` (or its uint8 bytes), one scale per 16 values; or
         the 128x4 blocked layout (see ``w_scale``).
     :param w: weights [M, K/2], the same dtypes; M % 128 == 0, K % 64 == 0, K <= 32768.
@@ -319,20 +353,24 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
     :return: [N, M] ``out_dtype``: ``out[n, m] = alpha * sum_k x[n,k] xs[n,k//16] w[m,k] ws[m,k//16]``.
     :raises TypeError, ValueError: naming the argument, for inputs the op cannot take.
     """
-    if not torch.compiler.is_compiling():
-        try:  # the eager fast path: a plan made for tensors with exactly this metadata
-            key = _key(x, x_scale, w, w_scale, alpha, out, out_dtype)
+    # the eager fast path: plain tensors, no tracing and no torch dispatch mode (a FakeTensor has no data
+    # to launch on; modes such as flop counters must see the op), and a plan made for exactly this metadata
+    direct = (type(w) is torch.Tensor and type(x) is torch.Tensor and not torch.compiler.is_compiling()
+              and not torch._C._len_torch_dispatch_stack())
+    if direct:
+        try:
+            key = _key(x, x_scale, w, w_scale, alpha, out, out_dtype if out is None else out.dtype)
             plan = _plans.get(key)
         except (AttributeError, TypeError):
             key = plan = None
         if plan is not None:
-            return plan(x, x_scale, w, w_scale, alpha, out, out.dtype if out is not None else out_dtype)
+            return plan(x, x_scale, w, w_scale, alpha, out, out_dtype if out is None else out.dtype)
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.dtype not in _OUT:
             _fail(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor",
                   getattr(out, "dtype", type(out).__name__))
         out_dtype = out.dtype
-    if torch.compiler.is_compiling() or not getattr(w, "is_cuda", False):
+    if not direct or not w.is_cuda:
         if not torch.compiler.is_compiling():
             check_args(x, x_scale, w, w_scale, alpha, out_dtype, out)  # our errors, not the dispatcher's
         if out is None:

@@ -25,7 +25,8 @@ from .kernel import (
     _asm,
     _asm_store,
     _CUstream,
-    launch_options,
+    blocked_row,
+    dsl_compile,
     e4m3x2_to_f32x2,
     fp4x8_to_i8,
     group_sum,
@@ -34,6 +35,7 @@ from .kernel import (
     lds_f32x2,
     lds_u32,
     lds_v4,
+    scale_offset,
     sts_f32x2,
     sts_u32,
     sts_v4,
@@ -119,12 +121,6 @@ def stg_as(addr, v, bf16, *, loc=None, ip=None):
                "{\n.reg .b16 h;\n" + cvt + " h, $1;\nst.global.b16 [$0], h;\n}", "l,f", loc, ip)
 
 
-def blocked_row(row64, tile_stride):
-    """Byte offset of a row's first scale in the 128x4 blocked layout (``to_blocked``): 128-row tiles
-    ``tile_stride`` bytes apart, 32 rows of 16 bytes, four such groups 4 bytes apart."""
-    return (row64 >> 7) * tile_stride + (row64 & 31) * 16 + ((row64 >> 5) & 3) * 4
-
-
 class Nvfp4GemvTokens(Nvfp4Gemv):
     """``Nvfp4Gemv`` over ``n_tok`` token rows at once: see the module docstring."""
 
@@ -205,9 +201,10 @@ class Nvfp4GemvTokens(Nvfp4Gemv):
             sts_v4(base + c * 16, w0, w1, w2, w3)
             sts_v4(base + 16 * C + c * 16, w4, w5, w6, w7)
             if cutlass.const_expr(self.x_blocked):
-                xs_row = xs_ptr + blocked_row(t64, xs_rs) + cutlass.Int64((c >> 1) * 512 + (c & 1) * 2)
+                xs_row = blocked_row(xs_ptr, t64, xs_rs)
             else:
-                xs_row = xs_ptr + t64 * xs_rs + cutlass.Int64(2 * c)
+                xs_row = xs_ptr + t64 * xs_rs
+            xs_row = xs_row + scale_offset(c, self.x_blocked)
             s0, s1 = e4m3x2_to_f32x2(ldg_u16(xs_row))
             sts_f32x2(base + 32 * C + c * 8, s0 * 0.25, s1 * 0.25)
         if tidx == 0:
@@ -241,8 +238,9 @@ class Nvfp4GemvTokens(Nvfp4Gemv):
     def _chunk_dot_tokens(self, acc, x, s16, c, s_b, tbl):
         """Adds chunk ``c``'s terms (two blocks) to each token's fp32 sums. Each block's term is exact
         (an integer dot below 2^12 times two e4m3 scales); a lane adds K / (16 G) of them and the butterfly
-        log2(G) more, so a result is within (K / (16 G) + log2 G) * 2^-24 of the sum of |terms|: at most
-        2^-18 for K <= 32768 (the op promises 2^-14)."""
+        log2(G) more, so a result is within (K / (16 G) + log2 G) * 2^-24 of the sum of |terms|. G >= 2, so
+        that is at most (K / 32 + 1) * 2^-24 <= 2^-14 for K <= 32768 (G = 2 where K / 64 is odd): the op's
+        promise, with no room to spare at the largest K."""
         sa0, sa1 = e4m3x2_to_f32x2(s16)
         lk0 = fp4x16_lookups(x[0], x[1], tbl)
         lk1 = fp4x16_lookups(x[2], x[3], tbl)
@@ -273,5 +271,4 @@ def compile_tokens(k, n_tok, w_blocked, x_blocked, has_alpha, out_bf16, options=
     """Compiles the kernel (no GPU needed when ``options`` names ``--gpu-arch``)."""
     op = Nvfp4GemvTokens(k, n_tok, w_blocked, x_blocked, has_alpha, out_bf16, **tuning)
     i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
-    return op, cute.compile(op, *[i64] * 6, i32, *[i64] * 5, i32, _CUstream(0),
-                            options=launch_options(options, tvm_ffi))
+    return op, dsl_compile(op, (*[i64] * 6, i32, *[i64] * 5, i32, _CUstream(0)), options, tvm_ffi)

@@ -168,7 +168,12 @@ def test_profile_mode_reports_a_profiler_table(tmp_path):
     assert "Self CPU time total" in report
 
 
-def test_a_time_faster_than_the_bandwidth_allows_is_flagged(capsys):
+def test_a_time_faster_than_the_bandwidth_allows_is_suspect():
+    nbytes = harness.bytes_moved({"m": 7168, "k": 16384, "l": 1})  # 66 MB: 15.1 us at 4.38 TB/s
+    assert harness.is_suspect(10.0, nbytes, 4.38) and not harness.is_suspect(16.0, nbytes, 4.38)
+
+
+def test_a_suspect_row_is_flagged_in_the_table(capsys):
     case = {"m": 7168, "k": 16384, "l": 1, "seed": 1}
     stats = {"median": 1.0, "p20": 1.0, "p80": 1.0, "mean": 1.0, "err": 0.0, "best": 1.0, "runs": 10}
     row = harness.Row(case, "pass", stats=stats, tbps=60.0, pct=1500.0, sol_us=15.0, suspect=True)

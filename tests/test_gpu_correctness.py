@@ -96,7 +96,8 @@ def test_both_kernel_configs_match_float64(m, k, l, config):
         chunks = k // 32
         group = min(32, chunks & -chunks)
         tuning = (("batch", chunks // group), ("group", group), ("min_blocks", 2))
-        assert submission.make_op(k, False, **dict(tuning)).per_lane == chunks // group
+        op = submission.make_op(k, False, **dict(tuning))
+        assert op.batch == op.per_lane, "one unit a lane: all of its loads in flight at once"
     data = inputs.random_inputs(m, k, l, seed=m + k)
     out = submission.run_cute(inputs.poisoned(data), *submission.check_inputs(data), tuning=tuning)
     ok, msg = inputs.check_exact(data, out)

@@ -24,8 +24,9 @@ BAD = [
     ("x_scale shape", lambda a: a.__setitem__(1, a[1][:, :4]), {}, ValueError, "x_scale"),
     ("x_scale fp16", lambda a: a.__setitem__(1, torch.ones(2, 8, dtype=torch.float16)), {}, TypeError, "x_scale"),
     ("w_scale shape", lambda a: a.__setitem__(3, a[3][:64]), {}, ValueError, "w_scale"),
-    ("w_scale blocked, strided", lambda a: a.__setitem__(3, torch.zeros(32, 32, dtype=torch.uint8)[:, ::2]),
-     {}, ValueError, "w_scale"),
+    ("w_scale blocked, strided", lambda a: a.__setitem__(3, torch.zeros(32, 64, dtype=torch.uint8)[:, ::2]),
+     {}, ValueError, "w_scale"),  # torchao's blocked shape for M = K = 128 is (32, 32): only the strides are wrong
+    ("alpha 3-d", lambda a: a.__setitem__(4, torch.ones(1, 1, 1)), {}, TypeError, "alpha"),
     ("alpha fp64", lambda a: a.__setitem__(4, torch.ones(1, dtype=torch.float64)), {}, TypeError, "alpha"),
     ("alpha two elements", lambda a: a.__setitem__(4, torch.ones(2)), {}, TypeError, "alpha"),
     ("alpha a float", lambda a: a.__setitem__(4, 0.5), {}, TypeError, "alpha"),

@@ -27,11 +27,17 @@ def test_wheel_installs_only_the_package(tmp_path):
 
     # builds offline where setuptools is installed (the GPU machine has no network)
     offline = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", *offline, "-w", str(tmp_path),
-                           ROOT], capture_output=True, text=True, timeout=600)
+    src = tmp_path / "src"  # a copy: building in the checkout would leave build/ and egg-info behind
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        (src / f).write_bytes(open(os.path.join(ROOT, f), "rb").read())
+    out = tmp_path / "dist"
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", *offline, "-w", str(out), str(src)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (wheel,) = [p for p in os.listdir(tmp_path) if p.endswith(".whl")]
-    with zipfile.ZipFile(tmp_path / wheel) as z:
+    (wheel,) = [p for p in os.listdir(out) if p.endswith(".whl")]
+    with zipfile.ZipFile(out / wheel) as z:
         tops = {name.split("/")[0] for name in z.namelist()}
         names = set(z.namelist())
     assert {t for t in tops if not t.endswith(".dist-info")} == {"nvfp4_gemv"}, tops
