@@ -24,6 +24,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 _FP4 = (torch.float4_e2m1fn_x2, torch.uint8)
 _FP8 = (torch.float8_e4m3fn, torch.uint8)
 _OUT = (torch.bfloat16, torch.float16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # other subclasses (fake, functional) go through torch.ops
 
 
 def _fail(exc, name, expected, got):
@@ -355,7 +356,7 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
     """
     # the eager fast path: plain tensors, no tracing and no torch dispatch mode (a FakeTensor has no data
     # to launch on; modes such as flop counters must see the op), and a plan made for exactly this metadata
-    direct = (type(w) is torch.Tensor and type(x) is torch.Tensor and not torch.compiler.is_compiling()
+    direct = (type(w) in _PLAIN and type(x) in _PLAIN and not torch.compiler.is_compiling()
               and not torch._C._len_torch_dispatch_stack())
     if direct:
         try:
