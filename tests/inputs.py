@@ -114,13 +114,22 @@ def op_inputs(n, m, k, seed, device="cuda", min_exp=2, max_exp=10, alpha=True):
     return tuple(t.to(device) if t is not None else None for t in (x, xs, w, ws, a))
 
 
+def blocked_scales(s, rows, k, flat=False):
+    """[rows, K/16] scales in the 128x4 blocked layout (the reference's ``to_blocked`` of the padded
+    matrix), shaped as torchao keeps them, or ``flat``."""
+    from nvfp4_gemv import swizzled_scale_shape
+
+    padded = torch.zeros(-(-rows // 128) * 128, -(-(k // 16) // 4) * 4, dtype=torch.uint8, device=s.device)
+    padded[:rows, : k // 16] = s.view(torch.uint8)
+    out = reference.to_blocked(padded).view(torch.float8_e4m3fn)
+    return out if flat else out.view(swizzled_scale_shape(rows, k))
+
+
 def op_exact(x, xs, w, ws, alpha):
-    """``(result, sum of |terms|)`` in float64 for plain scales, from first principles: decoded values
-    times scales, products summed in float64 (on the CPU)."""
+    """``(result, sum of |terms|)`` in float64 for plain scales, from the reference's decoder: decoded
+    values times scales, products summed in float64 (on the CPU)."""
     def deq(q, s):
-        u = q.view(torch.uint8).cpu()
-        table = torch.tensor(reference.E2M1_VALUES, dtype=torch.float64)
-        v = torch.stack((table[(u & 0xF).long()], table[(u >> 4).long()]), dim=-1).reshape(u.shape[0], -1)
+        v = reference.decode_fp4(q.view(torch.uint8).cpu().unsqueeze(-1).view(torch.float4_e2m1fn_x2))[..., 0]
         return v * s.view(torch.float8_e4m3fn).cpu().to(torch.float64).repeat_interleave(16, dim=1)
 
     xv, wv = deq(x, xs), deq(w, ws)

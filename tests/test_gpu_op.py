@@ -7,16 +7,12 @@ import torch
 
 import inputs
 import nvfp4_gemv
-from nvfp4_gemv import gemv, op, swizzled_scale_shape
-import reference
+from nvfp4_gemv import gemv, op
 
 pytestmark = pytest.mark.gpu
 
 
-def blocked(s, rows, k):
-    padded = torch.zeros(-(-rows // 128) * 128, -(-(k // 16) // 4) * 4, dtype=torch.uint8, device=s.device)
-    padded[:rows, : k // 16] = s.view(torch.uint8)
-    return reference.to_blocked(padded).view(torch.float8_e4m3fn).view(swizzled_scale_shape(rows, k))
+blocked = inputs.blocked_scales
 
 
 def check(args, out_dtype=torch.bfloat16, **kw):

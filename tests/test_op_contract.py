@@ -5,7 +5,7 @@ import torch
 
 import inputs
 import reference
-from nvfp4_gemv import gemv, gemv_reference, swizzled_scale_shape
+from nvfp4_gemv import gemv, gemv_reference
 
 
 def brute_force(x, xs, w, ws, alpha):
@@ -82,10 +82,7 @@ def test_blocked_scales_give_the_same_result(form, which):
     ref = gemv(x, xs, w, ws, alpha)
 
     def blocked(s, rows):
-        padded = torch.zeros(-(-rows // 128) * 128, -(-(k // 16) // 4) * 4, dtype=torch.uint8)
-        padded[:rows, : k // 16] = s.view(torch.uint8)
-        flat = reference.to_blocked(padded).view(torch.float8_e4m3fn)
-        return flat if form == "flat" else flat.view(swizzled_scale_shape(rows, k))
+        return inputs.blocked_scales(s, rows, k, flat=form == "flat")
 
     if which in ("x_scale", "both"):
         xs = blocked(xs, n)
