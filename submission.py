@@ -564,24 +564,9 @@ class Nvfp4Gemv(_GemvLaunch):
         a_base = a_ptr + l_idx * a_ls
         sfa_base = sfa_ptr + l_idx * sfa_ls
         c_base = c_ptr + l_idx * c_ls
-        # Work units are (row, batch of chunks); rows are grid-strided, so at any time the CTAs stream
-        # neighbouring rows. M % 128 == 0 makes the unit count warp-uniform, so the shuffles below run
-        # with every lane of the warp.
-        step = gdimx * self.rows_per_cta
-        warp_row0 = bidx * self.rows_per_cta + (tidx // 32) * (32 // G)
-        n_units = cutlass.Int32(0)
-        if warp_row0 < m:
-            n_units = (m - warp_row0 + step - 1) // step * nb
-        row = bidx * self.rows_per_cta + tidx // G
+        step, n_units, row, pipe, irow, ibt = self._first_units(tidx, bidx, gdimx, m, lane, a_base, sfa_base,
+                                                                a_rs, sfa_rs)
         bt = cutlass.Int32(0)
-        # Software pipeline: the loads of units u + 1 .. u + depth - 1 are in flight while unit u is
-        # computed; the first ones also overlap the decode of b below. (irow, ibt) is the next unit to load.
-        pipe = []
-        irow = row
-        ibt = cutlass.Int32(0)
-        for _j in cutlass.range_constexpr(self.depth - 1):
-            pipe.append(self._load_unit(irow, ibt, irow < m, lane, a_base, sfa_base, a_rs, sfa_rs))
-            irow, ibt = self._next_unit(irow, ibt, step)
 
         b_base = b_ptr + l_idx * b_ls
         sfb_base = sfb_ptr + l_idx * sfb_ls
@@ -618,6 +603,28 @@ class Nvfp4Gemv(_GemvLaunch):
                 acc = cutlass.Float64(0.0)
             row, bt = self._next_unit(row, bt, step)
             pipe = pipe[1:]
+
+    @cute.jit
+    def _first_units(self, tidx, bidx, gdimx, m, lane, a_base, sfa_base, a_rs, sfa_rs):
+        """``(step, n_units, row, pipe, irow, ibt)``: this thread's work units and the loads of the first
+        ``depth - 1`` of them, issued. Work units are (row, batch of chunks); rows are grid-strided, so at
+        any time the CTAs stream neighbouring rows. M % 128 == 0 makes the unit count warp-uniform, so the
+        shuffles run with every lane of the warp. Software pipeline: the loads of units u + 1 .. u + depth
+        - 1 are in flight while unit u is computed; the first ones also overlap the decode of b that
+        follows. (irow, ibt) is the next unit to load."""
+        step = gdimx * self.rows_per_cta
+        warp_row0 = bidx * self.rows_per_cta + (tidx // 32) * (32 // self.group)
+        n_units = cutlass.Int32(0)
+        if warp_row0 < m:
+            n_units = (m - warp_row0 + step - 1) // step * (self.per_lane // self.batch)
+        row = bidx * self.rows_per_cta + tidx // self.group
+        pipe = []
+        irow = row
+        ibt = cutlass.Int32(0)
+        for _j in cutlass.range_constexpr(self.depth - 1):
+            pipe.append(self._load_unit(irow, ibt, irow < m, lane, a_base, sfa_base, a_rs, sfa_rs))
+            irow, ibt = self._next_unit(irow, ibt, step)
+        return step, n_units, row, pipe, irow, ibt
 
     @cute.jit
     def _next_unit(self, row, bt, step):

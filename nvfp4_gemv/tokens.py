@@ -174,19 +174,9 @@ class Nvfp4GemvTokens(Nvfp4Gemv):
         s_tbl = s_b + 40 * C * NT
 
         lane = tidx % G
-        step = gdimx * self.rows_per_cta
-        warp_row0 = bidx * self.rows_per_cta + (tidx // 32) * (32 // G)
-        n_units = cutlass.Int32(0)
-        if warp_row0 < m:
-            n_units = (m - warp_row0 + step - 1) // step * nb
-        row = bidx * self.rows_per_cta + tidx // G
+        step, n_units, row, pipe, irow, ibt = self._first_units(tidx, bidx, gdimx, m, lane, w_ptr, ws_ptr, w_rs,
+                                                                ws_rs)
         bt = cutlass.Int32(0)
-        pipe = []
-        irow = row
-        ibt = cutlass.Int32(0)
-        for _j in cutlass.range_constexpr(self.depth - 1):
-            pipe.append(self._load_unit(irow, ibt, irow < m, lane, w_ptr, ws_ptr, w_rs, ws_rs))
-            irow, ibt = self._next_unit(irow, ibt, step)
 
         for i in cutlass.range(tidx, C * NT, self.threads):
             t = i // C
