@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from . import kernel as _k
+from .mma import compile_mma, pick_groups
 from .tokens import Nvfp4GemvTokens, compile_tokens
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -185,13 +186,23 @@ def token_group(n, k):
     return -(-n // launches)
 
 
+MMA_TOKENS = 16  # tokens a launch of the tensor-core kernel takes
+
+
+def use_mma(n, m, sms):
+    """The tensor-core kernel (``nvfp4_gemv.mma``) for 2 tokens or more where its 8-row groups fill the GPU;
+    the dp4a kernel (``nvfp4_gemv.tokens``) for one token and for short weights."""
+    return n >= 2 and m // 8 >= sms
+
+
 def _get_kernel(device_index, key):
     kern = _compiled.get(key)
     if kern is None:
         with _lock:
             kern = _compiled.get(key)
             if kern is None:
-                op, fn = compile_tokens(*key[1:-1], **dict(key[-1]))
+                build = compile_mma if key[0] == "mma" else compile_tokens
+                op, fn = build(*key[2:-1], **dict(key[-1]))
                 kern = _k._Kernel(fn, device_index, op)
                 kern.check_fast()
                 _compiled[key] = kern
@@ -220,7 +231,14 @@ class _TokensPlan:
                 _fail(ValueError, "out", "unit stride along M", f"strides {out.stride()}")
             out_rs = out.stride(0)
         sms = _sm_count(self.dev)
-        g = token_group(n, k)
+        tuning = dict(tuning)
+        mma = bool(tuning.pop("mma", use_mma(n, m, sms)))
+        groups = tuning.pop("groups", None) or pick_groups(m, sms)
+        tuning = tuple(sorted(tuning.items()))
+        if mma:
+            g = -(-n // -(-n // MMA_TOKENS))
+        else:
+            g = token_group(n, k)
         # blocked x scales: the kernel indexes tokens within one launch; rows below 32 of a tile are 16
         # bytes apart, so a later group starts 16 * t0 bytes in; beyond that the plan unswizzles on the host
         self.unswizzle_x = xb and g < n and n > 32
@@ -235,7 +253,12 @@ class _TokensPlan:
         self.launches = []
         for t0 in range(0, n, g):
             nt = min(g, n - t0)
-            key = (self.dev, k, nt, wb, xb, alpha is not None, out_dtype == torch.bfloat16, tuning)
+            if mma:
+                shape = (k, nt, groups, wb, xb, alpha is not None, out_dtype == torch.bfloat16,
+                         w.stride(0) == k // 2, not wb and w_scale.stride(0) == k // 16)
+                key = ("mma", self.dev, *shape, tuning)
+            else:
+                key = ("tokens", self.dev, k, nt, wb, xb, alpha is not None, out_dtype == torch.bfloat16, tuning)
             kern = _get_kernel(self.dev, key)
             offsets = (t0 * x.stride(0), 16 * t0 if xb else t0 * xs_rs, t0 * out_rs * 2)
             self.launches.append((kern, offsets, (m, w.stride(0), ws_rs, x.stride(0), xs_rs, out_rs * 2,

@@ -1,0 +1,282 @@
+"""The model-code op's tensor-core kernel for 2 to 16 tokens: ``out[n, m] = alpha * sum_k x[n, k] xs[n, k // 16]
+w[m, k] ws[m, k // 16]``, with ``w`` read once and the products summed by ``mma.sync.m16n8k16`` (f16 in, fp32
+accumulation), so that the arithmetic per value of ``w`` does not grow with the number of tokens.
+
+Exact f16 operands: an e2m1 nibble ``s e1 e0 m`` placed as ``(s << 15) | (e1 e0 m << 9)`` is the f16 of
+``v * 2^-14`` (subnormal for |v| = 0.5: exactly representable). One ``HMUL2`` by the block's e4m3 scale
+(exact in f16) gives ``v * s * 2^-14``: a multiple of 2^-24 with at most 6 significant bits, exact again.
+So every product in the tensor core is exact, and ``2^28 * alpha`` scales the fp32 sum at the end.
+
+Tiles: ``x`` is the A operand (16 token rows, tokens 8..15 zero registers where ``N <= 8``), ``w`` the B
+operand (8 rows of ``w``, "a group"). A lane with ``t = lane % 4`` owns 16 consecutive values (one scale block)
+of a 64-value slice of K for its row (``g = lane // 4``); the four MMA k-steps of the slice take, in the
+slots ``2t, 2t+1, 2t+8, 2t+9``, the value pairs ``(i, i + 4)`` of its two 8-value words. The dot product
+does not depend on the order of k, and A and B use the same order, so the pairs need no shuffle. Each
+lane decodes its own A fragment from global memory (no shared memory, no barrier in the main loop).
+
+Work: a CTA owns ``groups`` groups (8 rows each) at a time, its warps split K into 64-value slices
+(warp ``i`` takes slices ``i, i + W, ...``), loads of the next ``depth`` slices in flight. At the end the
+warps' fp32 partials meet in shared memory and are added in a fixed order (deterministic), scaled, rounded
+once to bf16/fp16 and stored. Sums: a warp adds K / (16 W) fp32 MMA results for an output, then W of those
+are added: the error stays far below the op's 2^-14 of the sum of |terms|.
+
+Layouts: as ``nvfp4_gemv.tokens`` (``w`` [M, K/2] and ``x`` [N, K/2] K-contiguous, 8-byte aligned rows;
+scales plain [rows, K/16] K-contiguous or 128x4 blocked; ``out`` [N, M] unit stride along M).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .kernel import SmemAllocator, _asm, _asm_store, _CUstream, blocked_row, dsl_compile
+from .tokens import ldg_f32, stg_as
+
+TWO_POW_28 = 268435456.0
+MAX_GROUPS = 8  # accumulators and loads in flight of a thread grow with it (registers)
+
+
+@dsl_user_op
+def ldg_v2(addr, *, loc=None, ip=None):
+    """8-byte streaming load (no L1 allocation)."""
+    r = _asm([T.i32()] * 2, [cutlass.Int64(addr)], "ld.global.nc.L1::no_allocate.v2.u32 {$0, $1}, [$2];",
+             "=r,=r,l", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def ldg_u8(addr, *, loc=None, ip=None):
+    r = _asm([T.i32()], [cutlass.Int64(addr)], "ld.global.nc.u8 $0, [$1];", "=r,l", loc, ip)
+    return cutlass.Int32(r[0])
+
+
+@dsl_user_op
+def ldg_v2_if(addr, pred, *, loc=None, ip=None):
+    """8-byte load where ``pred`` is non-zero, else zeros."""
+    r = _asm([T.i32()] * 2, [cutlass.Int64(addr), cutlass.Int32(pred)],
+             "{\n.reg .pred p;\nsetp.ne.s32 p, $3, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\n"
+             "@p ld.global.nc.v2.u32 {$0, $1}, [$2];\n}", "=r,=r,l,r", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def ldg_u8_if(addr, pred, *, loc=None, ip=None):
+    r = _asm([T.i32()], [cutlass.Int64(addr), cutlass.Int32(pred)],
+             "{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 $0, 0;\n@p ld.global.nc.u8 $0, [$1];\n}",
+             "=r,l,r", loc, ip)
+    return cutlass.Int32(r[0])
+
+
+@dsl_user_op
+def scaled_f16x8(q0, q1, s8, *, loc=None, ip=None):
+    """16 e2m1 nibbles (two words, value order) times their block's e4m3 scale byte ``s8``: eight f16x2
+    ``v * s * 2^-14``, in MMA-slot order: word 0's pairs (0,4), (1,5), (2,6), (3,7), then word 1's."""
+    body = ["{", ".reg .b32 t, u, s;", ".reg .b16 h;",
+            "prmt.b32 t, $9, 0, 0x0000;", "cvt.u16.u32 h, t;", "cvt.rn.f16x2.e4m3x2 s, h;"]
+    for w, q in enumerate(("$8", "$10")):
+        for j in range(4):
+            o = f"${4 * w + j}"
+            mag = f"shl.b32 t, {q}, {9 - 4 * j};" if j < 3 else f"shr.b32 t, {q}, 3;"
+            sign = f"shl.b32 u, {q}, {12 - 4 * j};" if j < 3 else f"mov.b32 u, {q};"
+            body += [mag, "and.b32 t, t, 0x0E000E00;", sign, "and.b32 u, u, 0x80008000;", f"or.b32 {o}, t, u;",
+                     f"mul.rn.f16x2 {o}, {o}, s;"]
+    body.append("}")
+    # operands: $0..$7 out, $8 q0, $9 s8, $10 q1
+    r = _asm([T.i32()] * 8, [cutlass.Int32(q0), cutlass.Int32(s8), cutlass.Int32(q1)], "\n".join(body),
+             "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def mma_f16(a, b, c, *, loc=None, ip=None):
+    """``mma.sync.m16n8k16`` row.col, f16 operands (``a`` four registers, ``b`` two), fp32 ``c``."""
+    r = _asm([T.f32()] * 4, [*[cutlass.Int32(v) for v in (*a, *b)], *[cutlass.Float32(v) for v in c]],
+             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+             "{$10, $11, $12, $13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip)
+    return [cutlass.Float32(v) for v in r]
+
+
+@dsl_user_op
+def sts_f32x4(addr, v, *, loc=None, ip=None):
+    _asm_store([cutlass.Int32(addr), *[cutlass.Float32(x) for x in v]],
+               "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f", loc, ip)
+
+
+@dsl_user_op
+def lds_f32(addr, *, loc=None, ip=None):
+    r = _asm([T.f32()], [cutlass.Int32(addr)], "ld.shared.f32 $0, [$1];", "=f,r", loc, ip)
+    return cutlass.Float32(r[0])
+
+
+def pick_groups(m, sms, ctas_per_sm=1):
+    """Groups of 8 rows a CTA owns at a time (<= ``MAX_GROUPS``): the fewest group-slots on the busiest
+    CTA (rounds x groups), ties to more groups a CTA."""
+    total = m // 8
+    slots = sms * ctas_per_sm
+
+    def cost(gr):
+        tiles = -(-total // gr)
+        return -(-tiles // slots) * gr, -gr
+
+    return min(range(1, MAX_GROUPS + 1), key=cost)
+
+
+class Nvfp4GemvMma:
+    """The op's tensor-core kernel; one instance per (K, tokens, groups, layouts, epilogue, tuning)."""
+
+    def __init__(self, k: int, n_tok: int, groups: int, w_blocked: bool, x_blocked: bool, has_alpha: bool,
+                 out_bf16: bool, w_contig: bool = True, ws_contig: bool = True, threads=None, depth=None, unroll=None):
+        if not 1 <= n_tok <= 16:
+            raise ValueError(f"nvfp4_gemv: the tensor-core kernel takes 1..16 tokens, not {n_tok}")
+        if k % 64:
+            raise ValueError(f"nvfp4_gemv: K={k} is not a multiple of 64")
+        self.k = k
+        self.n_tok = n_tok
+        self.groups = groups
+        self.w_blocked = w_blocked
+        self.x_blocked = x_blocked
+        self.has_alpha = has_alpha
+        self.out_bf16 = out_bf16
+        # rows of w (and of plain w scales) at their dense stride: compile-time offsets between the groups
+        self.w_contig = bool(w_contig)
+        self.ws_contig = bool(ws_contig) and not w_blocked
+        self.threads = threads or 256
+        self.warps = self.threads // 32
+        self.depth = depth or 2
+        self.unroll = unroll or 1
+        self.smem_bytes = self.warps * groups * 512
+        self.min_blocks = 1
+
+    def grid_x(self, m, sms):
+        tiles = -(-(m // 8) // self.groups)
+        return max(1, min(tiles, sms * self.min_blocks))
+
+    @cute.jit
+    def __call__(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, xs_ptr: cutlass.Int64,
+                 out_ptr: cutlass.Int64, alpha_ptr: cutlass.Int64, m: cutlass.Int32, w_rs: cutlass.Int64,
+                 ws_rs: cutlass.Int64, x_rs: cutlass.Int64, xs_rs: cutlass.Int64, out_rs: cutlass.Int64,
+                 grid_x: cutlass.Int32, stream):
+        self.kernel(w_ptr, x_ptr, ws_ptr, xs_ptr, out_ptr, alpha_ptr, m, w_rs, ws_rs, x_rs, xs_rs,
+                    out_rs).launch(grid=[grid_x, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
+                                   stream=stream, min_blocks_per_mp=self.min_blocks)
+
+    def _w_rs(self, w_rs):
+        return cutlass.Int64(self.k // 2) if cutlass.const_expr(self.w_contig) else w_rs
+
+    def _ws_rs(self, ws_rs):
+        return cutlass.Int64(self.k // 16) if cutlass.const_expr(self.ws_contig) else ws_rs
+
+    @cute.jit
+    def _load_slice(self, sl, g, t, row0, m, w_ptr, ws_ptr, x_ptr, xs_ptr, w_rs, ws_rs, x_rs, xs_rs):
+        """The words and scale bytes a lane needs for slice ``sl``: x (tokens g and g + 8), then each group's w.
+        Slices past the end and rows past M read the last ones instead (their results are never used), so
+        that no load needs a predicate; tokens past N read zeros."""
+        NT = self.n_tok
+        sl = cutlass.min(sl, self.k // 64 - 1)
+        kb = cutlass.Int64(sl * 32 + t * 8)
+        kbs = cutlass.Int64(sl * 512 + t) if cutlass.const_expr(self.x_blocked) else cutlass.Int64(sl * 4 + t)
+        vals = []
+        for h in cutlass.range_constexpr(2 if NT > 8 else 1):
+            tok = g + 8 * h
+            p = cutlass.Int32(tok < NT)
+            tok64 = cutlass.Int64(cutlass.min(tok, NT - 1))
+            vals += ldg_v2_if(x_ptr + tok64 * x_rs + kb, p)
+            if cutlass.const_expr(self.x_blocked):
+                xs_addr = blocked_row(xs_ptr, tok64, xs_rs) + kbs
+            else:
+                xs_addr = xs_ptr + tok64 * xs_rs + kbs
+            vals.append(ldg_u8_if(xs_addr, p))
+        w_rs = self._w_rs(w_rs)
+        ws_rs = self._ws_rs(ws_rs)
+        row64 = cutlass.Int64(row0 + g)
+        w_row = w_ptr + row64 * w_rs + kb
+        kws = cutlass.Int64(sl * 512 + t) if cutlass.const_expr(self.w_blocked) else cutlass.Int64(sl * 4 + t)
+        ws_row = ws_ptr + row64 * ws_rs + kws
+        for gr in cutlass.range_constexpr(self.groups):
+            vals += ldg_v2(w_row + w_rs * (8 * gr))
+            if cutlass.const_expr(self.w_blocked):
+                ws_addr = blocked_row(ws_ptr, row64 + 8 * gr, ws_rs) + kws
+            else:
+                ws_addr = ws_row + ws_rs * (8 * gr)
+            vals.append(ldg_u8(ws_addr))
+        return vals
+
+    @cute.kernel
+    def kernel(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, xs_ptr: cutlass.Int64,
+               out_ptr: cutlass.Int64, alpha_ptr: cutlass.Int64, m: cutlass.Int32, w_rs: cutlass.Int64,
+               ws_rs: cutlass.Int64, x_rs: cutlass.Int64, xs_rs: cutlass.Int64, out_rs: cutlass.Int64):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdimx, _, _ = cute.arch.grid_dim()
+        NT = self.n_tok
+        GR = self.groups
+        W = self.warps
+        D = self.depth
+        XH = 2 if NT > 8 else 1
+        n_slices = self.k // 64
+
+        smem = SmemAllocator()
+        s_buf = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.smem_bytes // 4), byte_alignment=16)
+        s_red = s_buf.iterator.toint()
+
+        wid = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        t = lane % 4
+        my_slices = (n_slices - wid + W - 1) // W
+        n_tiles = (m // 8 + GR - 1) // GR
+        scale = cutlass.Float32(TWO_POW_28)
+        if cutlass.const_expr(self.has_alpha):
+            scale = scale * ldg_f32(alpha_ptr)
+        zero = cutlass.Int32(0)
+
+        for tile in cutlass.range(bidx, n_tiles, gdimx, unroll=1):
+            # a last tile that would pass M starts lower instead: its first rows are the previous tile's again
+            # (the same sums, stored twice)
+            row0 = cutlass.min(tile * (GR * 8), m - GR * 8)
+            pipe = []
+            for d in cutlass.range_constexpr(D):
+                pipe.append(self._load_slice(wid + d * W, g, t, row0, m, w_ptr, ws_ptr, x_ptr,
+                                             xs_ptr, w_rs, ws_rs, x_rs, xs_rs))
+            acc = [[cutlass.Float32(0.0)] * 4 for _ in range(GR)]
+            for i in cutlass.range(my_slices, unroll=self.unroll):
+                cur = pipe[0]
+                pipe = pipe[1:]
+                pipe.append(self._load_slice(wid + (i + D) * W, g, t, row0, m, w_ptr, ws_ptr,
+                                             x_ptr, xs_ptr, w_rs, ws_rs, x_rs, xs_rs))
+                xa = [scaled_f16x8(cur[3 * h], cur[3 * h + 1], cur[3 * h + 2]) for h in range(XH)]
+                new_acc = []
+                for gr in cutlass.range_constexpr(GR):
+                    o = 3 * (XH + gr)
+                    wb = scaled_f16x8(cur[o], cur[o + 1], cur[o + 2])
+                    c = acc[gr]
+                    for s in cutlass.range_constexpr(4):
+                        a1 = xa[1][2 * s] if XH == 2 else zero
+                        a3 = xa[1][2 * s + 1] if XH == 2 else zero
+                        c = mma_f16((xa[0][2 * s], a1, xa[0][2 * s + 1], a3), (wb[2 * s], wb[2 * s + 1]), c)
+                    new_acc.append(c)
+                acc = new_acc
+
+            for gr in cutlass.range_constexpr(GR):
+                sts_f32x4(s_red + ((wid * GR + gr) * 32 + lane) * 16, acc[gr])
+            cute.arch.sync_threads()
+            for e in cutlass.range(tidx, GR * 128, self.threads, unroll=1):
+                total = lds_f32(s_red + e * 4)
+                for w in cutlass.range_constexpr(1, W):
+                    total = total + lds_f32(s_red + (w * GR * 128 + e) * 4)
+                gr = e // 128
+                ln = (e // 4) % 32
+                r = e % 4
+                tok = ln // 4 + 8 * (r // 2)
+                row = row0 + gr * 8 + 2 * (ln % 4) + r % 2
+                if tok < NT:
+                    stg_as(out_ptr + cutlass.Int64(tok) * out_rs + cutlass.Int64(row) * 2, total * scale,
+                           self.out_bf16)
+            cute.arch.sync_threads()
+
+
+def compile_mma(k, n_tok, groups, w_blocked, x_blocked, has_alpha, out_bf16, w_contig=True, ws_contig=True,
+                options=None, tvm_ffi=None, **tuning):
+    """Compiles the kernel (no GPU needed when ``options`` names ``--gpu-arch``)."""
+    op = Nvfp4GemvMma(k, n_tok, groups, w_blocked, x_blocked, has_alpha, out_bf16, w_contig, ws_contig, **tuning)
+    i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
+    return op, dsl_compile(op, (*[i64] * 6, i32, *[i64] * 5, i32, _CUstream(0)), options, tvm_ffi)

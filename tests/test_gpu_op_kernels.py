@@ -1,0 +1,91 @@
+"""Both kernels of the op, each forced through a launch plan, against float64 within the op's accuracy
+contract: the dp4a kernel (``nvfp4_gemv.tokens``) and the tensor-core kernel (``nvfp4_gemv.mma``) over token
+counts, shapes (a last tile that passes M, several tiles a CTA, fewer K slices than warps), scale layouts,
+strides and epilogues. Outputs are poisoned before each run."""
+
+import pytest
+import torch
+
+import inputs
+from nvfp4_gemv import op
+
+pytestmark = pytest.mark.gpu
+
+blocked = inputs.blocked_scales
+
+
+def run_plan(args, kernel, out_dtype=torch.bfloat16, out=None, **tuning):
+    x, xs, w, ws, alpha = args
+    n, m = x.shape[0], w.shape[0]
+    if out is None:
+        out = torch.empty(n, m, dtype=out_dtype, device="cuda")
+    out.fill_(float("nan"))
+    tuning["mma"] = int(kernel == "mma")
+    plan = op._TokensPlan(x, xs, w, ws, alpha, out, out.dtype, tuning=tuple(sorted(tuning.items())))
+    plan(x, xs, w, ws, alpha, out, out.dtype)
+    torch.cuda.synchronize()
+    return out, plan
+
+
+def assert_exact(args, out, plain=None):
+    x, xs, w, ws, alpha = plain or args
+    exact, terms = inputs.op_exact(x, xs, w, ws, alpha)
+    bad, msg = inputs.op_violations(out, exact, terms)
+    assert bad == 0, msg
+
+
+KERNELS = pytest.mark.parametrize("kernel", ["tokens", "mma"])
+
+
+@KERNELS
+@pytest.mark.parametrize("n", [2, 3, 7, 8, 9, 15, 16, 17, 33])
+def test_token_counts(kernel, n):
+    args = inputs.op_inputs(n, 256, 2048, seed=7 * n)
+    out, plan = run_plan(args, kernel)
+    assert (plan.launches[0][0].op.__class__.__name__ == "Nvfp4GemvMma") == (kernel == "mma")
+    assert_exact(args, out)
+
+
+@pytest.mark.parametrize("m,k,groups", [(384, 7168, 5), (384, 1024, 8), (2176, 512, 1), (7168, 4096, 7),
+                                        (128, 64, 3), (256, 320, 2)])
+@pytest.mark.parametrize("n", [4, 16])
+def test_mma_tiles_and_slices(m, k, groups, n):
+    """M/8 not a multiple of the groups (the last tile starts lower), more tiles than CTAs, K/64 below or
+    not a multiple of the warps."""
+    args = inputs.op_inputs(n, m, k, seed=m + k + n)
+    out, _ = run_plan(args, "mma", groups=groups)
+    assert_exact(args, out)
+
+
+@KERNELS
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("x_blocked,w_blocked,alpha", [(False, False, False), (True, True, True),
+                                                      (False, True, True), (True, False, False)])
+def test_layouts_epilogues(kernel, out_dtype, x_blocked, w_blocked, alpha):
+    n, m, k = 12, 512, 2048 + 320  # K/16 not a multiple of 4: the blocked layouts pad their columns
+    x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=11, alpha=alpha)
+    args = (x, blocked(xs, n, k) if x_blocked else xs, w, blocked(ws, m, k) if w_blocked else ws, a)
+    out, _ = run_plan(args, kernel, out_dtype)
+    assert_exact(args, out, plain=(x, xs, w, ws, a))
+
+
+@KERNELS
+def test_row_strides_of_every_operand(kernel):
+    """w and x rows and plain scale rows wider than K (views into bigger buffers); out with a row stride."""
+    n, m, k = 6, 384, 1024
+    x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=5)
+    pad = lambda t, extra: torch.cat([t.view(torch.uint8), t.view(torch.uint8)[:, :extra]], 1)[:, : t.shape[1]]  # noqa: E731
+    args = (pad(x, 16), pad(xs, 6).view(torch.float8_e4m3fn), pad(w, 32), pad(ws, 4).view(torch.float8_e4m3fn), a)
+    assert args[2].stride(0) != k // 2 and args[3].stride(0) != k // 16
+    out_buf = torch.full((n, m + 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out, _ = run_plan(args, kernel, out=out_buf[:, :m])
+    assert torch.isnan(out_buf[:, m:]).all()  # the pad between rows is not the kernel's to write
+    assert_exact(args, out, plain=(x, xs, w, ws, a))
+
+
+@pytest.mark.parametrize("min_exp,max_exp,out_dtype", [(0, 3, torch.float16), (12, 15, torch.bfloat16)])
+def test_mma_extreme_scales(min_exp, max_exp, out_dtype):
+    """e4m3 subnormal scales (products down to 2^-24 of the f16 operands) and the largest ones."""
+    args = inputs.op_inputs(16, 256, 1024, seed=min_exp, min_exp=min_exp, max_exp=max_exp)
+    out, _ = run_plan(args, "mma", out_dtype)
+    assert_exact(args, out)
