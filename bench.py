@@ -8,6 +8,11 @@ Leaderboard timing: before every run a 4 GiB buffer is filled (flushes the L2), 
 the call; the median of ``--reps`` runs. Graph timing: the call captured once in a CUDA graph, the L2
 flushed before each replay outside the timed window. The ceiling is the median DRAM read rate of an
 fp32 ``torch.sum`` over a 2 GiB buffer, timed the same way.
+
+The read floor of a case (``tools/read_floor.py``): the fastest plain streaming read of the same number of
+bytes (one buffer, no arithmetic), tuned over grid, block and load width and timed the same way, after the
+flush (``read_floor_us``, what the leaderboard's timing leaves in L2) and after a clean L2
+(``read_floor_clean_us``); the table shows our time as % of it (100% = as fast as that read).
 """
 
 import argparse
@@ -26,6 +31,7 @@ from utils import clear_l2_cache
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 import inputs  # noqa: E402
 
 
@@ -280,6 +286,17 @@ def bench_case(m, k, l, args, ceiling, tunings):
                ok=all(v["ok"] for v in variants.values()))
     row["TBps"] = nbytes / row["us"] / 1e6
     row["pct_of_ceiling"] = 100 * row["TBps"] / ceiling
+    if args.read_floor:
+        import read_floor
+
+        for state, clean in (("", False), ("_clean", True)):
+            _, cfg = read_floor.floor_us(nbytes, max(10, args.reps // 5), time_leaderboard, clean=clean)
+            buf = torch.zeros(-(-nbytes // 16) * 16, dtype=torch.uint8, device="cuda")
+            row["read_floor" + state + "_us"] = time_leaderboard(read_floor.reader(buf, cfg[1], cfg[2], cfg[0]),
+                                                                 args.reps, clean=clean)
+            row["read_floor" + state + "_config"] = dict(zip(("ctas_per_sm", "threads", "width"), cfg))
+            del buf
+        row["pct_of_read_floor"] = 100 * row["read_floor_us"] / row["us"]
     peers = {}
     if args.peers:
         makers = {"torch.sum of the same bytes": lambda: peer_sum_same_bytes(nbytes),
@@ -307,7 +324,10 @@ def bench_case(m, k, l, args, ceiling, tunings):
 
 def render(rows, ceiling, meta):
     peer_names = sorted({p for r in rows for p in r["peers"]})
-    head = ["M", "K", "L", "floor us", "ours us", "graph us", "TB/s", "% ceiling", "ok"]
+    floor = any("read_floor_us" in r for r in rows)
+    head = ["M", "K", "L", "floor us", "ours us", "graph us", "TB/s", "% ceiling"]
+    head += ["read floor us", "% of read floor", "clean-L2 read floor us"] if floor else []
+    head += ["ok"]
     head += [f"{p} us (x)" for p in peer_names]
     lines = [f"GPU: {meta['gpu']}; torch {meta['torch']}; CuTe DSL {meta['cutlass_dsl']}; "
              f"DRAM read ceiling {ceiling:.2f} TB/s; host cost of one call {meta['host_us_per_call']:.1f} us"
@@ -315,9 +335,12 @@ def render(rows, ceiling, meta):
              f"an empty kernel timed the same way {meta['empty_kernel_us']:.1f} us", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["m"], r["k"], r["l"], f"{r['floor_us']:.2f}", f"{r['us']:.1f}",
+        cells = [r["m"], r["k"], r["l"], f"{r['floor_us']:.2f}", f"{r['us']:.2f}",
                  f"{r['graph_us']:.1f}" if r["graph_us"] else "-", f"{r['TBps']:.2f}",
-                 f"{r['pct_of_ceiling']:.0f}%", "yes" if r["ok"] else "NO"]
+                 f"{r['pct_of_ceiling']:.0f}%"]
+        if floor:
+            cells += [f"{r['read_floor_us']:.2f}", f"{r['pct_of_read_floor']:.1f}%", f"{r['read_floor_clean_us']:.2f}"]
+        cells.append("yes" if r["ok"] else "NO")
         for p in peer_names:
             pr = r["peers"].get(p)
             if pr and pr["us"]:
@@ -350,6 +373,8 @@ def main():
     p.add_argument("--peers-only", default=None, help="comma-separated substrings of peer names to run")
     p.add_argument("--no-graph", dest="graph", action="store_false")
     p.add_argument("--clean", action="store_true", help="also time with a clean (read-only) L2 before each run")
+    p.add_argument("--no-read-floor", dest="read_floor", action="store_false",
+                   help="skip the plain streaming read of each case's bytes (tools/read_floor.py)")
     p.add_argument("--tune", action="append", default=[], help="a kernel variant, e.g. min_blocks=2,batch=4")
     p.add_argument("--out", default=None, help="path prefix for the .md and .json results")
     args = p.parse_args()
@@ -365,6 +390,8 @@ def main():
         r = rows[-1]
         print(f"{m}x{k}x{l}: " + ", ".join(f"{n} {v['us']:.2f} us{'' if v['ok'] else ' FAIL ' + v['msg']}"
                                            for n, v in r["variants"].items())
+              + (f"; read floor {r['read_floor_us']:.2f} us ({r['pct_of_read_floor']:.1f}%)"
+                 if "read_floor_us" in r else "")
               + "".join(f"; {pn} {pv['us']:.1f}" for pn, pv in r["peers"].items() if pv["us"]), flush=True)
     from importlib.metadata import version
 
@@ -381,6 +408,8 @@ def main():
             f.write(f"# Benchmark results: `python bench.py`\n\n{table}\n")
         cases = [{"m": r["m"], "k": r["k"], "l": r["l"], "us": r["us"], "graph_us": r["graph_us"],
                   "TBps": r["TBps"], "pct_of_ceiling": r["pct_of_ceiling"], "ok": r["ok"],
+                  **{key: r[key] for key in ("read_floor_us", "read_floor_clean_us", "pct_of_read_floor",
+                                             "read_floor_config", "read_floor_clean_config") if key in r},
                   "peers": {n: v["us"] for n, v in r["peers"].items()}} for r in rows]
         with open(args.out + ".json", "w") as f:
             json.dump({**meta, "cases": cases}, f, indent=1)

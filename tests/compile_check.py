@@ -1,6 +1,6 @@
 """Compiles the CuTe DSL kernel for a GPU arch on a machine without a GPU; prints a JSON summary.
 
-Usage: python tests/compile_check.py ARCH K [--blocked] [--dump DIR] [--tune k=v,...]
+Usage: python tests/compile_check.py ARCH K [--blocked] [--dump DIR] [--tune k=v,...] [--tokens N [--mma GROUPS]]
 (NVFP4_GEMV_LAUNCH=direct compiles without TVM-FFI)
 Run it in a subprocess: a compiler crash must not take the caller down.
 """
@@ -23,6 +23,7 @@ def main():
     p.add_argument("--dump", default=None)
     p.add_argument("--tune", default="", help="e.g. batch=4,min_blocks=3,group=16")
     p.add_argument("--tokens", type=int, default=0, help="compile the op's kernel for this many tokens")
+    p.add_argument("--mma", type=int, default=0, help="with --tokens: the tensor-core kernel, this many 8-row groups")
     args = p.parse_args()
     # CuTe DSL compiles for --gpu-arch only when CUTE_DSL_ARCH names another arch.
     os.environ["CUTE_DSL_ARCH"] = "sm_80" if args.arch != "sm_80" else "sm_86"
@@ -37,7 +38,12 @@ def main():
     os.makedirs(dump, exist_ok=True)
     tuning = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.tune.split(",") if kv}
     options = f"--gpu-arch {args.arch} --keep-cubin --keep-ptx --dump-dir {dump}"
-    if args.tokens:  # the op's kernel (nvfp4_gemv.tokens), alpha and bf16 out
+    if args.tokens and args.mma:  # the op's tensor-core kernel (nvfp4_gemv.mma), alpha and bf16 out
+        from nvfp4_gemv import mma
+
+        _, fn = mma.compile_mma(args.k, args.tokens, args.mma, args.blocked, args.blocked, True, True, options=options,
+                                **tuning)
+    elif args.tokens:  # the op's kernel (nvfp4_gemv.tokens), alpha and bf16 out
         from nvfp4_gemv import tokens
 
         _, fn = tokens.compile_tokens(args.k, args.tokens, args.blocked, args.blocked, True, True, options=options,

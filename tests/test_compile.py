@@ -70,3 +70,15 @@ def test_op_kernel_compiles_without_gpu(arch, k, tokens, blocked, tmp_path):
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     assert info["elf"] and info["bytes"] > 4096 and info["launch"] == "tvm-ffi", info
     assert info["ptx_bytes"] > 10000 and info["fp4_cvt"] == [], info
+
+
+@pytest.mark.parametrize("arch,k,tokens,groups,blocked", [("sm_90a", 16384, 16, 7, False), ("sm_90a", 7168, 4, 4, True),
+                                                          ("sm_100a", 2048, 9, 8, False), ("sm_100a", 64, 2, 1, True)])
+def test_op_tensor_core_kernel_compiles_without_gpu(arch, k, tokens, groups, blocked, tmp_path):
+    cmd = [sys.executable, "-W", "error::DeprecationWarning", os.path.join(HERE, "compile_check.py"), arch, str(k),
+           "--dump", str(tmp_path), "--tokens", str(tokens), "--mma", str(groups)] + (["--blocked"] if blocked else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["elf"] and info["bytes"] > 4096 and info["launch"] == "tvm-ffi", info
+    assert info["ptx_bytes"] > 10000 and info["fp4_cvt"] == [], info

@@ -1,0 +1,140 @@
+"""The plain streaming read: the floor a GEMV of the same bytes is measured against (bench.py).
+
+A CuTe DSL kernel that reads ``nbytes`` of one buffer and nothing else: each thread loads ``width``-byte
+vectors (8 or 16) grid-strided, ``unroll`` of them in flight, with an L1 eviction hint, XORs them into one
+word and stores it only if it equals a value no buffer here holds (so the loads stay live). ``floor_us``
+times every configuration of grid (CTAs a SM), block and load width the way the leaderboard times
+(``bench.time_leaderboard``: L2 flushed before each run, CUDA events, median) and keeps the fastest.
+
+    python tools/read_floor.py 7168x16384x1 4096x7168x8    # prints each configuration's time
+"""
+
+import itertools
+import os
+import sys
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from nvfp4_gemv.kernel import _CUstream, _asm, _asm_store, _Kernel, _current_stream, dsl_compile  # noqa: E402
+
+NEVER = 0x7E57ED01  # stored only if the XOR of the buffer equals it: the buffers here are zeros
+
+GRIDS = (4, 8, 16)  # CTAs a SM
+BLOCKS = (128, 256, 512)
+WIDTHS = (8, 16)
+
+
+@dsl_user_op
+def ldg_first(addr, width, *, loc=None, ip=None):
+    """One ``width``-byte load with the L1 evict-first hint, XOR-folded to one word."""
+    if width == 16:
+        r = _asm([T.i32()], [cutlass.Int64(addr)],
+                 "{\n.reg .b32 a, b, c, d;\nld.global.nc.L1::evict_first.v4.u32 {a, b, c, d}, [$1];\n"
+                 "xor.b32 a, a, b;\nxor.b32 c, c, d;\nxor.b32 $0, a, c;\n}", "=r,l", loc, ip)
+    else:
+        r = _asm([T.i32()], [cutlass.Int64(addr)],
+                 "{\n.reg .b32 a, b;\nld.global.nc.L1::evict_first.v2.u32 {a, b}, [$1];\nxor.b32 $0, a, b;\n}",
+                 "=r,l", loc, ip)
+    return cutlass.Int32(r[0])
+
+
+@dsl_user_op
+def stg_u32(addr, v, *, loc=None, ip=None):
+    _asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "st.global.u32 [$0], $1;", "l,r", loc, ip)
+
+
+class StreamRead:
+    def __init__(self, threads, width, unroll=4, ctas_per_sm=16):
+        self.threads, self.width, self.unroll, self.ctas_per_sm = threads, width, unroll, ctas_per_sm
+
+    @cute.jit
+    def __call__(self, ptr: cutlass.Int64, n_vec: cutlass.Int32, out_ptr: cutlass.Int64, grid_x: cutlass.Int32,
+                 stream):
+        self.kernel(ptr, n_vec, out_ptr).launch(grid=[grid_x, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, ptr: cutlass.Int64, n_vec: cutlass.Int32, out_ptr: cutlass.Int64):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdimx, _, _ = cute.arch.grid_dim()
+        step = gdimx * self.threads
+        U = self.unroll
+        acc = cutlass.Int32(0)
+        full = n_vec // (step * U) * (step * U)
+        for i in cutlass.range(bidx * self.threads + tidx, full, step * U, unroll=1):
+            for j in cutlass.range_constexpr(U):
+                acc = acc ^ ldg_first(ptr + cutlass.Int64(i + j * step) * self.width, self.width)
+        for i in cutlass.range(full + bidx * self.threads + tidx, n_vec, step, unroll=1):
+            acc = acc ^ ldg_first(ptr + cutlass.Int64(i) * self.width, self.width)
+        if acc == NEVER:
+            stg_u32(out_ptr, acc)
+
+
+_kernels = {}
+
+
+def _kernel(threads, width):
+    key = (threads, width)
+    if key not in _kernels:
+        op = StreamRead(threads, width)
+        fn = dsl_compile(op, (cutlass.Int64(0), cutlass.Int32(1), cutlass.Int64(0), cutlass.Int32(1), _CUstream(0)))
+        _kernels[key] = _Kernel(fn, torch.cuda.current_device(), op)
+    return _kernels[key]
+
+
+def reader(buf, threads, width, ctas_per_sm):
+    """A callable that reads all of ``buf`` (a zeroed uint8 CUDA tensor) once with this configuration."""
+    kern = _kernel(threads, width)
+    n_vec = buf.numel() // width
+    sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
+    grid = max(1, min(sms * ctas_per_sm, -(-n_vec // threads)))
+    out = torch.zeros(1, dtype=torch.int32, device=buf.device)
+    args = (buf.data_ptr(), n_vec, out.data_ptr(), grid)
+    dev = buf.device.index
+
+    def run():
+        stream = _current_stream(dev)
+        if kern.ffi is not None:
+            kern.ffi(*args, stream)
+        else:
+            kern.launch_dsl(args, stream)
+
+    run.out = out
+    return run
+
+
+def configs():
+    return list(itertools.product(GRIDS, BLOCKS, WIDTHS))
+
+
+def floor_us(nbytes, reps, time_fn, clean=False, verbose=False):
+    """``(best us, (ctas_per_sm, threads, width))`` of a plain read of ``nbytes`` (rounded up to 16)."""
+    buf = torch.zeros(-(-nbytes // 16) * 16, dtype=torch.uint8, device="cuda")
+    best = (float("inf"), None)
+    for cps, threads, width in configs():
+        us = time_fn(reader(buf, threads, width, cps), reps, clean=clean)
+        if verbose:
+            print(f"  read {nbytes} B: {cps:2d} CTAs/SM x {threads:3d} threads, {width:2d}-byte loads: {us:7.2f} us",
+                  flush=True)
+        best = min(best, (us, (cps, threads, width)))
+    return best
+
+
+def main():
+    from bench import bytes_moved, time_leaderboard
+
+    for spec in sys.argv[1:] or ["7168x16384x1", "4096x7168x8", "7168x2048x4"]:
+        m, k, l = (int(v) for v in spec.split("x"))
+        nbytes = bytes_moved(m, k, l)
+        for clean in (False, True):
+            us, cfg = floor_us(nbytes, 50, time_leaderboard, clean=clean, verbose=True)
+            print(f"{spec} ({nbytes} B, {'clean' if clean else 'dirty'} L2): floor {us:.2f} us at {cfg}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
