@@ -101,9 +101,11 @@ def sts_f32x4(addr, v, *, loc=None, ip=None):
                "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f", loc, ip)
 
 
+# A read of the other warps' partials is ordered after the barrier only by its side effects: as a plain
+# inline asm LLVM hoisted it above the barrier (seen with one group, where the loop runs once).
 @dsl_user_op
-def lds_f32(addr, *, loc=None, ip=None):
-    r = _asm([T.f32()], [cutlass.Int32(addr)], "ld.shared.f32 $0, [$1];", "=f,r", loc, ip)
+def lds_stage_f32(addr, *, loc=None, ip=None):
+    r = _asm([T.f32()], [cutlass.Int32(addr)], "ld.shared.f32 $0, [$1];", "=f,r", loc, ip, volatile=True)
     return cutlass.Float32(r[0])
 
 
@@ -260,9 +262,9 @@ class Nvfp4GemvMma:
                 sts_f32x4(s_red + ((wid * GR + gr) * 32 + lane) * 16, acc[gr])
             cute.arch.sync_threads()
             for e in cutlass.range(tidx, GR * 128, self.threads, unroll=1):
-                total = lds_f32(s_red + e * 4)
+                total = lds_stage_f32(s_red + e * 4)
                 for w in cutlass.range_constexpr(1, W):
-                    total = total + lds_f32(s_red + (w * GR * 128 + e) * 4)
+                    total = total + lds_stage_f32(s_red + (w * GR * 128 + e) * 4)
                 gr = e // 128
                 ln = (e // 4) % 32
                 r = e % 4

@@ -29,6 +29,7 @@ def test_kernel_compiles_without_gpu(arch, k, blocked, tmp_path):
     assert cubin[:4] == b"\x7fELF" and b"kernel_cutlass_kernel" in cubin
     # the fp4 values are decoded with integer ops, never the e2m1 conversion (sm_100 only): read in the PTX
     assert info["ptx_bytes"] > 10000 and info["fp4_cvt"] == [], info
+    assert info["lds_before_bar"] == 0, info
     # a fast launch path: TVM-FFI where apache-tvm-ffi is installed (else each call pays the DSL's conversion)
     assert info["launch"] == "tvm-ffi", info
 
@@ -44,6 +45,7 @@ def test_latency_split_and_bulk_configs_compile_without_gpu(arch, k, tune, tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     assert info["elf"] and info["launch"] == "tvm-ffi", info
+    assert info["lds_before_bar"] == 0, info
 
 
 def test_without_tvm_ffi_the_leaderboards_dsl_keeps_the_direct_launcher(tmp_path):
@@ -70,10 +72,12 @@ def test_op_kernel_compiles_without_gpu(arch, k, tokens, blocked, tmp_path):
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     assert info["elf"] and info["bytes"] > 4096 and info["launch"] == "tvm-ffi", info
     assert info["ptx_bytes"] > 10000 and info["fp4_cvt"] == [], info
+    assert info["lds_before_bar"] == 0, info
 
 
 @pytest.mark.parametrize("arch,k,tokens,groups,blocked", [("sm_90a", 16384, 16, 7, False), ("sm_90a", 7168, 4, 4, True),
-                                                          ("sm_100a", 2048, 9, 8, False), ("sm_100a", 64, 2, 1, True)])
+                                                          ("sm_100a", 2048, 9, 8, False), ("sm_100a", 64, 2, 1, True),
+                                                          ("sm_90a", 64, 4, 1, False), ("sm_90a", 1024, 2, 2, False)])
 def test_op_tensor_core_kernel_compiles_without_gpu(arch, k, tokens, groups, blocked, tmp_path):
     cmd = [sys.executable, "-W", "error::DeprecationWarning", os.path.join(HERE, "compile_check.py"), arch, str(k),
            "--dump", str(tmp_path), "--tokens", str(tokens), "--mma", str(groups)] + (["--blocked"] if blocked else [])
@@ -82,3 +86,4 @@ def test_op_tensor_core_kernel_compiles_without_gpu(arch, k, tokens, groups, blo
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     assert info["elf"] and info["bytes"] > 4096 and info["launch"] == "tvm-ffi", info
     assert info["ptx_bytes"] > 10000 and info["fp4_cvt"] == [], info
+    assert info["lds_before_bar"] == 0, info

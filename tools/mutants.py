@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 K = "nvfp4_gemv/kernel.py"
 OP = "nvfp4_gemv/op.py"
 TOK = "nvfp4_gemv/tokens.py"
+MMA = "nvfp4_gemv/mma.py"
 
 # (name, file, old, new, tests, gpu)
 MUTANTS = [
@@ -80,6 +81,9 @@ MUTANTS = [
     ("harness: 'needs CUDA' for every case", "eval.py", "                return EXIT_FAIL\n            rows.append",
      "            rows.append", ["tests/test_eval_harness.py::test_cuda_only_submission_on_cpu_says_a_gpu_is_needed"],
      False),
+    ("mma: partial sums read without side effects", MMA,
+     '"ld.shared.f32 $0, [$1];", "=f,r", loc, ip, volatile=True)', '"ld.shared.f32 $0, [$1];", "=f,r", loc, ip)',
+     ["tests/test_compile.py::test_op_tensor_core_kernel_compiles_without_gpu"], False),
     ("routing: bulk never chosen", K, "    if not blocked_scales and Nvfp4GemvBulk.suits(k):", "    if False:",
      ["tests/test_config.py"], False),
     # -- arithmetic, routing, streams (GPU) --
@@ -103,6 +107,14 @@ MUTANTS = [
      ["tests/test_gpu_op.py"], True),
     ("op: second token group at the first's x", OP, "offsets = (t0 * x.stride(0),", "offsets = (0,",
      ["tests/test_gpu_op.py::test_token_groups_beyond_shared_memory"], True),
+    ("mma: w signs lost", MMA, '"and.b32 u, u, 0x80008000;"', '"and.b32 u, u, 0x00000000;"',
+     ["tests/test_gpu_op_kernels.py"], True),
+    ("mma: the last tile not moved back", MMA, "row0 = cutlass.min(tile * (GR * 8), m - GR * 8)",
+     "row0 = tile * (GR * 8)", ["tests/test_gpu_op_kernels.py"], True),
+    ("mma: tokens 8..15 dropped", MMA, "a1 = xa[1][2 * s] if XH == 2 else zero", "a1 = zero",
+     ["tests/test_gpu_op_kernels.py"], True),
+    ("op: tensor-core kernel never chosen", OP, "    return n >= 2 and m // 8 >= sms", "    return False",
+     ["tests/test_gpu_op.py::test_kernel_choice"], True),
     ("op: bf16 stored as fp16", TOK, 'cvt = "cvt.rn.bf16.f32" if bf16 else "cvt.rn.f16.f32"', 'cvt = "cvt.rn.f16.f32"',
      ["tests/test_gpu_op.py"], True),
 ]
