@@ -141,9 +141,10 @@ class Nvfp4GemvMma:
         # rows of w (and of plain w scales) at their dense stride: compile-time offsets between the groups
         self.w_contig = bool(w_contig)
         self.ws_contig = bool(ws_contig) and not w_blocked
-        self.threads = threads or 256
+        # 16 warps, one slice in flight (at most 128 registers): 1.3x faster than 8 warps with 2 (H200)
+        self.threads = threads or 512
         self.warps = self.threads // 32
-        self.depth = depth or 2
+        self.depth = depth or 1
         self.unroll = unroll or 1
         self.smem_bytes = self.warps * groups * 512
         self.min_blocks = 1

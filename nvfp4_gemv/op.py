@@ -190,9 +190,10 @@ MMA_TOKENS = 16  # tokens a launch of the tensor-core kernel takes
 
 
 def use_mma(n, m, sms):
-    """The tensor-core kernel (``nvfp4_gemv.mma``) for 2 tokens or more where its 8-row groups fill the GPU;
-    the dp4a kernel (``nvfp4_gemv.tokens``) for one token and for short weights."""
-    return n >= 2 and m // 8 >= sms
+    """The tensor-core kernel (``nvfp4_gemv.mma``) from 5 tokens on where its 8-row groups fill the GPU; the
+    dp4a kernel (``nvfp4_gemv.tokens``) below (faster up to 4 tokens on H200: docs/perf-notes.md) and for
+    short weights."""
+    return n >= 5 and m // 8 >= sms
 
 
 def _get_kernel(device_index, key):

@@ -173,10 +173,11 @@ def test_operands_on_different_devices_raise():
         gemv(x.cpu(), xs, w, ws, a)
 
 
-@pytest.mark.parametrize("n,m,expected", [(1, 4096, "Nvfp4GemvTokens"), (2, 4096, "Nvfp4GemvMma"),
-                                          (16, 2048, "Nvfp4GemvMma"), (4, 256, "Nvfp4GemvTokens")])
+@pytest.mark.parametrize("n,m,expected", [(1, 4096, "Nvfp4GemvTokens"), (4, 4096, "Nvfp4GemvTokens"),
+                                          (5, 4096, "Nvfp4GemvMma"), (16, 2048, "Nvfp4GemvMma"),
+                                          (16, 256, "Nvfp4GemvTokens")])
 def test_kernel_choice(n, m, expected):
-    """The tensor-core kernel from 2 tokens on where its 8-row groups fill the GPU (op.use_mma)."""
+    """The tensor-core kernel from 5 tokens on where its 8-row groups fill the GPU (op.use_mma)."""
     x, xs, w, ws, a = inputs.op_inputs(n, m, 256, seed=n)
     plan = op._TokensPlan(x, xs, w, ws, a, None, torch.bfloat16)
     assert {type(kern.op).__name__ for kern, _, _ in plan.launches} == {expected}

@@ -113,7 +113,7 @@ MUTANTS = [
      "row0 = tile * (GR * 8)", ["tests/test_gpu_op_kernels.py"], True),
     ("mma: tokens 8..15 dropped", MMA, "a1 = xa[1][2 * s] if XH == 2 else zero", "a1 = zero",
      ["tests/test_gpu_op_kernels.py"], True),
-    ("op: tensor-core kernel never chosen", OP, "    return n >= 2 and m // 8 >= sms", "    return False",
+    ("op: tensor-core kernel never chosen", OP, "    return n >= 5 and m // 8 >= sms", "    return False",
      ["tests/test_gpu_op.py::test_kernel_choice"], True),
     ("op: bf16 stored as fp16", TOK, 'cvt = "cvt.rn.bf16.f32" if bf16 else "cvt.rn.f16.f32"', 'cvt = "cvt.rn.f16.f32"',
      ["tests/test_gpu_op.py"], True),
