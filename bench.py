@@ -12,7 +12,8 @@ fp32 ``torch.sum`` over a 2 GiB buffer, timed the same way.
 The read floor of a case (``tools/read_floor.py``): the fastest plain streaming read of the same number of
 bytes (one buffer, no arithmetic), tuned over grid, block and load width and timed the same way, after the
 flush (``read_floor_us``, what the leaderboard's timing leaves in L2) and after a clean L2
-(``read_floor_clean_us``); the table shows our time as % of it (100% = as fast as that read).
+(``read_floor_clean_us``); the table shows the floor's time as % of ours (``pct_of_read_floor``: 100% = as
+fast as that read).
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""The model-code op's tensor-core kernel for 2 to 16 tokens: ``out[n, m] = alpha * sum_k x[n, k] xs[n, k // 16]
+"""The model-code op's tensor-core kernel for up to 16 tokens (the op sends it 5 and more): ``out[n, m] = alpha * sum_k x[n, k] xs[n, k // 16]
 w[m, k] ws[m, k // 16]``, with ``w`` read once and the products summed by ``mma.sync.m16n8k16`` (f16 in, fp32
 accumulation), so that the arithmetic per value of ``w`` does not grow with the number of tokens.
 
@@ -131,6 +131,10 @@ class Nvfp4GemvMma:
             raise ValueError(f"nvfp4_gemv: the tensor-core kernel takes 1..16 tokens, not {n_tok}")
         if k % 64:
             raise ValueError(f"nvfp4_gemv: K={k} is not a multiple of 64")
+        if not 1 <= groups <= MAX_GROUPS:
+            raise ValueError(f"nvfp4_gemv: groups={groups}: expected 1..{MAX_GROUPS} groups of 8 rows a CTA")
+        if threads is not None and (threads % 32 or not 32 <= threads <= 1024):
+            raise ValueError(f"nvfp4_gemv: threads={threads}: expected whole warps, at most 1024")
         self.k = k
         self.n_tok = n_tok
         self.groups = groups

@@ -2,10 +2,12 @@
 
 ``out[n, m] = alpha * sum_k x[n, k] * x_scale[n, k // 16] * w[m, k] * w_scale[m, k // 16]``, the product
 ``(dequant(x) @ dequant(w).T) * alpha`` of an NVFP4 checkpoint's linear layer (alpha: the product of the
-two per-tensor scales). On a CUDA GPU (Hopper or Blackwell) the CuTe DSL kernel of ``nvfp4_gemv.tokens``
-reads ``w`` once for each group of tokens whose int8 copies fit shared memory (all of them up to 25 tokens
-at K = 7168, 11 at K = 16384: ``token_group``); elsewhere a float64 implementation runs (exact products,
-float64 sums, one rounding to the output dtype: ``gemv_reference``).
+two per-tensor scales). On a CUDA GPU (Hopper or Blackwell) one of two CuTe DSL kernels runs
+(``use_mma``): up to 4 tokens, or for weights of fewer than 8 x SMs rows, ``nvfp4_gemv.tokens`` (dp4a on int8
+copies of x in shared memory; ``w`` read once for each group of tokens that fits, all of them up to 25
+tokens at K = 7168, 11 at K = 16384: ``token_group``); from 5 tokens on, ``nvfp4_gemv.mma`` (``mma.sync``
+on exact f16 operands, 16 tokens a pass over ``w``). Elsewhere a float64 implementation runs (exact
+products, float64 sums, one rounding to the output dtype: ``gemv_reference``).
 
 The op is ``torch.ops.nvfp4.gemv`` (and ``torch.ops.nvfp4.gemv_out`` for ``out=``), with fake
 implementations for tracing, so ``torch.compile(fullgraph=True)`` and CUDA graphs take it. Eager calls of
@@ -191,8 +193,9 @@ MMA_TOKENS = 16  # tokens a launch of the tensor-core kernel takes
 
 def use_mma(n, m, sms):
     """The tensor-core kernel (``nvfp4_gemv.mma``) from 5 tokens on where its 8-row groups fill the GPU; the
-    dp4a kernel (``nvfp4_gemv.tokens``) below (faster up to 4 tokens on H200: docs/perf-notes.md) and for
-    short weights."""
+    dp4a kernel (``nvfp4_gemv.tokens``) below and for short weights. On H200 the dp4a kernel measured faster
+    at N = 2 (31.4 against 34.7 us on 7168x16384) and slower at N = 8 (56.3 against 36.2); N = 3..7 were not
+    measured with both (docs/bench-op-h200-mma.md), so the cut at 5 is interpolated."""
     return n >= 5 and m // 8 >= sms
 
 
@@ -235,6 +238,8 @@ class _TokensPlan:
         tuning = dict(tuning)
         mma = bool(tuning.pop("mma", use_mma(n, m, sms)))
         groups = tuning.pop("groups", None) or pick_groups(m, sms)
+        if mma and groups * 8 > m:
+            _fail(ValueError, "tuning", f"at most M / 8 = {m // 8} groups of 8 rows", groups)
         tuning = tuple(sorted(tuning.items()))
         if mma:
             g = -(-n // -(-n // MMA_TOKENS))
@@ -362,8 +367,8 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
     """NVFP4 x NVFP4 matrix-vector product for decode: ``(dequant(x) @ dequant(w).T) * alpha``.
 
     :param x: activations [N, K/2], ``torch.float4_e2m1fn_x2`` or ``torch.uint8`` (two e2m1 values a
-        byte, the first in the low nibble). ``w`` is read once per group of tokens that fits shared memory;
-        the time still grows with N (H200: N = 4 at 1.1-1.4x the time of N = 1, N = 16 at 2.6-4.5x).
+        byte, the first in the low nibble). ``w`` is read once per group of tokens (up to 16 from N = 5
+        on); on H200 N = 16 takes 1.4-1.5x the time of N = 1 (docs/bench-op-h200-mma.md).
     :param x_scale: [N, K/16] ``torch.float8_e4m3fn`` (or its uint8 bytes), one scale per 16 values; or
         the 128x4 blocked layout (see ``w_scale``).
     :param w: weights [M, K/2], the same dtypes; M % 128 == 0, K % 64 == 0, K <= 32768.

@@ -51,7 +51,7 @@ def test_tokens_match_float64(n, m, k):
 @pytest.mark.parametrize("alpha", [True, False])
 @pytest.mark.parametrize("x_blocked,w_blocked", [(False, True), (True, False), (True, True)])
 def test_dtypes_alpha_and_blocked_scales(out_dtype, alpha, x_blocked, w_blocked):
-    n, m, k = 5, 256, 2048 + 320  # K/16 not a multiple of 4: blocked layouts pad the columns
+    n, m, k = 5, 256, 2048 + 320  # 5 token rows: the blocked x scales pad them to 128
     x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=3, alpha=alpha)
     args = (x, blocked(xs, n, k) if x_blocked else xs, w, blocked(ws, m, k) if w_blocked else ws, a)
     out = check(args, out_dtype)

@@ -51,10 +51,26 @@ def test_token_counts(kernel, n):
 @pytest.mark.parametrize("n", [4, 16])
 def test_mma_tiles_and_slices(m, k, groups, n):
     """M/8 not a multiple of the groups (the last tile starts lower), more tiles than CTAs, K/64 below or
-    not a multiple of the warps."""
+    not a multiple of the warps. ``out`` is a view with padding after each row and after the last: nothing
+    outside [N, M] may be written."""
     args = inputs.op_inputs(n, m, k, seed=m + k + n)
-    out, _ = run_plan(args, "mma", groups=groups)
+    buf = torch.full((n + 1, m + 40), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out, _ = run_plan(args, "mma", out=buf[:n, :m], groups=groups)
     assert_exact(args, out)
+    assert torch.isnan(buf[:, m:]).all() and torch.isnan(buf[n:]).all()
+
+
+@KERNELS
+@pytest.mark.parametrize("n", [20, 33])
+def test_blocked_x_scales_beyond_one_launch(kernel, n):
+    """Blocked x scales with more tokens than a launch takes: the later launches start 16 * t0 bytes into the
+    scales (20 tokens), or the plan unswizzles them on the host (33)."""
+    m, k = 256, 1024
+    x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=n)
+    args = (x, blocked(xs, n, k), w, ws, a)
+    out, plan = run_plan(args, kernel)
+    assert len(plan.launches) >= 2
+    assert_exact(args, out, plain=(x, xs, w, ws, a))
 
 
 @KERNELS
@@ -62,7 +78,7 @@ def test_mma_tiles_and_slices(m, k, groups, n):
 @pytest.mark.parametrize("x_blocked,w_blocked,alpha", [(False, False, False), (True, True, True),
                                                       (False, True, True), (True, False, False)])
 def test_layouts_epilogues(kernel, out_dtype, x_blocked, w_blocked, alpha):
-    n, m, k = 12, 512, 2048 + 320  # K/16 not a multiple of 4: the blocked layouts pad their columns
+    n, m, k = 12, 512, 2048 + 320  # 12 token rows: the blocked x scales pad them to 128
     x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=11, alpha=alpha)
     args = (x, blocked(xs, n, k) if x_blocked else xs, w, blocked(ws, m, k) if w_blocked else ws, a)
     out, _ = run_plan(args, kernel, out_dtype)

@@ -48,9 +48,17 @@ def stg_u32(addr, v, *, loc=None, ip=None):
     _asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "st.global.u32 [$0], $1;", "l,r", loc, ip)
 
 
+@dsl_user_op
+def red_xor(addr, v, *, loc=None, ip=None):
+    _asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "red.global.xor.b32 [$0], $1;", "l,r", loc, ip)
+
+
 class StreamRead:
-    def __init__(self, threads, width, unroll=4, ctas_per_sm=16):
-        self.threads, self.width, self.unroll, self.ctas_per_sm = threads, width, unroll, ctas_per_sm
+    """``check``: every thread XORs its word into ``out`` (for tests: the XOR of the whole buffer comes out
+    only if each vector was read exactly once); the timed kernel stores only the impossible value."""
+
+    def __init__(self, threads, width, unroll=4, check=False):
+        self.threads, self.width, self.unroll, self.check = threads, width, unroll, check
 
     @cute.jit
     def __call__(self, ptr: cutlass.Int64, n_vec: cutlass.Int32, out_ptr: cutlass.Int64, grid_x: cutlass.Int32,
@@ -71,29 +79,33 @@ class StreamRead:
                 acc = acc ^ ldg_first(ptr + cutlass.Int64(i + j * step) * self.width, self.width)
         for i in cutlass.range(full + bidx * self.threads + tidx, n_vec, step, unroll=1):
             acc = acc ^ ldg_first(ptr + cutlass.Int64(i) * self.width, self.width)
-        if acc == NEVER:
-            stg_u32(out_ptr, acc)
+        if cutlass.const_expr(self.check):
+            red_xor(out_ptr, acc)
+        else:
+            if acc == NEVER:
+                stg_u32(out_ptr, acc)
 
 
 _kernels = {}
 
 
-def _kernel(threads, width):
-    key = (threads, width)
+def _kernel(threads, width, check=False):
+    key = (threads, width, check)
     if key not in _kernels:
-        op = StreamRead(threads, width)
+        op = StreamRead(threads, width, check=check)
         fn = dsl_compile(op, (cutlass.Int64(0), cutlass.Int32(1), cutlass.Int64(0), cutlass.Int32(1), _CUstream(0)))
         _kernels[key] = _Kernel(fn, torch.cuda.current_device(), op)
     return _kernels[key]
 
 
-def reader(buf, threads, width, ctas_per_sm):
-    """A callable that reads all of ``buf`` (a zeroed uint8 CUDA tensor) once with this configuration."""
-    kern = _kernel(threads, width)
+def reader(buf, threads, width, ctas_per_sm, check=False, out_init=0):
+    """A callable that reads all of ``buf`` (a uint8 CUDA tensor, zeros for timing) once with this
+    configuration; ``run.out`` is the kernel's one-word output (``check``: see ``StreamRead``)."""
+    kern = _kernel(threads, width, check)
     n_vec = buf.numel() // width
     sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
     grid = max(1, min(sms * ctas_per_sm, -(-n_vec // threads)))
-    out = torch.zeros(1, dtype=torch.int32, device=buf.device)
+    out = torch.full((1,), out_init, dtype=torch.int32, device=buf.device)
     args = (buf.data_ptr(), n_vec, out.data_ptr(), grid)
     dev = buf.device.index
 

@@ -1,5 +1,6 @@
 """Cases for tools/sanitize.sh: `task` = every task.yml shape (benchmarks included), each named with the
-kernel class and configuration ``pick_tuning`` gives it; `all` = those plus fuzz shapes."""
+kernel class and configuration ``pick_tuning`` gives it; `all` = those plus fuzz shapes. Both add four
+cases of the op's two kernels (``nvfp4_gemv.gemv``)."""
 
 import os
 import sys
@@ -35,3 +36,22 @@ for m, k, l in shapes:
         print(f"{m}x{k}x{l} cpu_scales={cpu_scales} {kernel} {dict(tuning)}: {'ok' if ok else 'MISMATCH ' + msg}",
               flush=True)
         assert ok
+# the op for model code: both kernels (tokens: dp4a with x in shared memory; mma: tensor cores, partials summed
+# in shared memory after a barrier), plain and blocked scales, a tile moved back (M / 8 not a multiple of groups)
+from nvfp4_gemv import op  # noqa: E402
+
+for n, m, k, mma, groups, blocked in ((4, 384, 2368, 0, None, False), (16, 1152, 7168, 1, None, False),
+                                      (9, 384, 1024, 1, 5, True), (20, 7168, 2048, 1, None, True)):
+    x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=n + m)
+    args = (x, inputs.blocked_scales(xs, n, k) if blocked else xs, w, inputs.blocked_scales(ws, m, k) if blocked else ws, a)
+    tuning = tuple(sorted({"mma": mma, **({"groups": groups} if groups else {})}.items()))
+    out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
+    plan = op._TokensPlan(*args, out, torch.bfloat16, tuning=tuning)
+    plan(*args, out, torch.bfloat16)
+    torch.cuda.synchronize()
+    exact, terms = inputs.op_exact(x, xs, w, ws, a)
+    bad, msg = inputs.op_violations(out, exact, terms)
+    kernel = type(plan.launches[0][0].op).__name__
+    print(f"op N={n} {m}x{k} blocked={blocked} {kernel} {dict(tuning)}: {'ok' if bad == 0 else 'MISMATCH ' + msg}",
+          flush=True)
+    assert bad == 0

@@ -1,7 +1,8 @@
-"""Times configurations of the op's kernel (nvfp4_gemv.tokens) on the GPU, leaderboard timing, each
-output checked against float64.
+"""Times configurations of the op's kernels on the GPU, leaderboard timing, each output checked against
+float64. ``mma=0`` forces the dp4a kernel (nvfp4_gemv.tokens), ``mma=1`` the tensor-core kernel
+(nvfp4_gemv.mma, with ``groups``, ``threads``, ``depth``, ``unroll``); without it the op's routing decides.
 
-    python tools/sweep_op.py 7168x16384 1,2,4,8 "signed=0;signed=1;group=8;threads=512,min_blocks=1;depth=3"
+    python tools/sweep_op.py 7168x16384 1,2,4,8 "mma=0,signed=0;mma=0,group=8;mma=1,threads=512,depth=1"
 """
 
 import os
