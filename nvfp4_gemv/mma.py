@@ -131,7 +131,7 @@ class Nvfp4GemvMma:
             raise ValueError(f"nvfp4_gemv: the tensor-core kernel takes 1..16 tokens, not {n_tok}")
         if k % 64:
             raise ValueError(f"nvfp4_gemv: K={k} is not a multiple of 64")
-        if not 1 <= groups <= MAX_GROUPS:
+        if not 1 <= groups <= MAX_GROUPS:  # M >= 128 holds 8 groups: the last tile can always move back
             raise ValueError(f"nvfp4_gemv: groups={groups}: expected 1..{MAX_GROUPS} groups of 8 rows a CTA")
         if threads is not None and (threads % 32 or not 32 <= threads <= 1024):
             raise ValueError(f"nvfp4_gemv: threads={threads}: expected whole warps, at most 1024")

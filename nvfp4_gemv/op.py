@@ -238,8 +238,6 @@ class _TokensPlan:
         tuning = dict(tuning)
         mma = bool(tuning.pop("mma", use_mma(n, m, sms)))
         groups = tuning.pop("groups", None) or pick_groups(m, sms)
-        if mma and groups * 8 > m:
-            _fail(ValueError, "tuning", f"at most M / 8 = {m // 8} groups of 8 rows", groups)
         tuning = tuple(sorted(tuning.items()))
         if mma:
             g = -(-n // -(-n // MMA_TOKENS))

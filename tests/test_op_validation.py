@@ -49,3 +49,14 @@ def test_operands_on_two_devices_are_rejected():
     args[1] = args[1].to("meta")
     with pytest.raises(ValueError, match="argument 'x_scale'"):
         gemv(*args)
+
+
+@pytest.mark.parametrize("tuning,word", [({"groups": 0}, "groups=0"), ({"groups": 9}, "groups=9"),
+                                         ({"threads": 100}, "threads=100")])
+def test_tensor_core_kernel_rejects_bad_configurations(tuning, word):
+    from nvfp4_gemv.mma import Nvfp4GemvMma
+
+    args = dict(k=1024, n_tok=4, groups=4, w_blocked=False, x_blocked=False, has_alpha=True, out_bf16=True)
+    args.update(tuning)
+    with pytest.raises(ValueError, match=word):
+        Nvfp4GemvMma(**args)
