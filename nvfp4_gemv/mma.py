@@ -67,6 +67,32 @@ def ldg_u8_if(addr, pred, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def cp_async_8(dst, src, nbytes, *, loc=None, ip=None):
+    """Asynchronous 8-byte copy global -> shared of ``nbytes`` (8, or 0: zeros)."""
+    _asm_store([cutlass.Int32(dst), cutlass.Int64(src), cutlass.Int32(nbytes)],
+               "cp.async.ca.shared.global [$0], [$1], 8, $2;", "r,l,r", loc, ip)
+
+
+@dsl_user_op
+def cp_async_commit(*, loc=None, ip=None):
+    _asm_store([], "cp.async.commit_group;", "", loc, ip)
+
+
+@dsl_user_op
+def cp_async_wait(pending, *, loc=None, ip=None):
+    """Waits until at most ``pending`` (a constant) of this thread's copy groups are in flight."""
+    _asm_store([], f"cp.async.wait_group {int(pending)};", "", loc, ip)
+
+
+@dsl_user_op
+def lds_stage_v2(addr, *, loc=None, ip=None):
+    """8-byte shared load kept after the copy wait (side effects: LLVM must not move it)."""
+    r = _asm([T.i32()] * 2, [cutlass.Int32(addr)], "ld.shared.v2.u32 {$0, $1}, [$2];", "=r,=r,r", loc, ip,
+             volatile=True)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
 def scaled_f16x8(q0, q1, s8, *, loc=None, ip=None):
     """16 e2m1 nibbles (two words, value order) times their block's e4m3 scale byte ``s8``: eight f16x2
     ``v * s * 2^-14``, in MMA-slot order: word 0's pairs (0,4), (1,5), (2,6), (3,7), then word 1's."""
@@ -126,7 +152,8 @@ class Nvfp4GemvMma:
     """The op's tensor-core kernel; one instance per (K, tokens, groups, layouts, epilogue, tuning)."""
 
     def __init__(self, k: int, n_tok: int, groups: int, w_blocked: bool, x_blocked: bool, has_alpha: bool,
-                 out_bf16: bool, w_contig: bool = True, ws_contig: bool = True, threads=None, depth=None, unroll=None):
+                 out_bf16: bool, w_contig: bool = True, ws_contig: bool = True, threads=None, depth=None, unroll=None,
+                 stages=None):
         if not 1 <= n_tok <= 16:
             raise ValueError(f"nvfp4_gemv: the tensor-core kernel takes 1..16 tokens, not {n_tok}")
         if k % 64:
@@ -150,7 +177,12 @@ class Nvfp4GemvMma:
         self.warps = self.threads // 32
         self.depth = depth or 1
         self.unroll = unroll or 1
-        self.smem_bytes = self.warps * groups * 512
+        # stages > 0: the words of the next ``stages`` slices come through cp.async into the warp's own part
+        # of shared memory (no registers held while they are in flight); the scale bytes stay loads into
+        # registers, ``stages`` slices ahead. 0: every load into registers, ``depth`` slices ahead.
+        self.stages = int(stages or 0)
+        self.items = (2 if n_tok > 8 else 1) + groups  # 8-byte words a lane loads a slice
+        self.smem_bytes = max(self.warps * groups * 512, self.warps * self.stages * self.items * 256)
         self.min_blocks = 1
 
     def grid_x(self, m, sms):
@@ -172,40 +204,80 @@ class Nvfp4GemvMma:
     def _ws_rs(self, ws_rs):
         return cutlass.Int64(self.k // 16) if cutlass.const_expr(self.ws_contig) else ws_rs
 
-    @cute.jit
-    def _load_slice(self, sl, g, t, row0, m, w_ptr, ws_ptr, x_ptr, xs_ptr, w_rs, ws_rs, x_rs, xs_rs):
-        """The words and scale bytes a lane needs for slice ``sl``: x (tokens g and g + 8), then each group's w.
-        Slices past the end and rows past M read the last ones instead (their results are never used), so
-        that no load needs a predicate; tokens past N read zeros."""
+    def _slice_items(self, sl, g, t, row0, w_ptr, ws_ptr, x_ptr, xs_ptr, w_rs, ws_rs, x_rs, xs_rs):
+        """What a lane reads for slice ``sl``: x (tokens g and g + 8), then each group's w row, each as
+        (word address, scale address, predicate or None). Slices past the end and rows past M read the last
+        ones instead (their results are never used), so that no w load needs a predicate; tokens past N
+        read zeros."""
         NT = self.n_tok
         sl = cutlass.min(sl, self.k // 64 - 1)
         kb = cutlass.Int64(sl * 32 + t * 8)
         kbs = cutlass.Int64(sl * 512 + t) if cutlass.const_expr(self.x_blocked) else cutlass.Int64(sl * 4 + t)
-        vals = []
-        for h in cutlass.range_constexpr(2 if NT > 8 else 1):
+        items = []
+        for h in range(2 if NT > 8 else 1):
             tok = g + 8 * h
-            p = cutlass.Int32(tok < NT)
             tok64 = cutlass.Int64(cutlass.min(tok, NT - 1))
-            vals += ldg_v2_if(x_ptr + tok64 * x_rs + kb, p)
             if cutlass.const_expr(self.x_blocked):
                 xs_addr = blocked_row(xs_ptr, tok64, xs_rs) + kbs
             else:
                 xs_addr = xs_ptr + tok64 * xs_rs + kbs
-            vals.append(ldg_u8_if(xs_addr, p))
+            items.append((x_ptr + tok64 * x_rs + kb, xs_addr, cutlass.Int32(tok < NT)))
         w_rs = self._w_rs(w_rs)
         ws_rs = self._ws_rs(ws_rs)
         row64 = cutlass.Int64(row0 + g)
         w_row = w_ptr + row64 * w_rs + kb
         kws = cutlass.Int64(sl * 512 + t) if cutlass.const_expr(self.w_blocked) else cutlass.Int64(sl * 4 + t)
         ws_row = ws_ptr + row64 * ws_rs + kws
-        for gr in cutlass.range_constexpr(self.groups):
-            vals += ldg_v2(w_row + w_rs * (8 * gr))
+        for gr in range(self.groups):
             if cutlass.const_expr(self.w_blocked):
                 ws_addr = blocked_row(ws_ptr, row64 + 8 * gr, ws_rs) + kws
             else:
                 ws_addr = ws_row + ws_rs * (8 * gr)
-            vals.append(ldg_u8(ws_addr))
+            items.append((w_row + w_rs * (8 * gr), ws_addr, None))
+        return items
+
+    def _load_slice(self, *where):
+        """Registers: per item its two words and its scale byte."""
+        vals = []
+        for word, sc, p in self._slice_items(*where):
+            if p is None:
+                vals += ldg_v2(word)
+                vals.append(ldg_u8(sc))
+            else:
+                vals += ldg_v2_if(word, p)
+                vals.append(ldg_u8_if(sc, p))
         return vals
+
+    def _issue_slice(self, stage, lane, *where):
+        """cp.async of every item's words into ``stage`` (item j at ``stage + 256 j + 8 lane``), one group;
+        returns the scale bytes (register loads)."""
+        scales = []
+        for j, (word, sc, p) in enumerate(self._slice_items(*where)):
+            if p is None:
+                cp_async_8(stage + j * 256 + lane * 8, word, cutlass.Int32(8))
+                scales.append(ldg_u8(sc))
+            else:
+                cp_async_8(stage + j * 256 + lane * 8, word, p * 8)
+                scales.append(ldg_u8_if(sc, p))
+        cp_async_commit()
+        return scales
+
+    def _slice_products(self, acc, cur, zero):
+        """Adds one slice's products to the groups' accumulators; ``cur`` holds per item two words and a
+        scale byte (x items first)."""
+        XH = 2 if self.n_tok > 8 else 1
+        xa = [scaled_f16x8(cur[3 * h], cur[3 * h + 1], cur[3 * h + 2]) for h in range(XH)]
+        new_acc = []
+        for gr in range(self.groups):
+            o = 3 * (XH + gr)
+            wb = scaled_f16x8(cur[o], cur[o + 1], cur[o + 2])
+            c = acc[gr]
+            for s in range(4):
+                a1 = xa[1][2 * s] if XH == 2 else zero
+                a3 = xa[1][2 * s + 1] if XH == 2 else zero
+                c = mma_f16((xa[0][2 * s], a1, xa[0][2 * s + 1], a3), (wb[2 * s], wb[2 * s + 1]), c)
+            new_acc.append(c)
+        return new_acc
 
     @cute.kernel
     def kernel(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, xs_ptr: cutlass.Int64,
@@ -218,7 +290,7 @@ class Nvfp4GemvMma:
         GR = self.groups
         W = self.warps
         D = self.depth
-        XH = 2 if NT > 8 else 1
+        S = self.stages
         n_slices = self.k // 64
 
         smem = SmemAllocator()
@@ -240,28 +312,36 @@ class Nvfp4GemvMma:
             # a last tile that would pass M starts lower instead: its first rows are the previous tile's again
             # (the same sums, stored twice)
             row0 = cutlass.min(tile * (GR * 8), m - GR * 8)
-            pipe = []
-            for d in cutlass.range_constexpr(D):
-                pipe.append(self._load_slice(wid + d * W, g, t, row0, m, w_ptr, ws_ptr, x_ptr,
-                                             xs_ptr, w_rs, ws_rs, x_rs, xs_rs))
+            ptrs = (w_ptr, ws_ptr, x_ptr, xs_ptr, w_rs, ws_rs, x_rs, xs_rs)
             acc = [[cutlass.Float32(0.0)] * 4 for _ in range(GR)]
-            for i in cutlass.range(my_slices, unroll=self.unroll):
-                cur = pipe[0]
-                pipe = pipe[1:]
-                pipe.append(self._load_slice(wid + (i + D) * W, g, t, row0, m, w_ptr, ws_ptr,
-                                             x_ptr, xs_ptr, w_rs, ws_rs, x_rs, xs_rs))
-                xa = [scaled_f16x8(cur[3 * h], cur[3 * h + 1], cur[3 * h + 2]) for h in range(XH)]
-                new_acc = []
-                for gr in cutlass.range_constexpr(GR):
-                    o = 3 * (XH + gr)
-                    wb = scaled_f16x8(cur[o], cur[o + 1], cur[o + 2])
-                    c = acc[gr]
-                    for s in cutlass.range_constexpr(4):
-                        a1 = xa[1][2 * s] if XH == 2 else zero
-                        a3 = xa[1][2 * s + 1] if XH == 2 else zero
-                        c = mma_f16((xa[0][2 * s], a1, xa[0][2 * s + 1], a3), (wb[2 * s], wb[2 * s + 1]), c)
-                    new_acc.append(c)
-                acc = new_acc
+            if cutlass.const_expr(S == 0):
+                pipe = []
+                for d in cutlass.range_constexpr(D):
+                    pipe.append(self._load_slice(wid + d * W, g, t, row0, *ptrs))
+                for i in cutlass.range(my_slices, unroll=self.unroll):
+                    cur = pipe[0]
+                    pipe = pipe[1:]
+                    pipe.append(self._load_slice(wid + (i + D) * W, g, t, row0, *ptrs))
+                    acc = self._slice_products(acc, cur, zero)
+            else:
+                stage_bytes = self.items * 256
+                s_warp = s_red + wid * (S * stage_bytes)
+                pipe = []
+                for d in cutlass.range_constexpr(S):
+                    pipe.append(self._issue_slice(s_warp + d * stage_bytes, lane, wid + d * W, g, t, row0, *ptrs))
+                for i in cutlass.range(my_slices, unroll=self.unroll):
+                    cp_async_wait(S - 1)  # this lane's copies of slice i (groups complete in order)
+                    st = s_warp + (i % S) * stage_bytes
+                    cur = []
+                    for j in cutlass.range_constexpr(self.items):
+                        cur += lds_stage_v2(st + j * 256 + lane * 8)
+                        cur.append(pipe[0][j])
+                    acc = self._slice_products(acc, cur, zero)
+                    # the words are in registers and used: the stage takes slice i + S
+                    pipe = pipe[1:]
+                    pipe.append(self._issue_slice(st, lane, wid + (i + S) * W, g, t, row0, *ptrs))
+                cp_async_wait(0)
+                cute.arch.sync_threads()  # every warp's stages drained before the partials overwrite them
 
             for gr in cutlass.range_constexpr(GR):
                 sts_f32x4(s_red + ((wid * GR + gr) * 32 + lane) * 16, acc[gr])

@@ -62,9 +62,11 @@ def main():
     # the instruction names are in the PTX (a cubin holds none): no e2m1 conversion, which sm_90a lacks
     fp4_cvt = [line.strip() for line in ptx.splitlines() if "e2m1" in line and not line.lstrip().startswith("//")]
     # a shared-memory read placed above the first barrier reads another launch's leftovers (LLVM moves
-    # inline asm without side effects: it did so once in the tensor-core kernel's epilogue)
+    # inline asm without side effects: it did so once in the tensor-core kernel's epilogue); a lane's reads
+    # of its own cp.async copies need only the copy wait
     body = [line.strip() for line in ptx.splitlines()]
-    first_bar = next((i for i, line in enumerate(body) if line.startswith(("bar.sync", "barrier."))), len(body))
+    first_bar = next((i for i, line in enumerate(body)
+                      if line.startswith(("bar.sync", "barrier.", "cp.async.wait_group"))), len(body))
     lds_before_bar = sum(line.startswith("ld.shared") for line in body[:first_bar])
     print(json.dumps({"arch": args.arch, "k": args.k, "cubin": path, "bytes": len(cubin), "ptx_bytes": len(ptx),
                       "fp4_cvt": fp4_cvt[:3], "lds_before_bar": lds_before_bar,

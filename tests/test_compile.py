@@ -77,10 +77,14 @@ def test_op_kernel_compiles_without_gpu(arch, k, tokens, blocked, tmp_path):
 
 @pytest.mark.parametrize("arch,k,tokens,groups,blocked", [("sm_90a", 16384, 16, 7, False), ("sm_90a", 7168, 4, 4, True),
                                                           ("sm_100a", 2048, 9, 8, False), ("sm_100a", 64, 2, 1, True),
-                                                          ("sm_90a", 64, 4, 1, False), ("sm_90a", 1024, 2, 2, False)])
+                                                          ("sm_90a", 64, 4, 1, False), ("sm_90a", 1024, 2, 2, False),
+                                                          ("sm_90a", 16384, 16, 7, "stages=4"),
+                                                          ("sm_100a", 7168, 3, 4, "stages=2")])
 def test_op_tensor_core_kernel_compiles_without_gpu(arch, k, tokens, groups, blocked, tmp_path):
+    """``blocked``: True for blocked scales, or a tuning (the cp.async variant, plain scales)."""
     cmd = [sys.executable, "-W", "error::DeprecationWarning", os.path.join(HERE, "compile_check.py"), arch, str(k),
-           "--dump", str(tmp_path), "--tokens", str(tokens), "--mma", str(groups)] + (["--blocked"] if blocked else [])
+           "--dump", str(tmp_path), "--tokens", str(tokens), "--mma", str(groups)]
+    cmd += ["--tune", blocked] if isinstance(blocked, str) else (["--blocked"] if blocked else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])
