@@ -1,0 +1,29 @@
+"""The op's routing and the tensor-core kernel's tiling, without a GPU: which kernel a call takes
+(``op.use_mma``) and how many 8-row groups a CTA owns (``mma.pick_groups``)."""
+
+import pytest
+
+from nvfp4_gemv import op
+from nvfp4_gemv.mma import MAX_GROUPS, pick_groups
+
+
+@pytest.mark.parametrize("n,m,sms,mma", [(1, 7168, 132, False), (4, 7168, 132, False), (5, 7168, 132, True),
+                                         (16, 1056, 132, True), (16, 1024, 132, False), (64, 4096, 148, True)])
+def test_tensor_core_kernel_from_five_tokens_where_groups_fill_the_gpu(n, m, sms, mma):
+    assert op.use_mma(n, m, sms) == mma
+
+
+@pytest.mark.parametrize("m,sms,groups", [(7168, 132, 7), (4096, 132, 4), (2048, 132, 2), (128, 132, 1),
+                                          (14336, 148, 7)])
+def test_groups_of_the_measured_shapes(m, sms, groups):
+    assert pick_groups(m, sms) == groups
+
+
+@pytest.mark.parametrize("sms", [1, 78, 114, 132, 148])
+@pytest.mark.parametrize("m", [128, 384, 1152, 4096, 7168, 28672, 131072])
+def test_groups_fit_m_and_balance_the_ctas(m, sms):
+    gr = pick_groups(m, sms)
+    assert 1 <= gr <= MAX_GROUPS and 8 * gr <= m
+    rounds = -(-(-(-(m // 8) // gr)) // sms)
+    best = min(-(-(-(-(m // 8) // g)) // sms) * (g + 2) for g in range(1, MAX_GROUPS + 1))
+    assert rounds * (gr + 2) == best
