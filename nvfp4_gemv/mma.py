@@ -28,8 +28,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .kernel import SmemAllocator, _asm, _asm_store, _CUstream, blocked_row, dsl_compile
-from .tokens import ldg_f32, stg_as
+from .kernel import SmemAllocator, _asm, _asm_store, blocked_row
+from .tokens import _OpLaunch, compile_op, ldg_f32, stg_as
 
 TWO_POW_28 = 268435456.0
 MAX_GROUPS = 8  # accumulators and loads in flight of a thread grow with it (registers)
@@ -151,7 +151,7 @@ def pick_groups(m, sms, ctas_per_sm=1):
     return min(range(1, MAX_GROUPS + 1), key=cost)
 
 
-class Nvfp4GemvMma:
+class Nvfp4GemvMma(_OpLaunch):
     """The op's tensor-core kernel; one instance per (K, tokens, groups, layouts, epilogue, tuning)."""
 
     def __init__(self, k: int, n_tok: int, groups: int, w_blocked: bool, x_blocked: bool, has_alpha: bool,
@@ -191,15 +191,6 @@ class Nvfp4GemvMma:
     def grid_x(self, m, sms):
         tiles = -(-(m // 8) // self.groups)
         return max(1, min(tiles, sms * self.min_blocks))
-
-    @cute.jit
-    def __call__(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, xs_ptr: cutlass.Int64,
-                 out_ptr: cutlass.Int64, alpha_ptr: cutlass.Int64, m: cutlass.Int32, w_rs: cutlass.Int64,
-                 ws_rs: cutlass.Int64, x_rs: cutlass.Int64, xs_rs: cutlass.Int64, out_rs: cutlass.Int64,
-                 grid_x: cutlass.Int32, stream):
-        self.kernel(w_ptr, x_ptr, ws_ptr, xs_ptr, out_ptr, alpha_ptr, m, w_rs, ws_rs, x_rs, xs_rs,
-                    out_rs).launch(grid=[grid_x, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
-                                   stream=stream, min_blocks_per_mp=self.min_blocks)
 
     def _w_rs(self, w_rs):
         return cutlass.Int64(self.k // 2) if cutlass.const_expr(self.w_contig) else w_rs
@@ -367,6 +358,5 @@ class Nvfp4GemvMma:
 def compile_mma(k, n_tok, groups, w_blocked, x_blocked, has_alpha, out_bf16, w_contig=True, ws_contig=True,
                 options=None, tvm_ffi=None, **tuning):
     """Compiles the kernel (no GPU needed when ``options`` names ``--gpu-arch``)."""
-    op = Nvfp4GemvMma(k, n_tok, groups, w_blocked, x_blocked, has_alpha, out_bf16, w_contig, ws_contig, **tuning)
-    i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
-    return op, dsl_compile(op, (*[i64] * 6, i32, *[i64] * 5, i32, _CUstream(0)), options, tvm_ffi)
+    return compile_op(Nvfp4GemvMma(k, n_tok, groups, w_blocked, x_blocked, has_alpha, out_bf16, w_contig, ws_contig,
+                                   **tuning), options, tvm_ffi)

@@ -121,7 +121,27 @@ def stg_as(addr, v, bf16, *, loc=None, ip=None):
                "{\n.reg .b16 h;\n" + cvt + " h, $1;\nst.global.b16 [$0], h;\n}", "l,f", loc, ip)
 
 
-class Nvfp4GemvTokens(Nvfp4Gemv):
+class _OpLaunch:
+    """What the op's kernels share: the 14 run-time arguments (six addresses, M, five row strides in bytes,
+    the grid, the stream) and one launch with the subclass's block, shared memory and occupancy."""
+
+    @cute.jit
+    def __call__(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, xs_ptr: cutlass.Int64,
+                 out_ptr: cutlass.Int64, alpha_ptr: cutlass.Int64, m: cutlass.Int32, w_rs: cutlass.Int64,
+                 ws_rs: cutlass.Int64, x_rs: cutlass.Int64, xs_rs: cutlass.Int64, out_rs: cutlass.Int64,
+                 grid_x: cutlass.Int32, stream):
+        self.kernel(w_ptr, x_ptr, ws_ptr, xs_ptr, out_ptr, alpha_ptr, m, w_rs, ws_rs, x_rs, xs_rs,
+                    out_rs).launch(grid=[grid_x, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
+                                   stream=stream, min_blocks_per_mp=self.min_blocks)
+
+
+def compile_op(op, options=None, tvm_ffi=None):
+    """``(op, compiled)`` for one of the op's kernels (no GPU needed when ``options`` names ``--gpu-arch``)."""
+    i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
+    return op, dsl_compile(op, (*[i64] * 6, i32, *[i64] * 5, i32, _CUstream(0)), options, tvm_ffi)
+
+
+class Nvfp4GemvTokens(_OpLaunch, Nvfp4Gemv):
     """``Nvfp4Gemv`` over ``n_tok`` token rows at once: see the module docstring."""
 
     def __init__(self, k: int, n_tok: int, w_blocked: bool, x_blocked: bool, has_alpha: bool, out_bf16: bool,
@@ -146,15 +166,6 @@ class Nvfp4GemvTokens(Nvfp4Gemv):
     def max_tokens(k):
         """The most tokens whose decoded copies fit one CTA's shared memory."""
         return (SMEM_A_SM - 1024 - 16) // (40 * (k // 32))
-
-    @cute.jit
-    def __call__(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, xs_ptr: cutlass.Int64,
-                 out_ptr: cutlass.Int64, alpha_ptr: cutlass.Int64, m: cutlass.Int32, w_rs: cutlass.Int64,
-                 ws_rs: cutlass.Int64, x_rs: cutlass.Int64, xs_rs: cutlass.Int64, out_rs: cutlass.Int64,
-                 grid_x: cutlass.Int32, stream):
-        self.kernel(w_ptr, x_ptr, ws_ptr, xs_ptr, out_ptr, alpha_ptr, m, w_rs, ws_rs, x_rs, xs_rs,
-                    out_rs).launch(grid=[grid_x, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
-                                   stream=stream, min_blocks_per_mp=self.min_blocks)
 
     @cute.kernel
     def kernel(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, xs_ptr: cutlass.Int64,
@@ -259,6 +270,5 @@ class Nvfp4GemvTokens(Nvfp4Gemv):
 
 def compile_tokens(k, n_tok, w_blocked, x_blocked, has_alpha, out_bf16, options=None, tvm_ffi=None, **tuning):
     """Compiles the kernel (no GPU needed when ``options`` names ``--gpu-arch``)."""
-    op = Nvfp4GemvTokens(k, n_tok, w_blocked, x_blocked, has_alpha, out_bf16, **tuning)
-    i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
-    return op, dsl_compile(op, (*[i64] * 6, i32, *[i64] * 5, i32, _CUstream(0)), options, tvm_ffi)
+    return compile_op(Nvfp4GemvTokens(k, n_tok, w_blocked, x_blocked, has_alpha, out_bf16, **tuning), options,
+                      tvm_ffi)

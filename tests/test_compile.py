@@ -13,16 +13,26 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def compile_check(arch, k, tmp_path, *extra, env=None):
+    """``tests/compile_check.py``'s JSON summary for one build (DeprecationWarnings are errors)."""
+    cmd = [sys.executable, "-W", "error::DeprecationWarning", os.path.join(HERE, "compile_check.py"), arch, str(k),
+           "--dump", str(tmp_path), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_op_build(info):
+    assert info["elf"] and info["bytes"] > 4096 and info["launch"] == "tvm-ffi", info
+    assert info["ptx_bytes"] > 10000 and info["fp4_cvt"] == [], info
+    assert info["lds_before_bar"] == 0, info
+
+
 @pytest.mark.parametrize("arch,k,blocked", [("sm_90a", 7168, False), ("sm_100a", 7168, False),
                                             ("sm_90a", 256, True), ("sm_100a", 16384, True),
                                             ("sm_90a", 64, False)])
 def test_kernel_compiles_without_gpu(arch, k, blocked, tmp_path):
-    cmd = [sys.executable, "-W", "error::DeprecationWarning", os.path.join(HERE, "compile_check.py"), arch, str(k), "--dump", str(tmp_path)]
-    if blocked:
-        cmd.append("--blocked")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    info = compile_check(arch, k, tmp_path, *(["--blocked"] if blocked else []))
     assert info["elf"] and info["bytes"] > 4096
     with open(info["cubin"], "rb") as f:
         cubin = f.read()
@@ -39,11 +49,7 @@ def test_kernel_compiles_without_gpu(arch, k, blocked, tmp_path):
                                           ("sm_90a", 7168, "split=7,min_blocks=6"),
                                           ("sm_100a", 4096, "split=2,rows=2,min_blocks=4")])
 def test_latency_split_and_bulk_configs_compile_without_gpu(arch, k, tune, tmp_path):
-    cmd = [sys.executable, "-W", "error::DeprecationWarning", os.path.join(HERE, "compile_check.py"), arch, str(k), "--dump", str(tmp_path),
-           "--tune", tune]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    info = compile_check(arch, k, tmp_path, "--tune", tune)
     assert info["elf"] and info["launch"] == "tvm-ffi", info
     assert info["lds_before_bar"] == 0, info
 
@@ -53,11 +59,7 @@ def test_without_tvm_ffi_the_leaderboards_dsl_keeps_the_direct_launcher(tmp_path
     (on later versions it does not, and the slow path warns)."""
     import importlib.metadata as md
 
-    cmd = [sys.executable, "-W", "error::DeprecationWarning", os.path.join(HERE, "compile_check.py"), "sm_100a", "7168", "--dump", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, NVFP4_GEMV_LAUNCH="direct"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    info = compile_check("sm_100a", 7168, tmp_path, env=dict(os.environ, NVFP4_GEMV_LAUNCH="direct"))
     expected = "direct" if md.version("nvidia-cutlass-dsl").startswith("4.3.") else "dsl"
     assert info["launch"] == expected, info
 
@@ -65,29 +67,14 @@ def test_without_tvm_ffi_the_leaderboards_dsl_keeps_the_direct_launcher(tmp_path
 @pytest.mark.parametrize("arch,k,tokens,blocked", [("sm_90a", 7168, 1, False), ("sm_90a", 16384, 8, True),
                                                    ("sm_100a", 2048, 16, False), ("sm_100a", 4096, 2, True)])
 def test_op_kernel_compiles_without_gpu(arch, k, tokens, blocked, tmp_path):
-    cmd = [sys.executable, "-W", "error::DeprecationWarning", os.path.join(HERE, "compile_check.py"), arch, str(k),
-           "--dump", str(tmp_path), "--tokens", str(tokens)] + (["--blocked"] if blocked else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    info = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert info["elf"] and info["bytes"] > 4096 and info["launch"] == "tvm-ffi", info
-    assert info["ptx_bytes"] > 10000 and info["fp4_cvt"] == [], info
-    assert info["lds_before_bar"] == 0, info
+    assert_op_build(compile_check(arch, k, tmp_path, "--tokens", str(tokens), *(["--blocked"] if blocked else [])))
 
 
-@pytest.mark.parametrize("arch,k,tokens,groups,blocked", [("sm_90a", 16384, 16, 7, False), ("sm_90a", 7168, 4, 4, True),
-                                                          ("sm_100a", 2048, 9, 8, False), ("sm_100a", 64, 2, 1, True),
-                                                          ("sm_90a", 64, 4, 1, False), ("sm_90a", 1024, 2, 2, False),
-                                                          ("sm_90a", 16384, 16, 7, "stages=4"),
-                                                          ("sm_100a", 7168, 3, 4, "stages=2")])
-def test_op_tensor_core_kernel_compiles_without_gpu(arch, k, tokens, groups, blocked, tmp_path):
-    """``blocked``: True for blocked scales, or a tuning (the cp.async variant, plain scales)."""
-    cmd = [sys.executable, "-W", "error::DeprecationWarning", os.path.join(HERE, "compile_check.py"), arch, str(k),
-           "--dump", str(tmp_path), "--tokens", str(tokens), "--mma", str(groups)]
-    cmd += ["--tune", blocked] if isinstance(blocked, str) else (["--blocked"] if blocked else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    info = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert info["elf"] and info["bytes"] > 4096 and info["launch"] == "tvm-ffi", info
-    assert info["ptx_bytes"] > 10000 and info["fp4_cvt"] == [], info
-    assert info["lds_before_bar"] == 0, info
+@pytest.mark.parametrize("arch,k,tokens,groups,extra", [("sm_90a", 16384, 16, 7, ()), ("sm_90a", 7168, 4, 4, ("--blocked",)),
+                                                        ("sm_100a", 2048, 9, 8, ()), ("sm_100a", 64, 2, 1, ("--blocked",)),
+                                                        ("sm_90a", 64, 4, 1, ()), ("sm_90a", 1024, 2, 2, ()),
+                                                        ("sm_90a", 16384, 16, 7, ("--tune", "stages=4")),
+                                                        ("sm_100a", 7168, 3, 4, ("--tune", "stages=2"))])
+def test_op_tensor_core_kernel_compiles_without_gpu(arch, k, tokens, groups, extra, tmp_path):
+    """Blocked scales, and the cp.async variant (``stages``), among the builds."""
+    assert_op_build(compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--mma", str(groups), *extra))

@@ -124,9 +124,15 @@ def configs():
     return list(itertools.product(GRIDS, BLOCKS, WIDTHS))
 
 
-def floor_us(nbytes, reps, time_fn, clean=False, verbose=False):
-    """``(best us, (ctas_per_sm, threads, width))`` of a plain read of ``nbytes`` (rounded up to 16)."""
-    buf = torch.zeros(-(-nbytes // 16) * 16, dtype=torch.uint8, device="cuda")
+def zero_buffer(nbytes):
+    return torch.zeros(-(-nbytes // 16) * 16, dtype=torch.uint8, device="cuda")
+
+
+def floor_us(nbytes, reps, time_fn, clean=False, verbose=False, buf=None):
+    """``(best us, (ctas_per_sm, threads, width))`` of a plain read of ``nbytes`` (rounded up to 16), in
+    ``buf`` if given (``zero_buffer(nbytes)``)."""
+    if buf is None:
+        buf = zero_buffer(nbytes)
     best = (float("inf"), None)
     for cps, threads, width in configs():
         us = time_fn(reader(buf, threads, width, cps), reps, clean=clean)
