@@ -68,8 +68,9 @@ def test_mma_tiles_and_slices(m, k, groups, n, kernel):
 @pytest.mark.parametrize("n", [20, 33])
 def test_blocked_x_scales_beyond_one_launch(kernel, n):
     """Blocked x scales with more tokens than a launch takes: the later launches start 16 * t0 bytes into the
-    scales (20 tokens), or the plan unswizzles them on the host (33)."""
-    m, k = 256, 1024
+    scales (20 tokens), or the plan unswizzles them on the host (33). K = 16384: the dp4a kernel takes at
+    most 11 tokens a launch there (``token_group``), the tensor-core kernel 16."""
+    m, k = 256, 16384
     x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=n)
     args = (x, blocked(xs, n, k), w, ws, a)
     out, plan = run_plan(args, kernel)
