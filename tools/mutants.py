@@ -107,7 +107,7 @@ MUTANTS = [
      ["tests/test_gpu_op.py"], True),
     ("op: second token group at the first's x", OP, "offsets = (t0 * x.stride(0),", "offsets = (0,",
      ["tests/test_gpu_op.py::test_token_groups_beyond_shared_memory"], True),
-    ("mma: signs lost in the f16 decode", MMA, '0x8E8E8E8E;"', '0x0E0E0E0E;"',
+    ("mma: odd nibbles' signs lost in the decode", MMA, '"and.b32 u, t, 0x8E8E8E8E;"', '"and.b32 u, t, 0x0E0E0E0E;"',
      ["tests/test_gpu_op_kernels.py"], True),
     ("mma: the last tile not moved back", MMA, "row0 = cutlass.min(tile * (GR * 8), m - GR * 8)",
      "row0 = tile * (GR * 8)", ["tests/test_gpu_op_kernels.py"], True),
