@@ -188,7 +188,8 @@ class Nvfp4GemvMma(_OpLaunch):
         self.unroll = unroll or 1
         # stages > 0: the words of the next ``stages`` slices come through cp.async into the warp's own part
         # of shared memory (no registers held while they are in flight); the scale bytes stay loads into
-        # registers, ``stages`` slices ahead. 0: every load into registers, ``depth`` slices ahead.
+        # registers, ``stages`` slices ahead. 0: every load into registers, ``depth`` slices ahead. On H200
+        # stages = 2..4 measured 10-23% slower than 0 at every N (docs/perf-notes.md): kept as a tuning.
         self.stages = int(stages or 0)
         self.items = (2 if n_tok > 8 else 1) + groups  # 8-byte words a lane loads a slice
         self.smem_bytes = max(self.warps * groups * 512, self.warps * self.stages * self.items * 256)

@@ -193,9 +193,9 @@ MMA_TOKENS = 16  # tokens a launch of the tensor-core kernel takes
 
 def use_mma(n, m, sms):
     """The tensor-core kernel (``nvfp4_gemv.mma``) from 5 tokens on where its 8-row groups fill the GPU; the
-    dp4a kernel (``nvfp4_gemv.tokens``) below and for short weights. On H200 the dp4a kernel measured faster
-    at N = 2 (31.4 against 34.7 us on 7168x16384) and slower at N = 8 (56.3 against 36.2); N = 3..7 were not
-    measured with both (docs/bench-op-h200-mma.md), so the cut at 5 is interpolated."""
+    dp4a kernel (``nvfp4_gemv.tokens``) below and for short weights. On H200 (docs/sweep-op-h200.txt) the dp4a
+    kernel took 32.5 / 34.4 us at N = 3 / 4 on 7168x16384 against 33.7 / 33.8, and 12.2 / 12.5 against 13.6 /
+    13.9 on 4096x7168; at N = 8 56.0 against 35.2; N = 5..7 were not measured, so the cut at 5 is interpolated."""
     return n >= 5 and m // 8 >= sms
 
 
@@ -366,7 +366,7 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
 
     :param x: activations [N, K/2], ``torch.float4_e2m1fn_x2`` or ``torch.uint8`` (two e2m1 values a
         byte, the first in the low nibble). ``w`` is read once per group of tokens (up to 16 from N = 5
-        on); on H200 N = 16 takes 1.4-1.5x the time of N = 1 (docs/bench-op-h200-mma.md).
+        on); on H200 N = 16 takes 1.37-1.54x the time of N = 1 (docs/bench-op-h200.md).
     :param x_scale: [N, K/16] ``torch.float8_e4m3fn`` (or its uint8 bytes), one scale per 16 values; or
         the 128x4 blocked layout (see ``w_scale``).
     :param w: weights [M, K/2], the same dtypes; M % 128 == 0, K % 64 == 0, K <= 32768.

@@ -3,6 +3,8 @@ contract: the dp4a kernel (``nvfp4_gemv.tokens``) and the tensor-core kernel (``
 counts, shapes (a last tile that passes M, several tiles a CTA, fewer K slices than warps), scale layouts,
 strides and epilogues. Outputs are poisoned before each run."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ def run_plan(args, kernel, out_dtype=torch.bfloat16, out=None, **tuning):
         out = torch.empty(n, m, dtype=out_dtype, device="cuda")
     out.fill_(float("nan"))
     tuning["mma"] = int(kernel.startswith("mma"))
-    if kernel == "mma_async":  # the cp.async variant (not the default yet): words through shared memory
+    if kernel == "mma_async":  # the cp.async variant (a tuning, slower on H200): words through shared memory
         tuning["stages"] = 4
     plan = op._TokensPlan(x, xs, w, ws, alpha, out, out.dtype, tuning=tuple(sorted(tuning.items())))
     plan(x, xs, w, ws, alpha, out, out.dtype)
@@ -66,15 +68,21 @@ def test_mma_tiles_and_slices(m, k, groups, n, kernel):
 
 @KERNELS
 @pytest.mark.parametrize("n", [20, 33])
-def test_blocked_x_scales_beyond_one_launch(kernel, n):
+def test_blocked_x_scales_beyond_one_launch(kernel, n, monkeypatch):
     """Blocked x scales with more tokens than a launch takes: the later launches start 16 * t0 bytes into the
-    scales (20 tokens), or the plan unswizzles them on the host (33). K = 16384: the dp4a kernel takes at
-    most 11 tokens a launch there (``token_group``), the tensor-core kernel 16."""
+    scales (20 tokens), or the plan unswizzles them on the host (33), which is slower and says so once.
+    K = 16384: the dp4a kernel takes at most 11 tokens a launch there (``token_group``), the tensor-core
+    kernel 16."""
     m, k = 256, 16384
     x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=n)
     args = (x, blocked(xs, n, k), w, ws, a)
-    out, plan = run_plan(args, kernel)
+    monkeypatch.setattr(op._k, "_warned", set())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out, plan = run_plan(args, kernel)
     assert len(plan.launches) >= 2
+    assert plan.unswizzle_x == (n > 32)
+    assert any("unswizzled on the host" in str(w.message) for w in seen) == (n > 32)
     assert_exact(args, out, plain=(x, xs, w, ws, a))
 
 
