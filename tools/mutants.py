@@ -66,6 +66,13 @@ MUTANTS = [
      ["tests/test_op_contract.py"], False),
     ("op: out= not written on the CPU", OP, "    out.copy_(res)\n    return out", "    return out",
      ["tests/test_op_contract.py"], False),
+    # -- the plan caches' C++ guards (CPU) --
+    ("guard: the last plan taken unchecked", K, "            hit = last[0].check(*data)\n", "            hit = True\n",
+     ["tests/test_plan_guard.py"], False),
+    ("guard: strides not compared", K, "dynamic_dims_strides=[list(t.stride()) for t in ts]",
+     "dynamic_dims_strides=[[None] * t.dim() for t in ts]", ["tests/test_plan_guard.py"], False),
+    ("guard: gemv's last plan for any out dtype", OP, "(out is not None or last[2] == out_dtype)", "True",
+     ["tests/test_plan_guard.py"], False),
     # -- build, launch, packaging, harness (CPU) --
     ("launch: no TVM-FFI", K, '(" --enable-tvm-ffi" if tvm_ffi else "")', '""',
      ["tests/test_compile.py::test_kernel_compiles_without_gpu"], False),
