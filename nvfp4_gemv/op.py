@@ -168,9 +168,9 @@ def gemv_reference(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16)
 _compiled = {}
 _plans = {}
 _lock = threading.RLock()
-# (guard, (alpha is None, out is None), result dtype, plan) of the last eager call that hit a plan: a call
-# whose tensors pass the guard (kernel._guard_maker, the same metadata) skips the key
-_last = None
+# eager calls whose tensors pass a recent plan's C++ guard (the same metadata) skip the key; the tag is
+# (alpha is None, out is None, the result dtype where out is None)
+_recent = _k._RecentPlans()
 
 
 _sms = {}
@@ -388,32 +388,22 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
     """
     # the eager fast path: plain tensors, no tracing and no torch dispatch mode (a FakeTensor has no data
     # to launch on; modes such as flop counters must see the op), and a plan made for exactly this metadata
-    global _last
     direct = (type(w) in _PLAIN and type(x) in _PLAIN and not torch.compiler.is_compiling()
               and not torch._C._len_torch_dispatch_stack())
     if direct:
-        last = _last
-        if last is not None and last[1] == (alpha is None, out is None) and (out is not None or last[2] == out_dtype):
-            ts = (x, x_scale, w, w_scale) if alpha is None else (x, x_scale, w, w_scale, alpha)
-            if last[0].check(*ts) if out is None else last[0].check(*ts, out):
-                return last[3](x, x_scale, w, w_scale, alpha, out, last[2])
+        tag = (alpha is None, out is None, out_dtype if out is None else None)
+        ts = tuple(t for t in (x, x_scale, w, w_scale, alpha, out) if t is not None)
+        plan = _recent.find(tag, ts)
+        if plan is not None:
+            return plan(x, x_scale, w, w_scale, alpha, out, out_dtype if out is None else out.dtype)
         try:
             key = _key(x, x_scale, w, w_scale, alpha, out, out_dtype if out is None else out.dtype)
             plan = _plans.get(key)
         except (AttributeError, TypeError):
             key = plan = None
         if plan is not None:
-            dtype = out_dtype if out is None else out.dtype
-            if _k._make_guard is not None:
-                ts = tuple(t for t in (x, x_scale, w, w_scale, alpha, out) if t is not None)
-                if plan.guard is None:
-                    try:
-                        plan.guard = _k._make_guard(ts)
-                    except (TypeError, RuntimeError):  # tensor-like objects that are not tensors
-                        pass
-                if plan.guard is not None:
-                    _last = (plan.guard, (alpha is None, out is None), dtype, plan)
-            return plan(x, x_scale, w, w_scale, alpha, out, dtype)
+            _recent.add(tag, ts, plan)
+            return plan(x, x_scale, w, w_scale, alpha, out, out_dtype if out is None else out.dtype)
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.dtype not in _OUT:
             _fail(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor",
