@@ -350,12 +350,16 @@ def scaled_chunk_dot(acc, x, s16, w, sb0, sb1, tbl):
     return acc + cutlass.Float64(cutlass.Float32(d1) * (sa1 * sb1))
 
 
-def b_in_registers(b_base, sfb_base, first, step, n, scale_offset):
+def b_in_registers(b_base, sfb_base, first, step, n, scale_offset, last=None):
     """Chunks ``first, first + step, ...`` (``n`` of them) of ``b`` as int8 ``2b`` (8 words a chunk) and
-    their two scales / 4 as fp32: the share of ``b`` a lane keeps in registers."""
+    their two scales / 4 as fp32: the share of ``b`` a lane keeps in registers. With ``last`` (the row's
+    last chunk), the final one is clamped to it: a tail lane reads real scales, which its zero ``a``
+    words and scales then cancel (a read past the row could decode an e4m3 NaN)."""
     wb, sb = [], []
     for i in range(n):
         ch = first + i * step
+        if last is not None and i == n - 1:
+            ch = cutlass.min(ch, last)
         x = ldg_v4(b_base + cutlass.Int64(ch) * 16)
         for w in range(4):
             wb += list(fp4x8_to_i8(x[w]))
@@ -476,6 +480,7 @@ class Nvfp4Gemv(_GemvLaunch):
 
     threads = 256
     min_blocks = 4  # caps registers at 64: 1024 threads a SM
+    tail = False  # Nvfp4GemvSplit: lanes whose last chunk lies past the row (K % (1024 * split) != 0)
 
     def __init__(self, k: int, blocked_scales: bool, group=None, batch=None, min_blocks=None, depth=None,
                  probe=0):
@@ -652,18 +657,22 @@ class Nvfp4Gemv(_GemvLaunch):
         else:
             sfa_row = sfa_base + row64 * sfa_rs
         c0 = lane + bt * (self.batch * self.row_lanes)
+        preds = [pred] * self.batch
+        if cutlass.const_expr(self.tail):  # only the last chunk of a lane can lie past the row
+            preds[-1] = pred & cutlass.Int32(c0 + (self.batch - 1) * self.row_lanes < self.chunks)
         words = []
         for i in cutlass.range_constexpr(self.batch):
-            words += ldg_stream_v4_if(a_row + cutlass.Int64(c0 + i * self.row_lanes) * 16, pred)
+            words += ldg_stream_v4_if(a_row + cutlass.Int64(c0 + i * self.row_lanes) * 16, preds[i])
         for i in cutlass.range_constexpr(self.batch):
-            words.append(ldg_u16_if(sfa_row + self._scale_offset(c0 + i * self.row_lanes), pred))
+            words.append(ldg_u16_if(sfa_row + self._scale_offset(c0 + i * self.row_lanes), preds[i]))
         return words
 
 
 class Nvfp4GemvSplit(Nvfp4Gemv):
     """Kernel for problems that fit in one wave of CTAs, where the time after the last byte lands counts:
-    each row is split over ``split`` whole warps, so a lane has only ``n = K / (1024 * split)`` chunks
-    of arithmetic and the SMs have many warps to issue it. A CTA holds ``rows`` rows, once each (no
+    each row is split over ``split`` whole warps, so a lane has only ``n = ceil(K / (1024 * split))``
+    chunks of arithmetic and the SMs have many warps to issue it (where the split does not divide the row,
+    the last chunk of the last lanes is predicated off). A CTA holds ``rows`` rows, once each (no
     grid-stride, no loop). A lane loads its chunks of ``a`` and ``sfa`` first, then its chunks of ``b``
     and ``sfb``, which stay in registers (no shared-memory staging, no barrier before the arithmetic).
     Warps add their lanes' terms with a butterfly and meet in shared memory."""
@@ -674,11 +683,12 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
         self.chunks = k // 32
         self.split = split
         self.row_lanes = 32 * split
-        if split < 2 or self.chunks % self.row_lanes:  # one warp a row: Nvfp4Gemv's latency config
-            raise ValueError(f"nvfp4_gemv: K={k}: split {split} must be >= 2 warps a row and divide its "
-                             f"{self.chunks} chunks into whole warps")
+        if split < 2 or self.row_lanes > 1024 or (split - 1) * 32 >= self.chunks:
+            raise ValueError(f"nvfp4_gemv: K={k}: split {split} must be 2..32 warps a row, each with a "
+                             f"chunk of its {self.chunks}")
         self.group = 32
-        self.batch = self.per_lane = self.chunks // self.row_lanes
+        self.batch = self.per_lane = -(-self.chunks // self.row_lanes)
+        self.tail = self.chunks % self.row_lanes != 0
         self.rows_per_cta = rows
         self.threads = rows * self.row_lanes
         self.min_blocks = min_blocks
@@ -717,7 +727,8 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
         valid = row < m  # the same for a whole warp
         xw = self._load_unit(row, cutlass.Int32(0), valid, jl, a_ptr + l_idx * a_ls, sfa_ptr + l_idx * sfa_ls,
                              a_rs, sfa_rs)
-        wb, sb = b_in_registers(b_ptr + l_idx * b_ls, sfb_ptr + l_idx * sfb_ls, jl, tr, n, self._scale_offset)
+        wb, sb = b_in_registers(b_ptr + l_idx * b_ls, sfb_ptr + l_idx * sfb_ls, jl, tr, n, self._scale_offset,
+                                self.chunks - 1 if self.tail else None)
         tbl = cutlass.Int32(E2M1_TIMES2_LO)
         acc = cutlass.Float64(0.0)
         for i in cutlass.range_constexpr(n):

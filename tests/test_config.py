@@ -76,8 +76,15 @@ def test_split_kernel_rejects_rows_it_cannot_split():
         submission.Nvfp4GemvSplit(4096, False, split=7)
     with pytest.raises(ValueError, match="K=1536"):
         submission.Nvfp4GemvSplit(1536, False, split=3)
-    with pytest.raises(ValueError, match=">= 2 warps"):
+    with pytest.raises(ValueError, match="2..32 warps"):
         submission.Nvfp4GemvSplit(2048, False, split=1)
+
+
+@pytest.mark.parametrize("k,split,per_lane", [(1536, 2, 1), (4608, 3, 2), (4608, 5, 1), (7168, 2, 4), (2048, 2, 1)])
+def test_split_kernel_takes_rows_with_a_tail(k, split, per_lane):
+    op = submission.Nvfp4GemvSplit(k, False, split=split)
+    assert op.per_lane == per_lane
+    assert op.tail == (k // 32 % (32 * split) != 0)
 
 
 def test_bad_tuning_is_rejected():

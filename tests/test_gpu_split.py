@@ -23,6 +23,9 @@ CASES = [  # (m, k, l, tuning): one chunk a lane (split = K / 1024), 2-4 chunks,
     (256, 16384, 1, tune(split=16)), (256, 16384, 1, tune(split=4, rows=2)),
     (128, 32768, 1, tune(split=32, min_blocks=1)), (1024, 2048, 3, tune(split=2, rows=8)),
     (640, 12288, 3, tune(split=4)), (4096, 7168, 2, tune(split=7)),  # many waves
+    # a tail: the last chunk of some lanes lies past the row (K % (1024 * split) != 0)
+    (128, 1536, 1, tune(split=2)), (512, 1536, 2, tune(split=2, rows=4)), (2432, 4608, 2, tune(split=3)),
+    (256, 4608, 1, tune(split=5, rows=2)), (128, 7168, 3, tune(split=3)), (384, 1088, 1, tune(split=2)),
 ]
 
 

@@ -4,6 +4,7 @@
 # tests run too): `tools/gpu_checks.sh $OUT pytest`, then `tools/gpu_checks.sh $OUT mutants,sanitize,fuzz,fuzzop`
 # (this session: pytest 8.3 min on two GPUs; mutants 2.2, sanitizer 2.0, fuzz 1.0, op fuzz 2.9).
 # STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop (default all). Prints each step's last lines.
+# SHARDS=N runs the suite as N concurrent pytest processes, one set of files each (logs pytest-shardI.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-${OUT:-gpu-logs}}
@@ -24,7 +25,26 @@ step() {  # name, seconds, command...
 git log --oneline -1 > "$LOG/commit.txt" 2>/dev/null
 nvidia-smi -L >> "$LOG/commit.txt" 2>/dev/null
 python -c "import importlib.metadata as m; print('nvidia-cutlass-dsl', m.version('nvidia-cutlass-dsl'))" >> "$LOG/commit.txt"
-step pytest 570 python -m pytest -q -rs -p no:cacheprovider
+pytest_shards() {  # the suite split by file over $SHARDS processes (default 4; compiles are CPU-bound)
+    local n=${SHARDS:-4} i=0 rc=0 f pids=()
+    local -a shard
+    for f in $(ls -S tests/test_*.py); do shard[i % n]+=" $f"; i=$((i + 1)); done
+    for ((i = 0; i < n; i++)); do
+        python -m pytest -q -rs -p no:cacheprovider --durations=5 ${shard[i]} > "$LOG/pytest-shard$i.txt" 2>&1 &
+        pids+=($!)
+    done
+    for ((i = 0; i < n; i++)); do
+        wait "${pids[i]}" || rc=1
+        echo "shard $i:${shard[i]}"
+        tail -n 1 "$LOG/pytest-shard$i.txt"
+    done
+    return $rc
+}
+if [[ ${SHARDS:-1} -gt 1 ]]; then
+    step pytest 570 bash -c "$(declare -f pytest_shards); LOG='$LOG' SHARDS=$SHARDS pytest_shards"
+else
+    step pytest 570 python -m pytest -q -rs -p no:cacheprovider
+fi
 step mutants 150 python tools/mutants.py --gpu
 step sanitize 150 tools/sanitize.sh
 step fuzz 70 python tools/fuzz.py --cases 500 --max-values 3e7

@@ -46,6 +46,20 @@ def main():
     cases += [("torch.cuda._sleep(0): a bare torch launch", lambda: torch.cuda._sleep(0)),
               ("torch.add(x, x): a bare torch op", lambda: torch.add(x, x)),
               ("torch c.zero_()", lambda: c.zero_())]
+    # the op: a call with and without out=, and what its allocation of the result costs each way
+    from nvfp4_gemv import gemv
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import inputs
+
+    args = inputs.op_inputs(4, 4096, 7168, seed=1)
+    out = torch.empty(4, 4096, dtype=torch.bfloat16, device="cuda")
+    w, dev = args[2], args[2].device
+    cases += [("gemv(..., out=out), N = 4", lambda: gemv(*args, out=out)),
+              ("gemv(...), N = 4 (allocates the result)", lambda: gemv(*args)),
+              ("torch.empty(shape, dtype=, device=device)", lambda: torch.empty((4, 4096), dtype=torch.bfloat16,
+                                                                                device=dev)),
+              ("w.new_empty(shape, dtype=)", lambda: w.new_empty((4, 4096), dtype=torch.bfloat16))]
     for name, fn in cases:
         print(f"{name:45s} {busy_us(fn)}")
 

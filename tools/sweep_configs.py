@@ -29,8 +29,8 @@ def variants(m, k, l):
     per = G(k, False).per_lane
     if per % 3 == 0 and per > 3:
         out.append({"batch": 3, "min_blocks": 3})
-    warps = k // 1024 if k % 1024 == 0 else 0  # the split kernel: 2+ whole warps a row, <= 4 chunks a lane
-    for split in (s for s in range(2, warps + 1) if warps % s == 0 and warps // s <= 4):
+    # the split kernel: 2+ warps a row, <= 4 chunks a lane (the last one past the row where K % 1024 != 0)
+    for split in (s for s in range(2, 33) if (s - 1) * 32 < chunks and -(-chunks // (32 * s)) <= 4):
         for rows in (1, 2, 4):
             if rows * 32 * split <= 1024:
                 out.append({"split": split, "rows": rows, "min_blocks": max(1, 1024 // (rows * 32 * split))})
