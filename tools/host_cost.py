@@ -52,11 +52,11 @@ def main():
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import inputs
 
-    args = inputs.op_inputs(4, 4096, 7168, seed=1)
+    op_args = inputs.op_inputs(4, 4096, 7168, seed=1)
     out = torch.empty(4, 4096, dtype=torch.bfloat16, device="cuda")
-    w, dev = args[2], args[2].device
-    cases += [("gemv(..., out=out), N = 4", lambda: gemv(*args, out=out)),
-              ("gemv(...), N = 4 (allocates the result)", lambda: gemv(*args)),
+    w, dev = op_args[2], op_args[2].device
+    cases += [("gemv(..., out=out), N = 4", lambda: gemv(*op_args, out=out)),
+              ("gemv(...), N = 4 (allocates the result)", lambda: gemv(*op_args)),
               ("torch.empty(shape, dtype=, device=device)", lambda: torch.empty((4, 4096), dtype=torch.bfloat16,
                                                                                 device=dev)),
               ("w.new_empty(shape, dtype=)", lambda: w.new_empty((4, 4096), dtype=torch.bfloat16))]
