@@ -59,7 +59,7 @@ def test_all_zero_inputs_give_zeros():
 
 @EACH_KERNEL
 def test_fp16_overflow_gives_inf_like_the_reference(kernel):
-    m, k = {"registers": (128, 1536), "split": (128, 4096), "bulk": (4096, 8192)}[kernel]
+    m, k = {"registers": (128, 1024), "split": (128, 4096), "bulk": (4096, 8192)}[kernel]
     takes_kernel(m, k, 1, kernel)
     a = torch.full((m, k // 2, 1), 0x77, dtype=torch.uint8, device="cuda")  # +6, +6
     a[1::2] = 0xFF  # -6, -6
@@ -75,7 +75,7 @@ def test_fp16_overflow_gives_inf_like_the_reference(kernel):
 
 @EACH_KERNEL
 def test_cuda_graph_capture_and_replay_with_new_data(kernel):
-    m, k, l = {"registers": (1024, 1536, 3), "split": (512, 2048, 3), "bulk": (1024, 16384, 2)}[kernel]
+    m, k, l = {"registers": (1024, 1024, 3), "split": (512, 2048, 3), "bulk": (1024, 16384, 2)}[kernel]
     takes_kernel(m, k, l, kernel)
     first = inputs.random_inputs(m, k, l, seed=1)
     static = [t.clone() for t in first]
@@ -127,7 +127,7 @@ def test_threads_on_their_own_streams_get_every_result_right():
 @EACH_KERNEL
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tensors_on_second_gpu(kernel):
-    m, k, l = {"registers": (512, 1536, 2), "split": (512, 2048, 2), "bulk": (2048, 16384, 1)}[kernel]
+    m, k, l = {"registers": (512, 1024, 2), "split": (512, 2048, 2), "bulk": (2048, 16384, 1)}[kernel]
     takes_kernel(m, k, l, kernel)
     data = tuple(t.to("cuda:1") for t in inputs.random_inputs(m, k, l, seed=41))
     submission.custom_kernel(inputs.random_inputs(m, k, l, seed=40))  # cache entry for cuda:0 first
