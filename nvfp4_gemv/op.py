@@ -286,7 +286,7 @@ class _TokensPlan:
             x_scale = unswizzle_scales(x_scale.view(torch.uint8), self.out_shape[0], self.k).contiguous()
             pxs = x_scale.data_ptr()
         if out is None:
-            out = torch.empty(self.out_shape, dtype=out_dtype, device=self.device)
+            out = w.new_empty(self.out_shape, dtype=out_dtype)  # 0.2-0.6 us less than torch.empty(device=)
         pout = out.data_ptr()
         pa = alpha.data_ptr() if alpha is not None else 0
         dev_ok = _k._get_device() == self.dev
