@@ -19,10 +19,11 @@ Algorithm (CuTe DSL kernel, both architectures):
   next work unit (``batch`` chunks of a lane) are in flight while the current one is computed. A
   butterfly shuffle (fp64) combines the group's partials and one lane writes ``c``.
 * Problems that fit in one wave (small ``M * L``) are latency-bound: what counts is the time after the
-  last byte lands. Where a row has a multiple of 1024 values, ``Nvfp4GemvSplit`` splits it over whole
-  warps (one 16-byte chunk a lane where the wave fits), with ``b`` in registers and no loop; the warps'
-  sums meet in shared memory. Other rows take the register kernel with up to a whole warp a row and
-  each lane's share loaded in one unit (``Nvfp4Gemv.shape_tuning``).
+  last byte lands. Where a row has more than 1024 values, ``Nvfp4GemvSplit`` splits it over whole
+  warps (one 16-byte chunk a lane where the wave fits; where 1024 does not divide K, the last warp's
+  surplus lanes load nothing), with ``b`` in registers and no loop; the warps' sums meet in shared
+  memory. Shorter rows take the register kernel with up to a whole warp a row and each lane's share
+  loaded in one unit (``Nvfp4Gemv.shape_tuning``).
 * Long rows (``K >= 7168``) beyond one wave go to ``Nvfp4GemvBulk``: a producer warp fetches whole rows
   of ``a`` and ``sfa`` into shared memory with bulk copies (``cp.async.bulk``, the TMA engine without a
   tensor map), three stages deep on mbarriers, with an L2 evict-first hint; consumer warps keep their
