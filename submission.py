@@ -501,10 +501,10 @@ class Nvfp4Gemv(_GemvLaunch):
                              f"the {self.chunks} chunks of a row")
         self.rows_per_cta = self.threads // self.group
         self.shuffle_offsets = [self.group >> (i + 1) for i in range(self.group.bit_length() - 1)]
-        # A whole row's chunks in one unit leave b's share loop-invariant: DSL 4.8 keeps it in registers
-        # and spills at 3 CTAs' 85 (K = 2048 on H200: 16.4 us against 14.4 on 4.3); 2 CTAs measured the
-        # same as 3 on 4.3 (14.58 / 14.53 us).
-        self.min_blocks = min_blocks or (2 if self.batch == self.per_lane else 3 if self.batch >= 3
+        # A lane's whole share of the row in one unit of 4 chunks (K = 256..2048) leaves b's share
+        # loop-invariant: DSL 4.8 keeps it in registers and spills at 3 CTAs' 85 (K = 2048 on H200: 18.1
+        # us against 16.3 with 2 CTAs); 2 CTAs measured the same as 3 on 4.3 (14.58 / 14.53 us).
+        self.min_blocks = min_blocks or (2 if self.batch == self.per_lane == 4 else 3 if self.batch >= 3
                                          else self.min_blocks)
         self.depth = depth or 2  # work units in registers: depth - 1 in flight while one computes
         self.probe = probe  # 1: skip the arithmetic (measures the memory side alone; wrong results)

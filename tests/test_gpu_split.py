@@ -48,7 +48,8 @@ def test_one_wave_task_shapes_take_the_split_kernel(m, k, l):
 @pytest.mark.parametrize("m,k,l,tuning", [c for c in CASES if (c[1] // 32) % (32 * dict(c[3])["split"])])
 def test_tail_lanes_read_nothing_past_the_row(m, k, l, tuning, plain):
     """Past the row lie b's padding rows, here with NaN scales (e4m3 0x7F): a tail lane must neither
-    load a's next row nor meet a NaN of b."""
+    load a's next row nor meet a NaN of b. (Only the plain layout puts b's rows past the row: in the
+    blocked one a read past the row lands in the next batch's real scales or past the storage.)"""
     data = list(inputs.random_inputs(m, k, l, seed=7))
     data[3].view(torch.uint8)[1:] = 0x7F
     data[5] = inputs.permute_scales(data[3])

@@ -4,7 +4,8 @@
 # tests run too): `tools/gpu_checks.sh $OUT pytest`, then `tools/gpu_checks.sh $OUT mutants,sanitize,fuzz,fuzzop`
 # (this session: pytest 8.3 min on two GPUs; mutants 2.2, sanitizer 2.0, fuzz 1.0, op fuzz 2.9).
 # STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop (default all). Prints each step's last lines.
-# SHARDS=N runs the suite as N concurrent pytest processes, one set of files each (logs pytest-shardI.txt).
+# SHARDS=N runs the suite as N concurrent pytest processes, one set of files each (logs pytest-shardI.txt;
+# at most one shard a test file), then the device-memory test alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-${OUT:-gpu-logs}}
@@ -28,9 +29,10 @@ python -c "import importlib.metadata as m; print('nvidia-cutlass-dsl', m.version
 # the test that reads the device's free memory runs alone: other processes' allocations would show there
 ALONE=tests/test_gpu_contexts.py::test_ten_thousand_calls_grow_nothing
 pytest_shards() {  # the suite split by file over $SHARDS processes (default 4; compiles are CPU-bound)
-    local n=${SHARDS:-4} i=0 rc=0 f pids=()
-    local -a shard
-    for f in $(ls -S tests/test_*.py); do shard[i % n]+=" $f"; i=$((i + 1)); done
+    local -a files=($(ls -S tests/test_*.py)) shard
+    local n=$SHARDS i=0 rc=0 f pids=()
+    ((n > ${#files[@]})) && n=${#files[@]}  # an empty shard would run the whole suite
+    for f in "${files[@]}"; do shard[i % n]+=" $f"; i=$((i + 1)); done
     for ((i = 0; i < n; i++)); do
         python -m pytest -q -rs -p no:cacheprovider --durations=5 --deselect "$ALONE" ${shard[i]} \
             > "$LOG/pytest-shard$i.txt" 2>&1 &
