@@ -8,11 +8,33 @@ Run it in a subprocess: a compiler crash must not take the caller down.
 import argparse
 import json
 import os
+import struct
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+
+def frame_bytes(cubin):
+    """The largest per-thread stack frame of the cubin's functions (``EIATTR_FRAME_SIZE`` in ``.nv.info``):
+    above 0 where ptxas spilled registers to local memory."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = secs[shstrndx][4]
+    frame = 0
+    for name, _, _, _, off, size, *_ in secs:
+        if cubin[names + name:cubin.index(b"\0", names + name)] != b".nv.info":
+            continue
+        i = 0
+        while i < size:
+            fmt, attr = cubin[off + i], cubin[off + i + 1]
+            n = struct.unpack_from("<H", cubin, off + i + 2)[0] if fmt == 4 else 0  # 4: attribute with a size
+            if attr == 0x11:  # EIATTR_FRAME_SIZE: (function index, bytes)
+                frame = max(frame, struct.unpack_from("<I", cubin, off + i + 8)[0])
+            i += 4 + n
+    return frame
 
 
 def main():
@@ -69,7 +91,7 @@ def main():
                       if line.startswith(("bar.sync", "barrier.", "cp.async.wait_group"))), len(body))
     lds_before_bar = sum(line.startswith("ld.shared") for line in body[:first_bar])
     print(json.dumps({"arch": args.arch, "k": args.k, "cubin": path, "bytes": len(cubin), "ptx_bytes": len(ptx),
-                      "fp4_cvt": fp4_cvt[:3], "lds_before_bar": lds_before_bar,
+                      "fp4_cvt": fp4_cvt[:3], "lds_before_bar": lds_before_bar, "frame_bytes": frame_bytes(cubin),
                       "elf": cubin[:4] == b"\x7fELF", "launch": submission.launch_kind(fn),
                       "dsl": md.version("nvidia-cutlass-dsl")}))
 
