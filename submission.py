@@ -1310,6 +1310,9 @@ class _RecentPlans:
         return None
 
     def add(self, tag, ts, plan):
+        entries = self.entries
+        if entries and entries[0][2] is plan:  # already the newest (its guard missed these tensors)
+            return
         if _make_guard is None or any(type(t) not in _GUARD_TYPES or t.is_nested for t in ts):
             return
         if plan.guard is None:
@@ -1317,9 +1320,6 @@ class _RecentPlans:
                 plan.guard = _make_guard(ts)
             except (TypeError, RuntimeError):
                 return
-        entries = self.entries
-        if entries and entries[0][2] is plan:
-            return
         rest = tuple(e for e in entries if e[2] is not plan)
         self.entries = ((tag, plan.guard, plan),) + rest[: self.SIZE - 1]  # one assignment: thread-safe reads
 

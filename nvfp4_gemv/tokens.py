@@ -123,7 +123,8 @@ def stg_as(addr, v, bf16, *, loc=None, ip=None):
 
 class _OpLaunch:
     """What the op's kernels share: the 14 run-time arguments (six addresses, M, five row strides in bytes,
-    the grid, the stream) and one launch with the subclass's block, shared memory and occupancy."""
+    the grid, the stream), one launch with the subclass's block, shared memory and occupancy, and the
+    kernel's signature; the subclass's ``op_body`` is the kernel."""
 
     @cute.jit
     def __call__(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, xs_ptr: cutlass.Int64,
@@ -133,6 +134,12 @@ class _OpLaunch:
         self.kernel(w_ptr, x_ptr, ws_ptr, xs_ptr, out_ptr, alpha_ptr, m, w_rs, ws_rs, x_rs, xs_rs,
                     out_rs).launch(grid=[grid_x, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes,
                                    stream=stream, min_blocks_per_mp=self.min_blocks)
+
+    @cute.kernel
+    def kernel(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, xs_ptr: cutlass.Int64,
+               out_ptr: cutlass.Int64, alpha_ptr: cutlass.Int64, m: cutlass.Int32, w_rs: cutlass.Int64,
+               ws_rs: cutlass.Int64, x_rs: cutlass.Int64, xs_rs: cutlass.Int64, out_rs: cutlass.Int64):
+        self.op_body(w_ptr, x_ptr, ws_ptr, xs_ptr, out_ptr, alpha_ptr, m, w_rs, ws_rs, x_rs, xs_rs, out_rs)
 
 
 def compile_op(op, options=None, tvm_ffi=None):
@@ -167,10 +174,8 @@ class Nvfp4GemvTokens(_OpLaunch, Nvfp4Gemv):
         """The most tokens whose decoded copies fit one CTA's shared memory."""
         return (SMEM_A_SM - 1024 - 16) // (40 * (k // 32))
 
-    @cute.kernel
-    def kernel(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, xs_ptr: cutlass.Int64,
-               out_ptr: cutlass.Int64, alpha_ptr: cutlass.Int64, m: cutlass.Int32, w_rs: cutlass.Int64,
-               ws_rs: cutlass.Int64, x_rs: cutlass.Int64, xs_rs: cutlass.Int64, out_rs: cutlass.Int64):
+    @cute.jit
+    def op_body(self, w_ptr, x_ptr, ws_ptr, xs_ptr, out_ptr, alpha_ptr, m, w_rs, ws_rs, x_rs, xs_rs, out_rs):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdimx, _, _ = cute.arch.grid_dim()
