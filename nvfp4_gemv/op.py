@@ -392,7 +392,7 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
               and not torch._C._len_torch_dispatch_stack())
     if direct:
         tag = (alpha is None, out is None, out_dtype if out is None else None)
-        ts = tuple(t for t in (x, x_scale, w, w_scale, alpha, out) if t is not None)
+        ts = (x, x_scale, w, w_scale) + ((alpha,) if alpha is not None else ()) + ((out,) if out is not None else ())
         plan = _recent.find(tag, ts)
         if plan is not None:
             return plan(x, x_scale, w, w_scale, alpha, out, out_dtype if out is None else out.dtype)
