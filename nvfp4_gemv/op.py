@@ -22,6 +22,7 @@ import torch
 from . import kernel as _k
 from .mma import compile_mma, pick_groups
 from .tokens import Nvfp4GemvTokens, compile_tokens
+from .tokens_bulk import Nvfp4GemvTokensBulk, compile_tokens_bulk
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _FP4 = (torch.float4_e2m1fn_x2, torch.uint8)
@@ -208,7 +209,7 @@ def _get_kernel(device_index, key):
         with _lock:
             kern = _compiled.get(key)
             if kern is None:
-                build = compile_mma if key[0] == "mma" else compile_tokens
+                build = {"mma": compile_mma, "tokens": compile_tokens, "bulk": compile_tokens_bulk}[key[0]]
                 op, fn = build(*key[2:-1], **dict(key[-1]))
                 kern = _k._Kernel(fn, device_index, op)
                 kern.check_fast()
@@ -242,12 +243,19 @@ class _TokensPlan:
         sms = _sm_count(self.dev)
         tuning = dict(tuning)
         mma = bool(tuning.pop("mma", use_mma(n, m, sms)))
+        bulk = not mma and bool(tuning.get("bulk"))  # the bulk-copy dp4a kernel: a tuning, not yet measured
         groups = tuning.pop("groups", None) or pick_groups(m, sms)
         tuning = tuple(sorted(tuning.items()))
         if mma:
             g = -(-n // -(-n // MMA_TOKENS))
+        elif bulk:
+            g = -(-n // -(-n // Nvfp4GemvTokensBulk.MAX_TOKENS))
+            if wb or w_scale.stride(0) % 16 or not Nvfp4GemvTokensBulk.suits(k, g):
+                raise ValueError("nvfp4_gemv: the bulk-copy kernel needs plain w scales with 16-byte aligned "
+                                 f"rows and K % 256 == 0 (K={k}, {g} tokens a launch)")
         else:
             g = token_group(n, k)
+        self.ws_mask = 15 if bulk else 1  # bulk copies read 16-byte aligned rows of w_scale
         # blocked x scales: the kernel indexes tokens within one launch; rows below 32 of a tile are 16
         # bytes apart, so a later group starts 16 * t0 bytes in; beyond that the plan unswizzles on the host
         self.unswizzle_x = xb and g < n and n > 32
@@ -267,7 +275,8 @@ class _TokensPlan:
                          w.stride(0) == k // 2, not wb and w_scale.stride(0) == k // 16)
                 key = ("mma", self.dev, *shape, tuning)
             else:
-                key = ("tokens", self.dev, k, nt, wb, xb, alpha is not None, out_dtype == torch.bfloat16, tuning)
+                key = ("bulk" if bulk else "tokens", self.dev, k, nt, wb, xb, alpha is not None,
+                       out_dtype == torch.bfloat16, tuning)
             kern = _get_kernel(self.dev, key)
             offsets = (t0 * x.stride(0), 16 * t0 if xb else t0 * xs_rs, t0 * out_rs * 2)
             self.launches.append((kern, offsets, (m, w.stride(0), ws_rs, x.stride(0), xs_rs, out_rs * 2,
@@ -277,10 +286,11 @@ class _TokensPlan:
         # addresses are not in the plan's key: checked on every call (the kernel reads 16-byte rows and
         # 2-byte scale pairs; a misaligned read would fault and break the CUDA context)
         px, pw, pxs, pws = x.data_ptr(), w.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr()
-        if (px | pw) & 15 or (pxs | pws) & 1:
-            bad = [n for n, p, mask in (("x", px, 15), ("w", pw, 15), ("x_scale", pxs, 1), ("w_scale", pws, 1))
-                   if p & mask][0]
-            _fail(ValueError, bad, "16-byte aligned rows of x and w, even addresses of the scales",
+        if (px | pw) & 15 or pxs & 1 or pws & self.ws_mask:
+            bad = [n for n, p, mask in (("x", px, 15), ("w", pw, 15), ("x_scale", pxs, 1),
+                                        ("w_scale", pws, self.ws_mask)) if p & mask][0]
+            _fail(ValueError, bad, "16-byte aligned rows of x and w, even addresses of the scales (16-byte "
+                  "aligned w scales for the bulk-copy kernel)",
                   f"address {dict(x=px, w=pw, x_scale=pxs, w_scale=pws)[bad]:#x}")
         if self.unswizzle_x:
             x_scale = unswizzle_scales(x_scale.view(torch.uint8), self.out_shape[0], self.k).contiguous()

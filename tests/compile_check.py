@@ -65,6 +65,11 @@ def main():
 
         _, fn = mma.compile_mma(args.k, args.tokens, args.mma, args.blocked, args.blocked, True, True, options=options,
                                 **tuning)
+    elif args.tokens and tuning.get("bulk"):  # the op's bulk-copy kernel (nvfp4_gemv.tokens_bulk)
+        from nvfp4_gemv import tokens_bulk
+
+        _, fn = tokens_bulk.compile_tokens_bulk(args.k, args.tokens, False, args.blocked, True, True,
+                                                options=options, **tuning)
     elif args.tokens:  # the op's kernel (nvfp4_gemv.tokens), alpha and bf16 out
         from nvfp4_gemv import tokens
 

@@ -84,3 +84,11 @@ def test_op_kernel_compiles_without_gpu(arch, k, tokens, blocked, tmp_path):
 def test_op_tensor_core_kernel_compiles_without_gpu(arch, k, tokens, groups, extra, tmp_path):
     """Blocked scales, and the cp.async variant (``stages``), among the builds."""
     assert_op_build(compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--mma", str(groups), *extra))
+
+
+@pytest.mark.parametrize("arch,k,tokens,blocked", [("sm_90a", 16384, 2, False), ("sm_90a", 7168, 4, True),
+                                                   ("sm_100a", 4096, 1, False), ("sm_100a", 16384, 3, True)])
+def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, blocked, tmp_path):
+    """The bulk-copy dp4a kernel (a tuning, ``bulk=1``); ``--blocked`` blocks x's scales (w's stay plain)."""
+    assert_op_build(compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--tune", "bulk=1",
+                                  *(["--blocked"] if blocked else [])))

@@ -1,6 +1,6 @@
-"""Both kernels of the op, each forced through a launch plan, against float64 within the op's accuracy
-contract: the dp4a kernel (``nvfp4_gemv.tokens``) and the tensor-core kernel (``nvfp4_gemv.mma``) over token
-counts, shapes (a last tile that passes M, several tiles a CTA, fewer K slices than warps), scale layouts,
+"""The op's kernels, each forced through a launch plan, against float64 within the op's accuracy
+contract: the dp4a kernel (``nvfp4_gemv.tokens``), the tensor-core kernel (``nvfp4_gemv.mma``) and the
+bulk-copy dp4a kernel (``nvfp4_gemv.tokens_bulk``, a tuning) over token counts, shapes (a last tile that passes M, several tiles a CTA, fewer K slices than warps), scale layouts,
 strides and epilogues. Outputs are poisoned before each run."""
 
 import warnings
@@ -23,6 +23,8 @@ def run_plan(args, kernel, out_dtype=torch.bfloat16, out=None, **tuning):
         out = torch.empty(n, m, dtype=out_dtype, device="cuda")
     out.fill_(float("nan"))
     tuning["mma"] = int(kernel.startswith("mma"))
+    if kernel == "bulk":  # the bulk-copy dp4a kernel (nvfp4_gemv.tokens_bulk), a tuning
+        tuning["bulk"] = 1
     if kernel == "mma_async":  # the cp.async variant (a tuning, slower on H200): words through shared memory
         tuning["stages"] = 4
     plan = op._TokensPlan(x, xs, w, ws, alpha, out, out.dtype, tuning=tuple(sorted(tuning.items())))
@@ -119,3 +121,50 @@ def test_mma_extreme_scales(min_exp, max_exp, out_dtype, kernel):
     args = inputs.op_inputs(16, 256, 1024, seed=min_exp, min_exp=min_exp, max_exp=max_exp)
     out, _ = run_plan(args, kernel, out_dtype)
     assert_exact(args, out)
+
+
+@pytest.mark.parametrize("m,k", [(256, 2048), (384, 7168), (256, 16384), (512, 4096)])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 9])
+def test_bulk_token_counts_and_tiles(m, k, n):
+    """Up to 4 tokens a launch (more in equal groups); tiles of 1-4 rows, more tiles than CTAs on some."""
+    args = inputs.op_inputs(n, m, k, seed=m + k + n)
+    out, plan = run_plan(args, "bulk")
+    assert {type(launch[0].op).__name__ for launch in plan.launches} == {"Nvfp4GemvTokensBulk"}
+    assert len(plan.launches) == -(-n // 4)
+    assert_exact(args, out)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("x_blocked,alpha", [(False, False), (True, True), (False, True), (True, False)])
+def test_bulk_layouts_epilogues(out_dtype, x_blocked, alpha):
+    n, m, k = 3, 512, 4096
+    x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=13, alpha=alpha)
+    args = (x, blocked(xs, n, k) if x_blocked else xs, w, ws, a)
+    out, _ = run_plan(args, "bulk", out_dtype)
+    assert_exact(args, out, plain=(x, xs, w, ws, a))
+
+
+def test_bulk_row_strides():
+    """w rows 32 bytes and w scale rows 16 bytes wider than K (bulk copies need 16-byte aligned rows), x and
+    its scales padded too, out with a row stride."""
+    n, m, k = 4, 384, 7168
+    x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=6)
+    pad = lambda t, extra: torch.cat([t.view(torch.uint8), t.view(torch.uint8)[:, :extra]], 1)[:, : t.shape[1]]  # noqa: E731
+    args = (pad(x, 16), pad(xs, 6).view(torch.float8_e4m3fn), pad(w, 32), pad(ws, 16).view(torch.float8_e4m3fn), a)
+    out_buf = torch.full((n, m + 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out, _ = run_plan(args, "bulk", out=out_buf[:, :m])
+    assert torch.isnan(out_buf[:, m:]).all()
+    assert_exact(args, out, plain=(x, xs, w, ws, a))
+
+
+def test_bulk_rejects_what_it_cannot_copy():
+    x, xs, w, ws, a = inputs.op_inputs(2, 256, 2368, seed=1)  # K % 256 != 0
+    with pytest.raises(ValueError, match="bulk-copy"):
+        run_plan((x, xs, w, ws, a), "bulk")
+    x, xs, w, ws, a = inputs.op_inputs(2, 256, 2048, seed=1)
+    with pytest.raises(ValueError, match="bulk-copy"):
+        run_plan((x, xs, w, blocked(ws, 256, 2048), a), "bulk")
+    out, plan = run_plan((x, xs, w, ws, a), "bulk")
+    moved = inputs.misaligned(ws.view(torch.uint8), 2).view(torch.float8_e4m3fn)  # even, not 16-byte aligned
+    with pytest.raises(ValueError, match="w_scale"):
+        plan(x, xs, w, moved, a, out, out.dtype)

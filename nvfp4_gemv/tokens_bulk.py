@@ -1,0 +1,274 @@
+"""The op's bulk-copy kernel for a few tokens (work in progress: compiled for sm_90a / sm_100a, not yet run).
+
+``Nvfp4GemvBulk``'s pipeline with ``N`` token rows: a producer warp keeps ``stages`` tiles of ``rows`` rows
+of ``w`` and their plain scales in flight with one ``cp.async.bulk`` a row (counted on the stage's ``full``
+mbarrier); each consumer thread owns the same ``n`` chunks (16 bytes, 32 values) of every row of a tile, so
+its share of the ``N`` token rows (int8 ``2x`` and scales / 4) is loaded once into registers. A chunk of
+``w`` is decoded once into its byte lookups (from three tokens on, into signed int8) and each token then
+costs four or eight ``dp4a`` a block, as in ``nvfp4_gemv.tokens``; nothing of ``x`` goes through shared
+memory, which at four tokens would need more shared-memory bandwidth than the SM has. Sums are fp32 (the
+op's accuracy contract): ``2n`` block terms a thread, a warp's sum over five shuffle levels (``scatter_sum``:
+the tokens share the first levels), and the warps of a row added by the producer, which scales by
+``alpha`` and stores bf16 or fp16.
+
+Needs plain ``w`` scales with 16-byte aligned rows, ``K % 256 == 0``, and ``n * N <= 8`` (registers).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .kernel import (
+    E2M1_TIMES2_LO,
+    SmemAllocator,
+    _asm,
+    _asm_store,
+    blocked_row,
+    bulk_g2s,
+    e4m3x2_to_f32x2,
+    fp4x8_to_i8,
+    ldg_u16,
+    ldg_v4,
+    lds_stage_u16,
+    lds_stage_v4,
+    mbar_arrive,
+    mbar_arrive_expect_tx,
+    mbar_init,
+    mbar_init_fence,
+    mbar_wait,
+    scale_offset,
+)
+from .tokens import (
+    SMEM_A_SM,
+    _OpLaunch,
+    compile_op,
+    fp4x16_lookups,
+    ldg_f32,
+    lookups_dot,
+    lookups_signed,
+    signed_dot,
+    stg_as,
+)
+
+
+@dsl_user_op
+def sts_f32(addr, v, *, loc=None, ip=None):
+    _asm_store([cutlass.Int32(addr), cutlass.Float32(v)], "st.shared.f32 [$0], $1;", "r,f", loc, ip)
+
+
+@dsl_user_op
+def lds_stage_f32(addr, *, loc=None, ip=None):
+    """A read of what other threads wrote before an mbarrier: side effects keep it after the wait."""
+    r = _asm([T.f32()], [cutlass.Int32(addr)], "ld.shared.f32 $0, [$1];", "=f,r", loc, ip, volatile=True)
+    return cutlass.Float32(r[0])
+
+
+def scatter_sum(vals, lane):
+    """Warp sums of ``len(vals)`` (1, 2 or 4) values a lane: lane ``l`` gets the sum of value ``(l >> (5 -
+    log2 len)) & (len - 1)``. Each of the first log2(len) levels halves the values a lane holds (it keeps one
+    half and sends the other), so four tokens cost 6 shuffles and adds instead of a butterfly each (20)."""
+    off = 16
+    while len(vals) > 1:
+        h = len(vals) // 2
+        up = (lane & off) != 0
+        keep = [cutlass.Float32(cutlass.select_(up, vals[h + i], vals[i])) for i in range(h)]
+        send = [cutlass.Float32(cutlass.select_(up, vals[i], vals[h + i])) for i in range(h)]
+        vals = [keep[i] + cute.arch.shuffle_sync_bfly(send[i], offset=off) for i in range(h)]
+        off //= 2
+    v = vals[0]
+    while off >= 1:
+        v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
+        off //= 2
+    return v
+
+
+class Nvfp4GemvTokensBulk(_OpLaunch):
+    """See the module docstring. ``threads`` is the consumer threads a CTA aims at (a power of two of whole
+    rows' threads), ``max_n`` the most chunks a thread."""
+
+    MAX_TOKENS = 4
+
+    def __init__(self, k: int, n_tok: int, w_blocked: bool, x_blocked: bool, has_alpha: bool, out_bf16: bool,
+                 bulk=1, threads=256, ctas=None, stages=None, max_n=None, evict=1, signed=None):
+        if w_blocked or k % 256:
+            raise ValueError(f"nvfp4_gemv: the bulk-copy op kernel needs plain w scales and K % 256 == 0, "
+                             f"got K={k}, blocked={w_blocked}")
+        self.k = k
+        self.n_tok = n_tok
+        self.x_blocked = x_blocked
+        self.has_alpha = has_alpha
+        self.out_bf16 = out_bf16
+        self.signed = n_tok >= 3 if signed is None else bool(signed)
+        self.evict = evict
+        self.chunks = c = k // 32
+        max_n = max_n or (4 if n_tok == 1 else 2)
+        # threads a row: whole warps (the butterfly spans a warp; the producer adds a row's warps), the
+        # fewest that leave each thread at most max_n chunks
+        fits = [t for t in range(32, min(c, 1024) + 1, 32) if c % t == 0 and c // t <= max_n]
+        if not fits or n_tok * (c // fits[0]) > 8:
+            raise ValueError(f"nvfp4_gemv: K={k}: no split of a row into whole warps with at most "
+                             f"{max_n} chunks a thread for {n_tok} tokens")
+        self.tr = tr = fits[0]
+        self.n = c // tr
+        self.rows = 1 << max(0, (threads // tr).bit_length() - 1)  # a power of two: divides M % 128 == 0
+        if self.rows * tr > 992:
+            self.rows = 1
+        self.parts = tr // 32
+        self.row_w = k // 2
+        self.row_ws = k // 16
+        self.stage_bytes = self.rows * (self.row_w + self.row_ws)
+        self.part_bytes = -(-self.rows * self.parts * n_tok * 4 // 16) * 16
+        # about 40 KB a CTA in flight, as the custom_kernel bulk kernel's best (3 stages of 4 rows at K = 7168)
+        self.stages = stages or max(3, min(8, 40960 // self.stage_bytes))
+        self.smem_bytes = self.stages * (self.stage_bytes + self.part_bytes + 16)
+        self.threads = self.rows * tr + 32
+        self.ctas = ctas or (2 if n_tok <= 2 else 1)
+        if self.smem_bytes + 1024 > SMEM_A_SM // self.ctas:
+            raise ValueError(f"nvfp4_gemv: K={k}: {self.stages} stages of {self.stage_bytes} bytes exceed the "
+                             f"shared memory of {self.ctas} CTAs a SM")
+        self.min_blocks = self.ctas
+
+    @classmethod
+    def suits(cls, k, n_tok):
+        try:
+            cls(k, n_tok, False, False, False, True)
+            return True
+        except ValueError:
+            return False
+
+    def grid_x(self, m, sms):
+        return max(1, min(m // self.rows, sms * self.ctas))
+
+    @cute.kernel
+    def kernel(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, xs_ptr: cutlass.Int64,
+               out_ptr: cutlass.Int64, alpha_ptr: cutlass.Int64, m: cutlass.Int32, w_rs: cutlass.Int64,
+               ws_rs: cutlass.Int64, x_rs: cutlass.Int64, xs_rs: cutlass.Int64, out_rs: cutlass.Int64):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdimx, _, _ = cute.arch.grid_dim()
+        S = self.stages
+        R = self.rows
+        smem = SmemAllocator()
+        s_buf = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.smem_bytes // 4), byte_alignment=128)
+        s_w = s_buf.iterator.toint()  # stage s: R rows of w, then R rows of its scales
+        s_part = s_w + S * self.stage_bytes  # fp32 partial per stage, row, warp of the row and token
+        s_full = s_part + S * self.part_bytes
+        s_empty = s_full + 8 * S
+        consumers = R * self.tr
+        if tidx == 0:
+            for s in cutlass.range_constexpr(S):
+                mbar_init(s_full + 8 * s, 1)
+                mbar_init(s_empty + 8 * s, consumers)
+            mbar_init_fence()
+        cute.arch.sync_threads()
+
+        n_t = (m // R - bidx + gdimx - 1) // gdimx  # tiles bidx, bidx + gdimx, ... of w
+        if tidx >= consumers:
+            self._produce(n_t, bidx, gdimx, tidx - consumers, s_w, s_part, s_full, s_empty, w_ptr, w_rs, ws_ptr,
+                          ws_rs, out_ptr, out_rs, alpha_ptr)
+        else:
+            self._consume(n_t, tidx, s_w, s_part, s_full, s_empty, x_ptr, x_rs, xs_ptr, xs_rs)
+
+    @cute.jit
+    def _produce(self, n_t, bidx, gdimx, lane, s_w, s_part, s_full, s_empty, w_ptr, w_rs, ws_ptr, ws_rs, out_ptr,
+                 out_rs, alpha_ptr):
+        S = self.stages
+        R = self.rows
+        NT = self.n_tok
+        alpha = cutlass.Float32(1.0)
+        if cutlass.const_expr(self.has_alpha):
+            alpha = ldg_f32(alpha_ptr)
+        for j in cutlass.range(n_t + S, unroll=1):
+            s = j % S
+            if j >= S:
+                mbar_wait(s_empty + 8 * s, (j // S - 1) & 1)
+                if lane < R:
+                    row = (bidx + (j - S) * gdimx) * R + lane
+                    p = s_part + (s * R + lane) * (4 * self.parts * NT)
+                    for t in cutlass.range_constexpr(NT):
+                        acc = lds_stage_f32(p + 4 * t)
+                        for q in cutlass.range_constexpr(1, self.parts):
+                            acc = acc + lds_stage_f32(p + 4 * (q * NT + t))
+                        stg_as(out_ptr + cutlass.Int64(t) * out_rs + cutlass.Int64(row) * 2, acc * alpha,
+                               self.out_bf16)
+            if j < n_t:
+                cute.arch.sync_warp()
+                if lane == 0:
+                    mbar_arrive_expect_tx(s_full + 8 * s, self.stage_bytes)
+                cute.arch.sync_warp()
+                if lane < R:
+                    row = cutlass.Int64((bidx + j * gdimx) * R + lane)
+                    dst = s_w + s * self.stage_bytes
+                    bulk_g2s(dst + lane * self.row_w, w_ptr + row * w_rs, self.row_w, s_full + 8 * s, self.evict)
+                    bulk_g2s(dst + R * self.row_w + lane * self.row_ws, ws_ptr + row * ws_rs, self.row_ws,
+                             s_full + 8 * s, self.evict)
+
+    @cute.jit
+    def _consume(self, n_t, tidx, s_w, s_part, s_full, s_empty, x_ptr, x_rs, xs_ptr, xs_rs):
+        S = self.stages
+        R = self.rows
+        NT = self.n_tok
+        n = self.n
+        r = tidx // self.tr
+        jl = tidx % self.tr
+        # this thread's share of every token row: 8 int8 words and two scales / 4 a chunk
+        xw, xsc = [], []
+        for t in cutlass.range_constexpr(NT):
+            t64 = cutlass.Int64(t)
+            if cutlass.const_expr(self.x_blocked):
+                xs_row = blocked_row(xs_ptr, t64, xs_rs)
+            else:
+                xs_row = xs_ptr + t64 * xs_rs
+            for i in cutlass.range_constexpr(n):
+                ch = jl + i * self.tr
+                v = ldg_v4(x_ptr + t64 * x_rs + cutlass.Int64(ch) * 16)
+                words = []
+                for q in cutlass.range_constexpr(4):
+                    words += list(fp4x8_to_i8(v[q]))
+                xw.append(words)
+                s0, s1 = e4m3x2_to_f32x2(ldg_u16(xs_row + scale_offset(ch, self.x_blocked)))
+                xsc.append((s0 * 0.25, s1 * 0.25))
+        tbl = cutlass.Int32(E2M1_TIMES2_LO)
+        for j in cutlass.range(n_t, unroll=1):
+            s = j % S
+            mbar_wait(s_full + 8 * s, (j // S) & 1)
+            w_row = s_w + s * self.stage_bytes + r * self.row_w
+            ws_row = s_w + s * self.stage_bytes + R * self.row_w + r * self.row_ws
+            ws_ = []
+            for i in cutlass.range_constexpr(n):
+                ws_.append(lds_stage_v4(w_row + (jl + i * self.tr) * 16))
+            ss = []
+            for i in cutlass.range_constexpr(n):
+                ss.append(lds_stage_u16(ws_row + (jl + i * self.tr) * 2))
+            acc = [cutlass.Float32(0.0)] * NT
+            for i in cutlass.range_constexpr(n):
+                sa0, sa1 = e4m3x2_to_f32x2(ss[i])
+                lk0 = fp4x16_lookups(ws_[i][0], ws_[i][1], tbl)
+                lk1 = fp4x16_lookups(ws_[i][2], ws_[i][3], tbl)
+                if cutlass.const_expr(self.signed):
+                    lk0 = lookups_signed(lk0)
+                    lk1 = lookups_signed(lk1)
+                for t in cutlass.range_constexpr(NT):
+                    xv = xw[t * n + i]
+                    sb0, sb1 = xsc[t * n + i]
+                    if cutlass.const_expr(self.signed):
+                        d0 = signed_dot(lk0, xv[0:4])
+                        d1 = signed_dot(lk1, xv[4:8])
+                    else:
+                        d0 = lookups_dot(lk0, xv[0:4])
+                        d1 = lookups_dot(lk1, xv[4:8])
+                    acc[t] = acc[t] + d0 * (sa0 * sb0) + d1 * (sa1 * sb1)
+            p = s_part + (s * R + r) * (4 * self.parts * NT) + (jl // 32) * (4 * NT)
+            NP = 1 << (NT - 1).bit_length()  # tokens padded to a power of two for the scatter
+            lane = jl % 32
+            total = scatter_sum(acc + [cutlass.Float32(0.0)] * (NP - NT), lane)
+            t = lane // (32 // NP)
+            if lane % (32 // NP) == 0 and t < NT:
+                sts_f32(p + 4 * t, total)
+            mbar_arrive(s_empty + 8 * s)
+
+
+def compile_tokens_bulk(k, n_tok, w_blocked, x_blocked, has_alpha, out_bf16, options=None, tvm_ffi=None, **tuning):
+    """Compiles the kernel (no GPU needed when ``options`` names ``--gpu-arch``)."""
+    return compile_op(Nvfp4GemvTokensBulk(k, n_tok, w_blocked, x_blocked, has_alpha, out_bf16, **tuning), options,
+                      tvm_ffi)
