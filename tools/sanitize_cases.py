@@ -40,11 +40,13 @@ for m, k, l in shapes:
 # in shared memory after a barrier), plain and blocked scales, a tile moved back (M / 8 not a multiple of groups)
 from nvfp4_gemv import op  # noqa: E402
 
-for n, m, k, mma, groups, blocked in ((4, 384, 2368, 0, None, False), (16, 1152, 7168, 1, None, False),
-                                      (9, 384, 1024, 1, 5, True), (20, 7168, 2048, 1, None, True)):
+# and the bulk-copy dp4a kernel (a tuning: mbarrier stages, partials in shared memory read by the producer)
+for n, m, k, mma, groups, blocked, bulk in ((4, 384, 2368, 0, None, False, 0), (16, 1152, 7168, 1, None, False, 0),
+                                            (9, 384, 1024, 1, 5, True, 0), (20, 7168, 2048, 1, None, True, 0),
+                                            (3, 512, 4096, 0, None, False, 1), (4, 384, 7168, 0, None, False, 1)):
     x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=n + m)
     args = (x, inputs.blocked_scales(xs, n, k) if blocked else xs, w, inputs.blocked_scales(ws, m, k) if blocked else ws, a)
-    tuning = tuple(sorted({"mma": mma, **({"groups": groups} if groups else {})}.items()))
+    tuning = tuple(sorted({"mma": mma, **({"groups": groups} if groups else {}), **({"bulk": 1} if bulk else {})}.items()))
     out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
     plan = op._TokensPlan(*args, out, torch.bfloat16, tuning=tuning)
     plan(*args, out, torch.bfloat16)
