@@ -452,6 +452,22 @@ def bulk_g2s(dst, src, nbytes, mbar, evict_first=False, *, loc=None, ip=None):
                    "r,l,r,r", loc, ip)
 
 
+@cute.jit
+def copy_tile(lane, row0, dst, full, src, src_rs, sf_src, sf_rs, rows: cutlass.Constexpr, row_bytes: cutlass.Constexpr,
+              sf_bytes: cutlass.Constexpr, evict: cutlass.Constexpr):
+    """A producer warp's bulk copies of one tile: lane 0 announces the stage's bytes on its ``full``
+    barrier, then lane ``i < rows`` copies row ``row0 + i`` and its scales to ``dst`` (the tile's rows, then
+    their scales)."""
+    cute.arch.sync_warp()
+    if lane == 0:
+        mbar_arrive_expect_tx(full, rows * (row_bytes + sf_bytes))
+    cute.arch.sync_warp()
+    if lane < rows:
+        row = cutlass.Int64(row0 + lane)
+        bulk_g2s(dst + lane * row_bytes, src + row * src_rs, row_bytes, full, evict)
+        bulk_g2s(dst + rows * row_bytes + lane * sf_bytes, sf_src + row * sf_rs, sf_bytes, full, evict)
+
+
 class _GemvLaunch:
     """What every kernel class shares: the 16 run-time arguments (five addresses, M, strides in bytes,
     the grid), one launch on ``stream`` with the subclass's block, shared memory and occupancy, and the
@@ -880,17 +896,8 @@ class Nvfp4GemvBulk(_GemvLaunch):
                     row = (bidx + (j - S) * gdimx) * R + lane
                     stg_f16(c_base + cutlass.Int64(row) * c_rs, cutlass.Float32(acc))
             if j < n_t:
-                cute.arch.sync_warp()
-                if lane == 0:
-                    mbar_arrive_expect_tx(s_full + 8 * s, self.stage_bytes)
-                cute.arch.sync_warp()
-                if lane < R:
-                    row = cutlass.Int64((bidx + j * gdimx) * R + lane)
-                    dst = s_a + s * self.stage_bytes
-                    bulk_g2s(dst + lane * self.row_a, a_base + row * a_rs, self.row_a, s_full + 8 * s,
-                             self.evict)
-                    bulk_g2s(dst + R * self.row_a + lane * self.row_sf, sfa_base + row * sfa_rs, self.row_sf,
-                             s_full + 8 * s, self.evict)
+                copy_tile(lane, (bidx + j * gdimx) * R, s_a + s * self.stage_bytes, s_full + 8 * s, a_base, a_rs,
+                          sfa_base, sfa_rs, R, self.row_a, self.row_sf, self.evict)
 
     @cute.jit
     def _consume(self, n_t, tidx, s_a, s_part, s_full, s_empty, b_base, sfb_base):

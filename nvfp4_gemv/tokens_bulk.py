@@ -24,7 +24,7 @@ from .kernel import (
     _asm,
     _asm_store,
     blocked_row,
-    bulk_g2s,
+    copy_tile,
     e4m3x2_to_f32x2,
     fp4x8_to_i8,
     ldg_u16,
@@ -32,7 +32,6 @@ from .kernel import (
     lds_stage_u16,
     lds_stage_v4,
     mbar_arrive,
-    mbar_arrive_expect_tx,
     mbar_init,
     mbar_init_fence,
     mbar_wait,
@@ -192,16 +191,8 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
                         stg_as(out_ptr + cutlass.Int64(t) * out_rs + cutlass.Int64(row) * 2, acc * alpha,
                                self.out_bf16)
             if j < n_t:
-                cute.arch.sync_warp()
-                if lane == 0:
-                    mbar_arrive_expect_tx(s_full + 8 * s, self.stage_bytes)
-                cute.arch.sync_warp()
-                if lane < R:
-                    row = cutlass.Int64((bidx + j * gdimx) * R + lane)
-                    dst = s_w + s * self.stage_bytes
-                    bulk_g2s(dst + lane * self.row_w, w_ptr + row * w_rs, self.row_w, s_full + 8 * s, self.evict)
-                    bulk_g2s(dst + R * self.row_w + lane * self.row_ws, ws_ptr + row * ws_rs, self.row_ws,
-                             s_full + 8 * s, self.evict)
+                copy_tile(lane, (bidx + j * gdimx) * R, s_w + s * self.stage_bytes, s_full + 8 * s, w_ptr, w_rs,
+                          ws_ptr, ws_rs, R, self.row_w, self.row_ws, self.evict)
 
     @cute.jit
     def _consume(self, n_t, tidx, s_w, s_part, s_full, s_empty, x_ptr, x_rs, xs_ptr, xs_rs):
