@@ -138,10 +138,8 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
     def grid_x(self, m, sms):
         return max(1, min(m // self.rows, sms * self.ctas))
 
-    @cute.kernel
-    def kernel(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, xs_ptr: cutlass.Int64,
-               out_ptr: cutlass.Int64, alpha_ptr: cutlass.Int64, m: cutlass.Int32, w_rs: cutlass.Int64,
-               ws_rs: cutlass.Int64, x_rs: cutlass.Int64, xs_rs: cutlass.Int64, out_rs: cutlass.Int64):
+    @cute.jit
+    def op_body(self, w_ptr, x_ptr, ws_ptr, xs_ptr, out_ptr, alpha_ptr, m, w_rs, ws_rs, x_rs, xs_rs, out_rs):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdimx, _, _ = cute.arch.grid_dim()
