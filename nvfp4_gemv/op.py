@@ -2,11 +2,13 @@
 
 ``out[n, m] = alpha * sum_k x[n, k] * x_scale[n, k // 16] * w[m, k] * w_scale[m, k // 16]``, the product
 ``(dequant(x) @ dequant(w).T) * alpha`` of an NVFP4 checkpoint's linear layer (alpha: the product of the
-two per-tensor scales). On a CUDA GPU (Hopper or Blackwell) one of two CuTe DSL kernels runs
-(``use_mma``): up to 4 tokens, or for weights of fewer than 8 x SMs rows, ``nvfp4_gemv.tokens`` (dp4a on int8
-copies of x in shared memory; ``w`` read once for each group of tokens that fits, all of them up to 25
-tokens at K = 7168, 11 at K = 16384: ``token_group``); from 5 tokens on, ``nvfp4_gemv.mma`` (``mma.sync``
-on exact f16 operands, 16 tokens a pass over ``w``). Elsewhere a float64 implementation runs (exact
+two per-tensor scales). On a CUDA GPU (Hopper or Blackwell) one of three CuTe DSL kernels runs: up to 3
+tokens where ``w``'s scales are plain with 16-byte aligned rows and ``K % 256 == 0`` (``use_bulk``),
+``nvfp4_gemv.tokens_bulk`` (bulk copies of ``w`` rows into shared memory, dp4a on int8 copies of x held in
+registers); else up to 4 tokens, or for weights of fewer than 8 x SMs rows, ``nvfp4_gemv.tokens`` (dp4a on
+int8 copies of x in shared memory; ``w`` read once for each group of tokens that fits, all of them up to 25
+tokens at K = 7168, 11 at K = 16384: ``token_group``); from 5 tokens on (``use_mma``), ``nvfp4_gemv.mma``
+(``mma.sync`` on exact f16 operands, 16 tokens a pass over ``w``). Elsewhere a float64 implementation runs (exact
 products, float64 sums, one rounding to the output dtype: ``gemv_reference``).
 
 The op is ``torch.ops.nvfp4.gemv`` (and ``torch.ops.nvfp4.gemv_out`` for ``out=``), with fake
@@ -203,6 +205,25 @@ def use_mma(n, m, sms):
     return n >= 5 and m // 8 >= sms
 
 
+BULK_TOKENS = 3  # tokens the op sends to the bulk-copy kernel by default
+
+
+def use_bulk(n, k):
+    """The bulk-copy dp4a kernel (``nvfp4_gemv.tokens_bulk``) up to 3 tokens where its copies can read w's
+    scales. On H200 (docs/sweep-op-h200.txt) it beat the dp4a kernel at N = 1 / 2 / 3 on 7168x16384 (23.6 /
+    24.3 / 29.5 against 24.9 / 31.3 / 32.8 us) and on most of 15 shapes from 256x16384 to 14336x4096; it lost
+    at N = 1 with K = 1024 (5.22 against 4.90 us on 2048x1024) and, by up to 0.7 us, on 8192x2048 N = 2 and
+    4096x4096 N = 3; at N = 4 it was no faster on 7168x16384 and slower on 4096x7168 (13.2 against 12.6)."""
+    return n <= BULK_TOKENS and k % 256 == 0 and (n > 1 or k >= 2048) and Nvfp4GemvTokensBulk.suits(k, n)
+
+
+def bulk_ctas(n, m):
+    """CTAs a SM for the bulk-copy kernel: two, except at 3 tokens on short weights, where one was faster (more
+    tiles a CTA): 6.27 / 9.62 us against 6.56 / 10.08 on 1024x4096 / 1024x16384, while 2048x7168 took 8.99
+    against 10.03 and 7168x16384 29.5 against 32.0."""
+    return 2 if n <= 2 or m >= 2048 else 1
+
+
 def _get_kernel(device_index, key):
     kern = _compiled.get(key)
     if kern is None:
@@ -243,19 +264,27 @@ class _TokensPlan:
         sms = _sm_count(self.dev)
         tuning = dict(tuning)
         mma = bool(tuning.pop("mma", use_mma(n, m, sms)))
-        bulk = not mma and bool(tuning.get("bulk"))  # the bulk-copy dp4a kernel: a tuning, not yet measured
+        copyable = not wb and w_scale.stride(0) % 16 == 0
+        forced = "bulk" in tuning
+        bulk = not mma and bool(tuning.pop("bulk", use_bulk(n, k) and copyable))
+        if bulk and not forced and w_scale.data_ptr() % 16:
+            self._warn_unaligned()
+            bulk = False
         groups = tuning.pop("groups", None) or pick_groups(m, sms)
-        tuning = tuple(sorted(tuning.items()))
         if mma:
             g = -(-n // -(-n // MMA_TOKENS))
         elif bulk:
             g = -(-n // -(-n // Nvfp4GemvTokensBulk.MAX_TOKENS))
-            if wb or w_scale.stride(0) % 16 or not Nvfp4GemvTokensBulk.suits(k, g):
+            if not copyable or not Nvfp4GemvTokensBulk.suits(k, g):
                 raise ValueError("nvfp4_gemv: the bulk-copy kernel needs plain w scales with 16-byte aligned "
                                  f"rows and K % 256 == 0 (K={k}, {g} tokens a launch)")
+            tuning.setdefault("ctas", bulk_ctas(g, m))
         else:
             g = token_group(n, k)
+        tuning = tuple(sorted(tuning.items()))
         self.ws_mask = 15 if bulk else 1  # bulk copies read 16-byte aligned rows of w_scale
+        self.args = (tuple(t for t in tuning if t[0] != "ctas"), mma, forced and bulk)
+        self.fallback = None
         # blocked x scales: the kernel indexes tokens within one launch; rows below 32 of a tile are 16
         # bytes apart, so a later group starts 16 * t0 bytes in; beyond that the plan unswizzles on the host
         self.unswizzle_x = xb and g < n and n > 32
@@ -286,12 +315,13 @@ class _TokensPlan:
         # addresses are not in the plan's key: checked on every call (the kernel reads 16-byte rows and
         # 2-byte scale pairs; a misaligned read would fault and break the CUDA context)
         px, pw, pxs, pws = x.data_ptr(), w.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr()
-        if (px | pw) & 15 or pxs & 1 or pws & self.ws_mask:
-            bad = [n for n, p, mask in (("x", px, 15), ("w", pw, 15), ("x_scale", pxs, 1),
-                                        ("w_scale", pws, self.ws_mask)) if p & mask][0]
-            _fail(ValueError, bad, "16-byte aligned rows of x and w, even addresses of the scales (16-byte "
-                  "aligned w scales for the bulk-copy kernel)",
+        if (px | pw) & 15 or (pxs | pws) & 1:
+            bad = [n for n, p, mask in (("x", px, 15), ("w", pw, 15), ("x_scale", pxs, 1), ("w_scale", pws, 1))
+                   if p & mask][0]
+            _fail(ValueError, bad, "16-byte aligned rows of x and w, even addresses of the scales",
                   f"address {dict(x=px, w=pw, x_scale=pxs, w_scale=pws)[bad]:#x}")
+        if pws & self.ws_mask:
+            return self._unaligned(x, x_scale, w, w_scale, alpha, out, out_dtype)
         if self.unswizzle_x:
             x_scale = unswizzle_scales(x_scale.view(torch.uint8), self.out_shape[0], self.k).contiguous()
             pxs = x_scale.data_ptr()
@@ -308,6 +338,24 @@ class _TokensPlan:
                 with torch.cuda.device(self.dev):
                     kern.launch_dsl((pw, px + dx, pws, pxs + dxs, pout + dout, pa, *static), stream)
         return out
+
+
+    @staticmethod
+    def _warn_unaligned():
+        _k._warn_once("ws16", "nvfp4_gemv.gemv: w_scale is not 16-byte aligned, so the bulk-copy kernel cannot "
+                      "copy it; the dp4a kernel runs instead (up to 1.3x slower at 2 tokens on H200)")
+
+    def _unaligned(self, x, x_scale, w, w_scale, alpha, out, out_dtype):
+        """w_scale moved off 16 bytes since the plan chose the bulk-copy kernel (its address is no part of the
+        key): the dp4a kernel takes it, from a second plan."""
+        tuning, mma, forced = self.args
+        if forced:
+            _fail(ValueError, "w_scale", "a 16-byte aligned address for the bulk-copy kernel", f"{w_scale.data_ptr():#x}")
+        if self.fallback is None:
+            self._warn_unaligned()
+            self.fallback = _TokensPlan(x, x_scale, w, w_scale, alpha, out, out_dtype,
+                                        tuning=tuple(sorted({**dict(tuning), "mma": int(mma), "bulk": 0}.items())))
+        return self.fallback(x, x_scale, w, w_scale, alpha, out, out_dtype)
 
 
 def _key(x, x_scale, w, w_scale, alpha, out, out_dtype):

@@ -1,4 +1,4 @@
-"""The op's bulk-copy kernel for a few tokens (work in progress: compiled for sm_90a / sm_100a, not yet run).
+"""The op's bulk-copy kernel for a few tokens (``op.use_bulk``: up to 3 tokens; more as a tuning).
 
 ``Nvfp4GemvBulk``'s pipeline with ``N`` token rows: a producer warp keeps ``stages`` tiles of ``rows`` rows
 of ``w`` and their plain scales in flight with one ``cp.async.bulk`` a row (counted on the stage's ``full``

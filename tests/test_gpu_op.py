@@ -173,12 +173,43 @@ def test_operands_on_different_devices_raise():
         gemv(x.cpu(), xs, w, ws, a)
 
 
-@pytest.mark.parametrize("n,m,expected", [(1, 4096, "Nvfp4GemvTokens"), (4, 4096, "Nvfp4GemvTokens"),
-                                          (5, 4096, "Nvfp4GemvMma"), (16, 2048, "Nvfp4GemvMma"),
-                                          (16, 256, "Nvfp4GemvTokens")])
-def test_kernel_choice(n, m, expected):
-    """The tensor-core kernel from 5 tokens on where its 8-row groups fill the GPU (op.use_mma)."""
-    x, xs, w, ws, a = inputs.op_inputs(n, m, 256, seed=n)
+@pytest.mark.parametrize("n,m,k,expected", [(1, 4096, 256, "Nvfp4GemvTokens"), (1, 4096, 2048, "Nvfp4GemvTokensBulk"),
+                                            (2, 512, 1024, "Nvfp4GemvTokensBulk"), (3, 4096, 7168, "Nvfp4GemvTokensBulk"),
+                                            (2, 512, 2368, "Nvfp4GemvTokens"), (4, 4096, 7168, "Nvfp4GemvTokens"),
+                                            (5, 4096, 256, "Nvfp4GemvMma"), (16, 2048, 256, "Nvfp4GemvMma"),
+                                            (16, 256, 256, "Nvfp4GemvTokens")])
+def test_kernel_choice(n, m, k, expected):
+    """The bulk-copy dp4a kernel up to 3 tokens (op.use_bulk: K % 256 == 0, and K >= 2048 for one token), the
+    tensor-core kernel from 5 tokens on where its 8-row groups fill the GPU (op.use_mma), else the dp4a kernel."""
+    x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=n)
     plan = op._TokensPlan(x, xs, w, ws, a, None, torch.bfloat16)
     assert {type(kern.op).__name__ for kern, _, _ in plan.launches} == {expected}
-    assert_exact((x, xs, w, ws, a), plan(x, xs, w, ws, a, None, torch.bfloat16), 256)
+    assert_exact((x, xs, w, ws, a), plan(x, xs, w, ws, a, None, torch.bfloat16), k)
+
+
+def test_blocked_w_scales_take_the_dp4a_kernel():
+    """Bulk copies read whole rows of w's plain scales: blocked scales go to the dp4a kernel."""
+    x, xs, w, ws, a = inputs.op_inputs(2, 512, 2048, seed=3)
+    wsb = inputs.blocked_scales(ws, 512, 2048)
+    plan = op._TokensPlan(x, xs, w, wsb, a, None, torch.bfloat16)
+    assert {type(kern.op).__name__ for kern, _, _ in plan.launches} == {"Nvfp4GemvTokens"}
+    assert_exact((x, xs, w, ws, a), plan(x, xs, w, wsb, a, None, torch.bfloat16), 2048)
+
+
+def test_w_scale_off_16_bytes_takes_the_dp4a_kernel_with_a_warning(monkeypatch):
+    """A w_scale at an even address that 16 does not divide: a plan made for it runs the dp4a kernel, and a
+    cached bulk plan called with it hands the call to a dp4a plan; both warn once, both are exact."""
+    monkeypatch.setattr(op._k, "_warned", set())
+    x, xs, w, ws, a = inputs.op_inputs(2, 512, 2048, seed=4)
+    moved = inputs.misaligned(ws, 2)
+    with pytest.warns(RuntimeWarning, match="16-byte aligned"):
+        plan = op._TokensPlan(x, xs, w, moved, a, None, torch.bfloat16)
+    assert {type(kern.op).__name__ for kern, _, _ in plan.launches} == {"Nvfp4GemvTokens"}
+    assert_exact((x, xs, w, ws, a), plan(x, xs, w, moved, a, None, torch.bfloat16), 2048)
+    monkeypatch.setattr(op._k, "_warned", set())
+    plan = op._TokensPlan(x, xs, w, ws, a, None, torch.bfloat16)
+    assert {type(kern.op).__name__ for kern, _, _ in plan.launches} == {"Nvfp4GemvTokensBulk"}
+    with pytest.warns(RuntimeWarning, match="16-byte aligned"):
+        out = plan(x, xs, w, moved, a, None, torch.bfloat16)
+    assert_exact((x, xs, w, ws, a), out, 2048)
+    assert_exact((x, xs, w, ws, a), plan(x, xs, w, ws, a, None, torch.bfloat16), 2048)

@@ -23,8 +23,8 @@ def run_plan(args, kernel, out_dtype=torch.bfloat16, out=None, **tuning):
         out = torch.empty(n, m, dtype=out_dtype, device="cuda")
     out.fill_(float("nan"))
     tuning["mma"] = int(kernel.startswith("mma"))
-    if kernel == "bulk":  # the bulk-copy dp4a kernel (nvfp4_gemv.tokens_bulk), a tuning
-        tuning["bulk"] = 1
+    if not tuning["mma"]:  # the bulk-copy dp4a kernel (nvfp4_gemv.tokens_bulk) or the dp4a kernel
+        tuning["bulk"] = int(kernel == "bulk")
     if kernel == "mma_async":  # the cp.async variant (a tuning, slower on H200): words through shared memory
         tuning["stages"] = 4
     plan = op._TokensPlan(x, xs, w, ws, alpha, out, out.dtype, tuning=tuple(sorted(tuning.items())))
