@@ -86,9 +86,11 @@ def test_op_tensor_core_kernel_compiles_without_gpu(arch, k, tokens, groups, ext
     assert_op_build(compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--mma", str(groups), *extra))
 
 
-@pytest.mark.parametrize("arch,k,tokens,blocked", [("sm_90a", 16384, 2, False), ("sm_90a", 7168, 4, True),
-                                                   ("sm_100a", 4096, 1, False), ("sm_100a", 16384, 3, True)])
-def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, blocked, tmp_path):
-    """The bulk-copy dp4a kernel (a tuning, ``bulk=1``); ``--blocked`` blocks x's scales (w's stay plain)."""
-    assert_op_build(compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--tune", "bulk=1",
+@pytest.mark.parametrize("arch,k,tokens,ctas,blocked", [("sm_90a", 16384, 2, 2, False), ("sm_90a", 7168, 4, 1, True),
+                                                        ("sm_100a", 4096, 1, 2, False), ("sm_100a", 16384, 3, 2, True),
+                                                        ("sm_90a", 16384, 3, 2, False)])
+def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, ctas, blocked, tmp_path):
+    """The bulk-copy dp4a kernel at the CTAs a SM the op gives it (``op.bulk_ctas``; 4 tokens only as a
+    tuning); ``--blocked`` blocks x's scales (w's stay plain)."""
+    assert_op_build(compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--tune", f"bulk=1,ctas={ctas}",
                                   *(["--blocked"] if blocked else [])))
