@@ -3,7 +3,7 @@
 ``out[n, m] = alpha * sum_k x[n, k] * x_scale[n, k // 16] * w[m, k] * w_scale[m, k // 16]``, the product
 ``(dequant(x) @ dequant(w).T) * alpha`` of an NVFP4 checkpoint's linear layer (alpha: the product of the
 two per-tensor scales). On a CUDA GPU (Hopper or Blackwell) one of three CuTe DSL kernels runs: up to 3
-tokens where ``w``'s scales are plain with 16-byte aligned rows and ``K % 256 == 0`` (``use_bulk``),
+tokens (4 at K = 16384) where ``w``'s scales are plain with 16-byte aligned rows and ``K % 256 == 0`` (``use_bulk``),
 ``nvfp4_gemv.tokens_bulk`` (bulk copies of ``w`` rows into shared memory, dp4a on int8 copies of x held in
 registers); else up to 4 tokens, or for weights of fewer than 8 x SMs rows, ``nvfp4_gemv.tokens`` (dp4a on
 int8 copies of x in shared memory; ``w`` read once for each group of tokens that fits, all of them up to 25
@@ -205,23 +205,27 @@ def use_mma(n, m, sms):
     return n >= 5 and m // 8 >= sms
 
 
-BULK_TOKENS = 3  # tokens the op sends to the bulk-copy kernel by default
+def bulk_tuning(n, m, k):
+    """CTAs a SM and rows a thread for the bulk-copy kernel (H200, docs/sweep-op-h200.txt). At K = 16384, 3-4
+    tokens: one CTA a SM, each thread on 4 rows of a stage (27.4 / 30.1 us on 7168x16384 against 29.6 / 34.9
+    with two CTAs of one row a thread, and 32.6 / 34.5 for the dp4a kernel). Else two CTAs, except at 3 tokens
+    on short weights, where one was faster: 6.27 / 9.62 us against 6.56 / 10.08 on 1024x4096 / 1024x16384,
+    while 2048x7168 took 8.99 against 10.03."""
+    if n >= 3 and k == 16384:
+        return {"ctas": 1, "rt": 4}
+    return {"ctas": 2 if n <= 2 or m >= 2048 else 1}
 
 
-def use_bulk(n, k):
-    """The bulk-copy dp4a kernel (``nvfp4_gemv.tokens_bulk``) up to 3 tokens where its copies can read w's
-    scales. On H200 (docs/sweep-op-h200.txt) it beat the dp4a kernel at N = 1 / 2 / 3 on 7168x16384 (23.6 /
-    24.3 / 29.5 against 24.9 / 31.3 / 32.8 us) and on most of 15 shapes from 256x16384 to 14336x4096; it lost
-    at N = 1 with K = 1024 (5.22 against 4.90 us on 2048x1024) and, by up to 0.7 us, on 8192x2048 N = 2 and
-    4096x4096 N = 3; at N = 4 it was no faster on 7168x16384 and slower on 4096x7168 (13.2 against 12.6)."""
-    return n <= BULK_TOKENS and k % 256 == 0 and (n > 1 or k >= 2048) and Nvfp4GemvTokensBulk.suits(k, n)
-
-
-def bulk_ctas(n, m):
-    """CTAs a SM for the bulk-copy kernel: two, except at 3 tokens on short weights, where one was faster (more
-    tiles a CTA): 6.27 / 9.62 us against 6.56 / 10.08 on 1024x4096 / 1024x16384, while 2048x7168 took 8.99
-    against 10.03 and 7168x16384 29.5 against 32.0."""
-    return 2 if n <= 2 or m >= 2048 else 1
+def use_bulk(n, m, k):
+    """The bulk-copy dp4a kernel (``nvfp4_gemv.tokens_bulk``) for 1-3 tokens, and 4 at K = 16384, where its
+    copies can read w's scales. On H200 (docs/sweep-op-h200.txt) it beat the dp4a kernel at N = 1 / 2 / 3 / 4
+    on 7168x16384 (23.5 / 24.3 / 27.4 / 30.1 us against 24.9 / 31.3 / 32.6 / 34.5) and on most of 15 shapes
+    from 256x16384 to 14336x4096 at N <= 3; it lost at N = 1 with K = 1024 (5.22 against 4.90 us on
+    2048x1024), by up to 0.7 us on 8192x2048 N = 2 and 4096x4096 N = 3, and at N = 4 on 4096x7168 (12.94
+    against 12.56) while it won there on 2048x7168 (9.47 against 11.36): 4 tokens elsewhere stay on dp4a."""
+    if k % 256 or n > 4 or (n == 1 and k < 2048) or (n == 4 and k != 16384):
+        return False
+    return Nvfp4GemvTokensBulk.suits(k, n, **bulk_tuning(n, m, k))
 
 
 def _get_kernel(device_index, key):
@@ -266,7 +270,7 @@ class _TokensPlan:
         mma = bool(tuning.pop("mma", use_mma(n, m, sms)))
         copyable = not wb and w_scale.stride(0) % 16 == 0
         forced = "bulk" in tuning
-        bulk = not mma and bool(tuning.pop("bulk", use_bulk(n, k) and copyable))
+        bulk = not mma and bool(tuning.pop("bulk", use_bulk(n, m, k) and copyable))
         if bulk and not forced and w_scale.data_ptr() % 16:
             self._warn_unaligned()
             bulk = False
@@ -275,15 +279,15 @@ class _TokensPlan:
             g = -(-n // -(-n // MMA_TOKENS))
         elif bulk:
             g = -(-n // -(-n // Nvfp4GemvTokensBulk.MAX_TOKENS))
-            if not copyable or not Nvfp4GemvTokensBulk.suits(k, g):
+            tuning = {**bulk_tuning(g, m, k), **tuning}
+            if not copyable or not Nvfp4GemvTokensBulk.suits(k, g, **tuning):
                 raise ValueError("nvfp4_gemv: the bulk-copy kernel needs plain w scales with 16-byte aligned "
-                                 f"rows and K % 256 == 0 (K={k}, {g} tokens a launch)")
-            tuning.setdefault("ctas", bulk_ctas(g, m))
+                                 f"rows and K % 256 == 0 (K={k}, {g} tokens a launch, {tuning})")
         else:
             g = token_group(n, k)
         tuning = tuple(sorted(tuning.items()))
         self.ws_mask = 15 if bulk else 1  # bulk copies read 16-byte aligned rows of w_scale
-        self.args = (tuple(t for t in tuning if t[0] != "ctas"), mma, forced and bulk)
+        self.args = (tuple(t for t in tuning if t[0] not in ("ctas", "rt")), mma, forced and bulk)
         self.fallback = None
         # blocked x scales: the kernel indexes tokens within one launch; rows below 32 of a tile are 16
         # bytes apart, so a later group starts 16 * t0 bytes in; beyond that the plan unswizzles on the host

@@ -83,12 +83,13 @@ def scatter_sum(vals, lane):
 
 class Nvfp4GemvTokensBulk(_OpLaunch):
     """See the module docstring. ``threads`` is the consumer threads a CTA aims at (a power of two of whole
-    rows' threads), ``max_n`` the most chunks a thread."""
+    rows' threads), ``max_n`` the most chunks a thread, ``rt`` the rows of a stage each thread takes (1, 2
+    or 4: its share of x and the per-row work, the waits and the warp sums, serve ``rt`` rows)."""
 
     MAX_TOKENS = 4
 
     def __init__(self, k: int, n_tok: int, w_blocked: bool, x_blocked: bool, has_alpha: bool, out_bf16: bool,
-                 bulk=1, threads=256, ctas=None, stages=None, max_n=None, evict=1, signed=None):
+                 bulk=1, threads=256, ctas=None, stages=None, max_n=None, evict=1, signed=None, rt=1):
         if w_blocked or k % 256:
             raise ValueError(f"nvfp4_gemv: the bulk-copy op kernel needs plain w scales and K % 256 == 0, "
                              f"got K={k}, blocked={w_blocked}")
@@ -109,9 +110,13 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
                              f"{max_n} chunks a thread for {n_tok} tokens")
         self.tr = tr = fits[0]
         self.n = c // tr
-        self.rows = 1 << max(0, (threads // tr).bit_length() - 1)  # a power of two: divides M % 128 == 0
-        if self.rows * tr > 992:
-            self.rows = 1
+        if rt not in (1, 2, 4):
+            raise ValueError(f"nvfp4_gemv: rows a thread must be 1, 2 or 4, got {rt}")
+        self.rt = rt
+        self.groups = 1 << max(0, (threads // tr).bit_length() - 1)  # thread groups of tr, one row each
+        if self.groups * tr > 992:
+            self.groups = 1
+        self.rows = self.groups * rt  # rows a stage, a power of two: divides M % 128 == 0
         self.parts = tr // 32
         self.row_w = k // 2
         self.row_ws = k // 16
@@ -120,7 +125,7 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
         # about 40 KB a CTA in flight, as the custom_kernel bulk kernel's best (3 stages of 4 rows at K = 7168)
         self.stages = stages or max(3, min(8, 40960 // self.stage_bytes))
         self.smem_bytes = self.stages * (self.stage_bytes + self.part_bytes + 16)
-        self.threads = self.rows * tr + 32
+        self.threads = self.groups * tr + 32
         self.ctas = ctas or (2 if n_tok <= 2 else 1)
         if self.smem_bytes + 1024 > SMEM_A_SM // self.ctas:
             raise ValueError(f"nvfp4_gemv: K={k}: {self.stages} stages of {self.stage_bytes} bytes exceed the "
@@ -128,9 +133,9 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
         self.min_blocks = self.ctas
 
     @classmethod
-    def suits(cls, k, n_tok):
+    def suits(cls, k, n_tok, **tuning):
         try:
-            cls(k, n_tok, False, False, False, True)
+            cls(k, n_tok, False, False, False, True, **tuning)
             return True
         except ValueError:
             return False
@@ -151,7 +156,7 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
         s_part = s_w + S * self.stage_bytes  # fp32 partial per stage, row, warp of the row and token
         s_full = s_part + S * self.part_bytes
         s_empty = s_full + 8 * S
-        consumers = R * self.tr
+        consumers = self.groups * self.tr
         if tidx == 0:
             for s in cutlass.range_constexpr(S):
                 mbar_init(s_full + 8 * s, 1)
@@ -218,42 +223,50 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
                 s0, s1 = e4m3x2_to_f32x2(ldg_u16(xs_row + scale_offset(ch, self.x_blocked)))
                 xsc.append((s0 * 0.25, s1 * 0.25))
         tbl = cutlass.Int32(E2M1_TIMES2_LO)
+        RT = self.rt
+        NV = RT * NT
+        NP = 1 << (NV - 1).bit_length()  # the rows' tokens padded to a power of two for the scatter
+        lane = jl % 32
         for j in cutlass.range(n_t, unroll=1):
             s = j % S
             mbar_wait(s_full + 8 * s, (j // S) & 1)
-            w_row = s_w + s * self.stage_bytes + r * self.row_w
-            ws_row = s_w + s * self.stage_bytes + R * self.row_w + r * self.row_ws
-            ws_ = []
-            for i in cutlass.range_constexpr(n):
-                ws_.append(lds_stage_v4(w_row + (jl + i * self.tr) * 16))
-            ss = []
-            for i in cutlass.range_constexpr(n):
-                ss.append(lds_stage_u16(ws_row + (jl + i * self.tr) * 2))
-            acc = [cutlass.Float32(0.0)] * NT
-            for i in cutlass.range_constexpr(n):
-                sa0, sa1 = e4m3x2_to_f32x2(ss[i])
-                lk0 = fp4x16_lookups(ws_[i][0], ws_[i][1], tbl)
-                lk1 = fp4x16_lookups(ws_[i][2], ws_[i][3], tbl)
-                if cutlass.const_expr(self.signed):
-                    lk0 = lookups_signed(lk0)
-                    lk1 = lookups_signed(lk1)
-                for t in cutlass.range_constexpr(NT):
-                    xv = xw[t * n + i]
-                    sb0, sb1 = xsc[t * n + i]
+            accs = []
+            for q in cutlass.range_constexpr(RT):
+                row = r * RT + q
+                w_row = s_w + s * self.stage_bytes + row * self.row_w
+                ws_row = s_w + s * self.stage_bytes + R * self.row_w + row * self.row_ws
+                ws_ = []
+                for i in cutlass.range_constexpr(n):
+                    ws_.append(lds_stage_v4(w_row + (jl + i * self.tr) * 16))
+                ss = []
+                for i in cutlass.range_constexpr(n):
+                    ss.append(lds_stage_u16(ws_row + (jl + i * self.tr) * 2))
+                acc = [cutlass.Float32(0.0)] * NT
+                for i in cutlass.range_constexpr(n):
+                    sa0, sa1 = e4m3x2_to_f32x2(ss[i])
+                    lk0 = fp4x16_lookups(ws_[i][0], ws_[i][1], tbl)
+                    lk1 = fp4x16_lookups(ws_[i][2], ws_[i][3], tbl)
                     if cutlass.const_expr(self.signed):
-                        d0 = signed_dot(lk0, xv[0:4])
-                        d1 = signed_dot(lk1, xv[4:8])
-                    else:
-                        d0 = lookups_dot(lk0, xv[0:4])
-                        d1 = lookups_dot(lk1, xv[4:8])
-                    acc[t] = acc[t] + d0 * (sa0 * sb0) + d1 * (sa1 * sb1)
-            p = s_part + (s * R + r) * (4 * self.parts * NT) + (jl // 32) * (4 * NT)
-            NP = 1 << (NT - 1).bit_length()  # tokens padded to a power of two for the scatter
-            lane = jl % 32
-            total = scatter_sum(acc + [cutlass.Float32(0.0)] * (NP - NT), lane)
-            t = lane // (32 // NP)
-            if lane % (32 // NP) == 0 and t < NT:
-                sts_f32(p + 4 * t, total)
+                        lk0 = lookups_signed(lk0)
+                        lk1 = lookups_signed(lk1)
+                    for t in cutlass.range_constexpr(NT):
+                        xv = xw[t * n + i]
+                        sb0, sb1 = xsc[t * n + i]
+                        if cutlass.const_expr(self.signed):
+                            d0 = signed_dot(lk0, xv[0:4])
+                            d1 = signed_dot(lk1, xv[4:8])
+                        else:
+                            d0 = lookups_dot(lk0, xv[0:4])
+                            d1 = lookups_dot(lk1, xv[4:8])
+                        acc[t] = acc[t] + d0 * (sa0 * sb0) + d1 * (sa1 * sb1)
+                accs += acc
+            total = scatter_sum(accs + [cutlass.Float32(0.0)] * (NP - NV), lane)
+            p = s_part + (s * R + r * RT) * (4 * self.parts * NT) + (jl // 32) * (4 * NT)
+            vi = lane // (32 // NP)  # value vi = q * NT + t: row r * RT + q, token t
+            if lane % (32 // NP) == 0 and vi < NV:
+                if cutlass.const_expr(RT > 1):
+                    p = p + (vi // NT) * (4 * self.parts * NT) - 4 * (vi // NT) * NT
+                sts_f32(p + 4 * vi, total)
             mbar_arrive(s_empty + 8 * s)
 
 

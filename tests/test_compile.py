@@ -86,11 +86,14 @@ def test_op_tensor_core_kernel_compiles_without_gpu(arch, k, tokens, groups, ext
     assert_op_build(compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--mma", str(groups), *extra))
 
 
-@pytest.mark.parametrize("arch,k,tokens,ctas,blocked", [("sm_90a", 16384, 2, 2, False), ("sm_90a", 7168, 4, 1, True),
-                                                        ("sm_100a", 4096, 1, 2, False), ("sm_100a", 16384, 3, 2, True),
-                                                        ("sm_90a", 16384, 3, 2, False)])
-def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, ctas, blocked, tmp_path):
-    """The bulk-copy dp4a kernel at the CTAs a SM the op gives it (``op.bulk_ctas``; 4 tokens only as a
+@pytest.mark.parametrize("arch,k,tokens,tune,blocked", [("sm_90a", 16384, 2, "ctas=2", False),
+                                                        ("sm_90a", 7168, 4, "ctas=1", True),
+                                                        ("sm_100a", 4096, 1, "ctas=2", False),
+                                                        ("sm_100a", 7168, 3, "ctas=2", True),
+                                                        ("sm_90a", 16384, 3, "ctas=1,rt=4", False),
+                                                        ("sm_100a", 16384, 4, "ctas=1,rt=4", True)])
+def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, tune, blocked, tmp_path):
+    """The bulk-copy dp4a kernel as the op configures it (``op.bulk_tuning``; 4 tokens at K = 7168 only as a
     tuning); ``--blocked`` blocks x's scales (w's stay plain)."""
-    assert_op_build(compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--tune", f"bulk=1,ctas={ctas}",
+    assert_op_build(compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--tune", f"bulk=1,{tune}",
                                   *(["--blocked"] if blocked else [])))

@@ -175,11 +175,12 @@ def test_operands_on_different_devices_raise():
 
 @pytest.mark.parametrize("n,m,k,expected", [(1, 4096, 256, "Nvfp4GemvTokens"), (1, 4096, 2048, "Nvfp4GemvTokensBulk"),
                                             (2, 512, 1024, "Nvfp4GemvTokensBulk"), (3, 4096, 7168, "Nvfp4GemvTokensBulk"),
+                                            (4, 256, 16384, "Nvfp4GemvTokensBulk"),
                                             (2, 512, 2368, "Nvfp4GemvTokens"), (4, 4096, 7168, "Nvfp4GemvTokens"),
                                             (5, 4096, 256, "Nvfp4GemvMma"), (16, 2048, 256, "Nvfp4GemvMma"),
                                             (16, 256, 256, "Nvfp4GemvTokens")])
 def test_kernel_choice(n, m, k, expected):
-    """The bulk-copy dp4a kernel up to 3 tokens (op.use_bulk: K % 256 == 0, and K >= 2048 for one token), the
+    """The bulk-copy dp4a kernel up to 3 tokens, 4 at K = 16384 (op.use_bulk: K % 256 == 0, K >= 2048 for one token), the
     tensor-core kernel from 5 tokens on where its 8-row groups fill the GPU (op.use_mma), else the dp4a kernel."""
     x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=n)
     plan = op._TokensPlan(x, xs, w, ws, a, None, torch.bfloat16)

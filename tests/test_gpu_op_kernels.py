@@ -134,6 +134,18 @@ def test_bulk_token_counts_and_tiles(m, k, n):
     assert_exact(args, out)
 
 
+@pytest.mark.parametrize("rt,ctas", [(2, 1), (4, 1), (2, 2)])
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_bulk_rows_a_thread(rt, ctas, n):
+    """Each thread on 2 or 4 rows of a stage (the warp sums scatter up to 16 values: 4 rows x 4 tokens): at
+    K = 4096, 16-32 rows a stage of 384 rows."""
+    m, k = 384, 4096
+    args = inputs.op_inputs(n, m, k, seed=20 + rt + n)
+    out, plan = run_plan(args, "bulk", rt=rt, ctas=ctas)
+    assert plan.launches[0][0].op.rt == rt
+    assert_exact(args, out)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("x_blocked,alpha", [(False, False), (True, True), (False, True), (True, False)])
 def test_bulk_layouts_epilogues(out_dtype, x_blocked, alpha):

@@ -1,5 +1,5 @@
 """The op's routing and the tensor-core kernel's tiling, without a GPU: which kernel a call takes
-(``op.use_mma``, ``op.use_bulk``), the bulk-copy kernel's CTAs a SM (``op.bulk_ctas``) and how many 8-row
+(``op.use_mma``, ``op.use_bulk``), the bulk-copy kernel's CTAs a SM and rows a thread (``op.bulk_tuning``) and how many 8-row
 groups a CTA owns (``mma.pick_groups``)."""
 
 import pytest
@@ -14,15 +14,18 @@ def test_tensor_core_kernel_from_five_tokens_where_groups_fill_the_gpu(n, m, sms
     assert op.use_mma(n, m, sms) == mma
 
 
-@pytest.mark.parametrize("n,k,bulk", [(1, 1024, False), (1, 2048, True), (1, 16384, True), (2, 256, False), (2, 1024, True),
-                                      (3, 7168, True), (4, 7168, False), (2, 2368, False), (2, 64, False)])
-def test_bulk_copy_kernel_up_to_three_tokens_where_rows_split_in_256(n, k, bulk):
-    assert op.use_bulk(n, k) == bulk
+@pytest.mark.parametrize("n,k,bulk", [(1, 1024, False), (1, 2048, True), (1, 16384, True), (2, 256, False),
+                                      (2, 1024, True), (3, 7168, True), (4, 7168, False), (4, 16384, True),
+                                      (5, 16384, False), (2, 2368, False), (2, 64, False)])
+def test_bulk_copy_kernel_up_to_three_tokens_and_four_at_16384_where_rows_split_in_256(n, k, bulk):
+    assert op.use_bulk(n, 4096, k) == bulk
 
 
-@pytest.mark.parametrize("n,m,ctas", [(1, 128, 2), (2, 1024, 2), (3, 1024, 1), (3, 2048, 2), (4, 7168, 2)])
-def test_bulk_copy_kernel_runs_one_cta_a_sm_only_for_three_tokens_of_short_weights(n, m, ctas):
-    assert op.bulk_ctas(n, m) == ctas
+@pytest.mark.parametrize("n,m,k,tuning", [(1, 128, 4096, {"ctas": 2}), (2, 1024, 16384, {"ctas": 2}),
+                                          (3, 1024, 4096, {"ctas": 1}), (3, 2048, 7168, {"ctas": 2}),
+                                          (3, 7168, 16384, {"ctas": 1, "rt": 4}), (4, 256, 16384, {"ctas": 1, "rt": 4})])
+def test_bulk_copy_kernel_configuration_as_measured(n, m, k, tuning):
+    assert op.bulk_tuning(n, m, k) == tuning
 
 
 @pytest.mark.parametrize("m,sms,groups", [(7168, 132, 7), (4096, 132, 4), (2048, 132, 2), (128, 132, 1),
