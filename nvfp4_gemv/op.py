@@ -433,7 +433,7 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
 
     :param x: activations [N, K/2], ``torch.float4_e2m1fn_x2`` or ``torch.uint8`` (two e2m1 values a
         byte, the first in the low nibble). ``w`` is read once per group of tokens (up to 16 from N = 5
-        on); on H200 N = 16 takes 1.37-1.54x the time of N = 1 (docs/bench-op-h200.md).
+        on); on H200 N = 16 takes 1.40-1.60x the time of N = 1 (docs/bench-op-h200*.md).
     :param x_scale: [N, K/16] ``torch.float8_e4m3fn`` (or its uint8 bytes), one scale per 16 values; or
         the 128x4 blocked layout (see ``w_scale``).
     :param w: weights [M, K/2], the same dtypes; M % 128 == 0, K % 64 == 0, K <= 32768.
