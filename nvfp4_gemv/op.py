@@ -3,7 +3,8 @@
 ``out[n, m] = alpha * sum_k x[n, k] * x_scale[n, k // 16] * w[m, k] * w_scale[m, k // 16]``, the product
 ``(dequant(x) @ dequant(w).T) * alpha`` of an NVFP4 checkpoint's linear layer (alpha: the product of the
 two per-tensor scales). On a CUDA GPU (Hopper or Blackwell) one of three CuTe DSL kernels runs: up to 3
-tokens (4 at K = 16384) where ``w``'s scales are plain with 16-byte aligned rows and ``K % 256 == 0`` (``use_bulk``),
+tokens (4 at K = 16384) where ``w``'s scales are plain with 16-byte aligned rows and ``K % 1024 == 0``,
+``2048 <= K <= 16384`` for one token, ``K <= 16384`` for more (``use_bulk``),
 ``nvfp4_gemv.tokens_bulk`` (bulk copies of ``w`` rows into shared memory, dp4a on int8 copies of x held in
 registers); else up to 4 tokens, or for weights of fewer than 8 x SMs rows, ``nvfp4_gemv.tokens`` (dp4a on
 int8 copies of x in shared memory; ``w`` read once for each group of tokens that fits, all of them up to 25
@@ -218,12 +219,13 @@ def bulk_tuning(n, m, k):
 
 def use_bulk(n, m, k):
     """The bulk-copy dp4a kernel (``nvfp4_gemv.tokens_bulk``) for 1-3 tokens, and 4 at K = 16384, where its
-    copies can read w's scales. On H200 (docs/sweep-op-h200.txt) it beat the dp4a kernel at N = 1 / 2 / 3 / 4
+    rows split into whole warps (K % 1024 == 0), K <= 16384 (the range measured; above it the two-CTA builds
+    spill on DSL 4.3.5 from K = 19456) and K >= 2048 for one token. On H200 (docs/sweep-op-h200.txt) it beat the dp4a kernel at N = 1 / 2 / 3 / 4
     on 7168x16384 (23.5 / 24.3 / 27.4 / 30.1 us against 24.9 / 31.3 / 32.6 / 34.5) and on most of 15 shapes
     from 256x16384 to 14336x4096 at N <= 3; it lost at N = 1 with K = 1024 (5.22 against 4.90 us on
     2048x1024), by up to 0.7 us on 8192x2048 N = 2 and 4096x4096 N = 3, and at N = 4 on 4096x7168 (12.94
     against 12.56) while it won there on 2048x7168 (9.47 against 11.36): 4 tokens elsewhere stay on dp4a."""
-    if k % 256 or n > 4 or (n == 1 and k < 2048) or (n == 4 and k != 16384):
+    if k % 1024 or k > 16384 or n > 4 or (n == 1 and k < 2048) or (n == 4 and k != 16384):
         return False
     return Nvfp4GemvTokensBulk.suits(k, n, **bulk_tuning(n, m, k))
 
@@ -269,11 +271,12 @@ class _TokensPlan:
         tuning = dict(tuning)
         mma = bool(tuning.pop("mma", use_mma(n, m, sms)))
         copyable = not wb and w_scale.stride(0) % 16 == 0
-        forced = "bulk" in tuning
-        bulk = not mma and bool(tuning.pop("bulk", use_bulk(n, m, k) and copyable))
-        if bulk and not forced and w_scale.data_ptr() % 16:
-            self._warn_unaligned()
-            bulk = False
+        forced = tuning.pop("bulk", None)
+        # other keys tune one kernel: without "bulk" they are the dp4a kernel's (the bulk kernel's as
+        # routed gets none); a w_scale address off 16 bytes is handled per call (``_unaligned``)
+        auto = not (set(tuning) - {"groups"}) and use_bulk(n, m, k) and copyable
+        bulk = not mma and bool(auto if forced is None else forced)
+        forced = forced is not None and bulk
         groups = tuning.pop("groups", None) or pick_groups(m, sms)
         if mma:
             g = -(-n // -(-n // MMA_TOKENS))
@@ -282,12 +285,13 @@ class _TokensPlan:
             tuning = {**bulk_tuning(g, m, k), **tuning}
             if not copyable or not Nvfp4GemvTokensBulk.suits(k, g, **tuning):
                 raise ValueError("nvfp4_gemv: the bulk-copy kernel needs plain w scales with 16-byte aligned "
-                                 f"rows and K % 256 == 0 (K={k}, {g} tokens a launch, {tuning})")
+                                 f"rows and K split into whole warps (K % 1024 == 0; K={k}, {g} tokens a "
+                                 f"launch, {tuning})")
         else:
             g = token_group(n, k)
         tuning = tuple(sorted(tuning.items()))
         self.ws_mask = 15 if bulk else 1  # bulk copies read 16-byte aligned rows of w_scale
-        self.args = (tuple(t for t in tuning if t[0] not in ("ctas", "rt")), mma, forced and bulk)
+        self.args = (tuple(t for t in tuning if t[0] not in ("ctas", "rt")), mma, forced)
         self.fallback = None
         # blocked x scales: the kernel indexes tokens within one launch; rows below 32 of a tile are 16
         # bytes apart, so a later group starts 16 * t0 bytes in; beyond that the plan unswizzles on the host
@@ -343,12 +347,6 @@ class _TokensPlan:
                     kern.launch_dsl((pw, px + dx, pws, pxs + dxs, pout + dout, pa, *static), stream)
         return out
 
-
-    @staticmethod
-    def _warn_unaligned():
-        _k._warn_once("ws16", "nvfp4_gemv.gemv: w_scale is not 16-byte aligned, so the bulk-copy kernel cannot "
-                      "copy it; the dp4a kernel runs instead (up to 1.3x slower at 2 tokens on H200)")
-
     def _unaligned(self, x, x_scale, w, w_scale, alpha, out, out_dtype):
         """w_scale moved off 16 bytes since the plan chose the bulk-copy kernel (its address is no part of the
         key): the dp4a kernel takes it, from a second plan."""
@@ -356,7 +354,8 @@ class _TokensPlan:
         if forced:
             _fail(ValueError, "w_scale", "a 16-byte aligned address for the bulk-copy kernel", f"{w_scale.data_ptr():#x}")
         if self.fallback is None:
-            self._warn_unaligned()
+            _k._warn_once("ws16", "nvfp4_gemv.gemv: w_scale is not 16-byte aligned, so the bulk-copy kernel "
+                          "cannot copy it; the dp4a kernel runs instead (up to 1.3x slower at 2 tokens on H200)")
             self.fallback = _TokensPlan(x, x_scale, w, w_scale, alpha, out, out_dtype,
                                         tuning=tuple(sorted({**dict(tuning), "mma": int(mma), "bulk": 0}.items())))
         return self.fallback(x, x_scale, w, w_scale, alpha, out, out_dtype)

@@ -1,4 +1,4 @@
-"""The op's bulk-copy kernel for a few tokens (``op.use_bulk``: up to 3 tokens; more as a tuning).
+"""The op's bulk-copy kernel for a few tokens (``op.use_bulk``: up to 3, and 4 at K = 16384; more as a tuning).
 
 ``Nvfp4GemvBulk``'s pipeline with ``N`` token rows: a producer warp keeps ``stages`` tiles of ``rows`` rows
 of ``w`` and their plain scales in flight with one ``cp.async.bulk`` a row (counted on the stage's ``full``
@@ -11,7 +11,8 @@ op's accuracy contract): ``2n`` block terms a thread, a warp's sum over five shu
 the tokens share the first levels), and the warps of a row added by the producer, which scales by
 ``alpha`` and stores bf16 or fp16.
 
-Needs plain ``w`` scales with 16-byte aligned rows, ``K % 256 == 0``, and ``n * N <= 8`` (registers).
+Needs plain ``w`` scales with 16-byte aligned rows, ``K % 256 == 0`` with a row split into whole warps of at
+most ``max_n`` chunks (so in effect ``K % 1024 == 0``), and ``n * N <= 8`` (registers).
 """
 
 import cutlass
@@ -63,8 +64,8 @@ def lds_stage_f32(addr, *, loc=None, ip=None):
 
 
 def scatter_sum(vals, lane):
-    """Warp sums of ``len(vals)`` (1, 2 or 4) values a lane: lane ``l`` gets the sum of value ``(l >> (5 -
-    log2 len)) & (len - 1)``. Each of the first log2(len) levels halves the values a lane holds (it keeps one
+    """Warp sums of ``len(vals)`` (a power of two up to 32: tokens x rows a thread) values a lane: lane ``l``
+    gets the sum of value ``(l >> (5 - log2 len)) & (len - 1)``. Each of the first log2(len) levels halves the values a lane holds (it keeps one
     half and sends the other), so four tokens cost 6 shuffles and adds instead of a butterfly each (20)."""
     off = 16
     while len(vals) > 1:
@@ -127,6 +128,9 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
         self.smem_bytes = self.stages * (self.stage_bytes + self.part_bytes + 16)
         self.threads = self.groups * tr + 32
         self.ctas = ctas or (2 if n_tok <= 2 else 1)
+        if self.rows > 32 or self.threads > 1024:  # the producer's lanes each copy one row of a stage
+            raise ValueError(f"nvfp4_gemv: K={k}: {self.rows} rows a stage (at most 32) and {self.threads} "
+                             "threads a CTA (at most 1024)")
         if self.smem_bytes + 1024 > SMEM_A_SM // self.ctas:
             raise ValueError(f"nvfp4_gemv: K={k}: {self.stages} stages of {self.stage_bytes} bytes exceed the "
                              f"shared memory of {self.ctas} CTAs a SM")

@@ -2,6 +2,8 @@
 an ulp of the result's dtype plus 2^-14 of the sum of |terms|), every layout and token count, token groups,
 out=, streams, CUDA graphs, opcheck and torch.compile. Outputs are poisoned before each run."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -180,8 +182,9 @@ def test_operands_on_different_devices_raise():
                                             (5, 4096, 256, "Nvfp4GemvMma"), (16, 2048, 256, "Nvfp4GemvMma"),
                                             (16, 256, 256, "Nvfp4GemvTokens")])
 def test_kernel_choice(n, m, k, expected):
-    """The bulk-copy dp4a kernel up to 3 tokens, 4 at K = 16384 (op.use_bulk: K % 256 == 0, K >= 2048 for one token), the
-    tensor-core kernel from 5 tokens on where its 8-row groups fill the GPU (op.use_mma), else the dp4a kernel."""
+    """The bulk-copy dp4a kernel up to 3 tokens, 4 at K = 16384 (op.use_bulk: K % 1024 == 0, K <= 16384,
+    K >= 2048 for one token), the tensor-core kernel from 5 tokens on where its 8-row groups fill the GPU
+    (op.use_mma), else the dp4a kernel."""
     x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=n)
     plan = op._TokensPlan(x, xs, w, ws, a, None, torch.bfloat16)
     assert {type(kern.op).__name__ for kern, _, _ in plan.launches} == {expected}
@@ -198,19 +201,33 @@ def test_blocked_w_scales_take_the_dp4a_kernel():
 
 
 def test_w_scale_off_16_bytes_takes_the_dp4a_kernel_with_a_warning(monkeypatch):
-    """A w_scale at an even address that 16 does not divide: a plan made for it runs the dp4a kernel, and a
-    cached bulk plan called with it hands the call to a dp4a plan; both warn once, both are exact."""
+    """A w_scale at an even address that 16 does not divide (addresses are no part of a plan's key): the
+    bulk plan hands such calls to a dp4a plan, warning once; aligned calls keep the bulk kernel; all exact."""
     monkeypatch.setattr(op._k, "_warned", set())
     x, xs, w, ws, a = inputs.op_inputs(2, 512, 2048, seed=4)
     moved = inputs.misaligned(ws, 2)
-    with pytest.warns(RuntimeWarning, match="16-byte aligned"):
-        plan = op._TokensPlan(x, xs, w, moved, a, None, torch.bfloat16)
-    assert {type(kern.op).__name__ for kern, _, _ in plan.launches} == {"Nvfp4GemvTokens"}
-    assert_exact((x, xs, w, ws, a), plan(x, xs, w, moved, a, None, torch.bfloat16), 2048)
-    monkeypatch.setattr(op._k, "_warned", set())
-    plan = op._TokensPlan(x, xs, w, ws, a, None, torch.bfloat16)
-    assert {type(kern.op).__name__ for kern, _, _ in plan.launches} == {"Nvfp4GemvTokensBulk"}
+    kernels = lambda plan: {type(kern.op).__name__ for kern, _, _ in plan.launches}  # noqa: E731
+    plan = op._TokensPlan(x, xs, w, moved, a, None, torch.bfloat16)
+    assert kernels(plan) == {"Nvfp4GemvTokensBulk"}
     with pytest.warns(RuntimeWarning, match="16-byte aligned"):
         out = plan(x, xs, w, moved, a, None, torch.bfloat16)
+    assert kernels(plan.fallback) == {"Nvfp4GemvTokens"}
     assert_exact((x, xs, w, ws, a), out, 2048)
+    assert_exact((x, xs, w, ws, a), plan(x, xs, w, ws, a, None, torch.bfloat16), 2048)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_exact((x, xs, w, ws, a), plan(x, xs, w, moved, a, None, torch.bfloat16), 2048)
+
+
+@pytest.mark.parametrize("tuning,expected", [((("mma", 0),), "Nvfp4GemvTokensBulk"),
+                                             ((("mma", 0), ("signed", 0)), "Nvfp4GemvTokens"),
+                                             ((("bulk", 0),), "Nvfp4GemvTokens"),
+                                             ((("bulk", 0), ("mma", 1)), "Nvfp4GemvMma"),
+                                             ((("bulk", 1), ("mma", 1)), "Nvfp4GemvMma")])
+def test_tuning_names_its_kernel(tuning, expected):
+    """A tuning key of one kernel without ``bulk`` means the dp4a kernel (the op's own bulk choice takes no
+    keys); ``bulk`` is dropped where the tensor-core kernel is chosen."""
+    x, xs, w, ws, a = inputs.op_inputs(2, 512, 2048, seed=5)
+    plan = op._TokensPlan(x, xs, w, ws, a, None, torch.bfloat16, tuning=tuning)
+    assert {type(kern.op).__name__ for kern, _, _ in plan.launches} == {expected}
     assert_exact((x, xs, w, ws, a), plan(x, xs, w, ws, a, None, torch.bfloat16), 2048)

@@ -1,6 +1,6 @@
 """The op's kernels, each forced through a launch plan, against float64 within the op's accuracy
 contract: the dp4a kernel (``nvfp4_gemv.tokens``), the tensor-core kernel (``nvfp4_gemv.mma``) and the
-bulk-copy dp4a kernel (``nvfp4_gemv.tokens_bulk``, a tuning) over token counts, shapes (a last tile that passes M, several tiles a CTA, fewer K slices than warps), scale layouts,
+bulk-copy dp4a kernel (``nvfp4_gemv.tokens_bulk``: the op's choice up to 3 tokens, 4 at K = 16384; forced here) over token counts, shapes (a last tile that passes M, several tiles a CTA, fewer K slices than warps), scale layouts,
 strides and epilogues. Outputs are poisoned before each run."""
 
 import warnings
@@ -126,11 +126,28 @@ def test_mma_extreme_scales(min_exp, max_exp, out_dtype, kernel):
 @pytest.mark.parametrize("m,k", [(256, 2048), (384, 7168), (256, 16384), (512, 4096)])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 9])
 def test_bulk_token_counts_and_tiles(m, k, n):
-    """Up to 4 tokens a launch (more in equal groups); tiles of 1-4 rows, more tiles than CTAs on some."""
+    """Up to 4 tokens a launch (more in equal groups); stages of 1-8 rows (4 rows a thread from 3 tokens at
+    K = 16384), more tiles than CTAs on some."""
     args = inputs.op_inputs(n, m, k, seed=m + k + n)
     out, plan = run_plan(args, "bulk")
     assert {type(launch[0].op).__name__ for launch in plan.launches} == {"Nvfp4GemvTokensBulk"}
     assert len(plan.launches) == -(-n // 4)
+    assert_exact(args, out)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_bulk_as_routed_with_four_rows_a_thread_over_many_tiles(n):
+    """The op's own choice at K = 16384 and 3-4 tokens (one CTA a SM, 4 rows a thread): 2048 rows make ~4
+    tiles a CTA, so the 3 stages wrap and the producer waits on consumers' empty barriers."""
+    m, k = 2048, 16384
+    x, xs, w, ws, a = args = inputs.op_inputs(n, m, k, seed=40 + n)
+    out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
+    plan = op._TokensPlan(x, xs, w, ws, a, out, out.dtype)
+    kern = plan.launches[0][0].op
+    assert type(kern).__name__ == "Nvfp4GemvTokensBulk" and (kern.rt, kern.ctas) == (4, 1)
+    assert -(-(m // kern.rows) // plan.launches[0][2][-1]) > kern.stages  # tiles of the busiest CTA
+    plan(x, xs, w, ws, a, out, out.dtype)
+    torch.cuda.synchronize()
     assert_exact(args, out)
 
 

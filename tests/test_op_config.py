@@ -15,10 +15,26 @@ def test_tensor_core_kernel_from_five_tokens_where_groups_fill_the_gpu(n, m, sms
 
 
 @pytest.mark.parametrize("n,k,bulk", [(1, 1024, False), (1, 2048, True), (1, 16384, True), (2, 256, False),
-                                      (2, 1024, True), (3, 7168, True), (4, 7168, False), (4, 16384, True),
-                                      (5, 16384, False), (2, 2368, False), (2, 64, False)])
-def test_bulk_copy_kernel_up_to_three_tokens_and_four_at_16384_where_rows_split_in_256(n, k, bulk):
+                                      (2, 1024, True), (2, 2304, False), (3, 7168, True), (4, 7168, False),
+                                      (4, 16384, True), (5, 16384, False), (2, 2368, False), (2, 64, False),
+                                      (2, 20480, False), (3, 32768, False)])
+def test_bulk_copy_kernel_up_to_three_tokens_and_four_at_16384_where_rows_split_into_warps(n, k, bulk):
+    """K % 1024 == 0 (a row's 32-value chunks split over whole warps), K <= 16384 (measured; two-CTA builds
+    spill above it), K >= 2048 at one token."""
     assert op.use_bulk(n, 4096, k) == bulk
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [128, 2048, 7168])
+def test_every_routed_bulk_configuration_builds(n, m):
+    """Where use_bulk says yes, the kernel class takes bulk_tuning's configuration (shared memory, at most 32
+    rows a stage and 1024 threads), and its stages divide M."""
+    from nvfp4_gemv.tokens_bulk import Nvfp4GemvTokensBulk
+
+    for k in range(1024, 32769, 1024):
+        if op.use_bulk(n, m, k):
+            kern = Nvfp4GemvTokensBulk(k, n, False, False, True, True, **op.bulk_tuning(n, m, k))
+            assert kern.rows <= 32 and kern.threads <= 1024 and m % kern.rows == 0
 
 
 @pytest.mark.parametrize("n,m,k,tuning", [(1, 128, 4096, {"ctas": 2}), (2, 1024, 16384, {"ctas": 2}),

@@ -1,8 +1,10 @@
 """Times configurations of the op's kernels on the GPU, leaderboard timing, each output checked against
-float64. ``mma=0`` forces the dp4a kernel (nvfp4_gemv.tokens), ``mma=1`` the tensor-core kernel
-(nvfp4_gemv.mma, with ``groups``, ``threads``, ``depth``, ``unroll``); without it the op's routing decides.
+float64. ``mma=0,bulk=0`` forces the dp4a kernel (nvfp4_gemv.tokens; any of its own keys without ``bulk``
+does too), ``bulk=1`` the bulk-copy kernel (nvfp4_gemv.tokens_bulk, with ``ctas``, ``rt``, ``stages``,
+``max_n``), ``mma=1`` the tensor-core kernel (nvfp4_gemv.mma, with ``groups``, ``threads``, ``depth``,
+``unroll``); an empty tuning (or ``mma=0`` alone) leaves the choice to the op's routing.
 
-    python tools/sweep_op.py 7168x16384 1,2,4,8 "mma=0,signed=0;mma=0,group=8;mma=1,threads=512,depth=1"
+    python tools/sweep_op.py 7168x16384 1,2,4,8 "mma=0,signed=0;mma=0,group=8;bulk=1,rt=2;mma=1,threads=512,depth=1"
 """
 
 import os
@@ -30,7 +32,7 @@ def main():
             out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
             try:
                 plan = op._TokensPlan(*args, out, torch.bfloat16, tuning=tuning)
-            except ValueError as e:
+            except (ValueError, TypeError) as e:
                 print(f"{m}x{k} N={n:2d} {dict(tuning)}: {e}")
                 continue
             plan(*args, out, torch.bfloat16)
