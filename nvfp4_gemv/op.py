@@ -269,12 +269,15 @@ class _TokensPlan:
             out_rs = out.stride(0)
         sms = _sm_count(self.dev)
         tuning = dict(tuning)
-        mma = bool(tuning.pop("mma", use_mma(n, m, sms)))
+        forced, mma = tuning.pop("bulk", None), tuning.pop("mma", None)
+        if forced and mma:
+            raise ValueError("nvfp4_gemv: a tuning names one kernel: bulk=1 (bulk copies) or mma=1 (tensor cores)")
+        # other keys tune one kernel: without "bulk" or "mma" they are the dp4a kernel's (the routed kernels
+        # get none but the tensor-core kernel's "groups"); a w_scale address off 16 bytes is handled per call
+        named = forced or bool(set(tuning) - {"groups"})
+        mma = bool(mma) if mma is not None else not named and use_mma(n, m, sms)
         copyable = not wb and w_scale.stride(0) % 16 == 0
-        forced = tuning.pop("bulk", None)
-        # other keys tune one kernel: without "bulk" they are the dp4a kernel's (the bulk kernel's as
-        # routed gets none); a w_scale address off 16 bytes is handled per call (``_unaligned``)
-        auto = not (set(tuning) - {"groups"}) and use_bulk(n, m, k) and copyable
+        auto = not named and use_bulk(n, m, k) and copyable
         bulk = not mma and bool(auto if forced is None else forced)
         forced = forced is not None and bulk
         groups = tuning.pop("groups", None) or pick_groups(m, sms)

@@ -211,23 +211,33 @@ def test_w_scale_off_16_bytes_takes_the_dp4a_kernel_with_a_warning(monkeypatch):
     assert kernels(plan) == {"Nvfp4GemvTokensBulk"}
     with pytest.warns(RuntimeWarning, match="16-byte aligned"):
         out = plan(x, xs, w, moved, a, None, torch.bfloat16)
-    assert kernels(plan.fallback) == {"Nvfp4GemvTokens"}
+    fallback = plan.fallback
+    assert kernels(fallback) == {"Nvfp4GemvTokens"}
     assert_exact((x, xs, w, ws, a), out, 2048)
     assert_exact((x, xs, w, ws, a), plan(x, xs, w, ws, a, None, torch.bfloat16), 2048)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert_exact((x, xs, w, ws, a), plan(x, xs, w, moved, a, None, torch.bfloat16), 2048)
+    assert plan.fallback is fallback
 
 
-@pytest.mark.parametrize("tuning,expected", [((("mma", 0),), "Nvfp4GemvTokensBulk"),
-                                             ((("mma", 0), ("signed", 0)), "Nvfp4GemvTokens"),
-                                             ((("bulk", 0),), "Nvfp4GemvTokens"),
-                                             ((("bulk", 0), ("mma", 1)), "Nvfp4GemvMma"),
-                                             ((("bulk", 1), ("mma", 1)), "Nvfp4GemvMma")])
-def test_tuning_names_its_kernel(tuning, expected):
-    """A tuning key of one kernel without ``bulk`` means the dp4a kernel (the op's own bulk choice takes no
-    keys); ``bulk`` is dropped where the tensor-core kernel is chosen."""
-    x, xs, w, ws, a = inputs.op_inputs(2, 512, 2048, seed=5)
+@pytest.mark.parametrize("n,tuning,expected", [(2, (("mma", 0),), "Nvfp4GemvTokensBulk"),
+                                               (2, (("mma", 0), ("signed", 0)), "Nvfp4GemvTokens"),
+                                               (2, (("bulk", 0),), "Nvfp4GemvTokens"),
+                                               (2, (("bulk", 0), ("mma", 1)), "Nvfp4GemvMma"),
+                                               (8, (("bulk", 1), ("rt", 2)), "Nvfp4GemvTokensBulk"),
+                                               (8, (("signed", 0),), "Nvfp4GemvTokens"),
+                                               (8, (), "Nvfp4GemvMma")])
+def test_tuning_names_its_kernel(n, tuning, expected):
+    """A kernel's own keys choose it over the routing (keys without ``bulk`` or ``mma`` are the dp4a
+    kernel's); with none, the routing decides (8 tokens of 4096 rows: tensor cores)."""
+    x, xs, w, ws, a = inputs.op_inputs(n, 4096, 2048, seed=5)
     plan = op._TokensPlan(x, xs, w, ws, a, None, torch.bfloat16, tuning=tuning)
     assert {type(kern.op).__name__ for kern, _, _ in plan.launches} == {expected}
     assert_exact((x, xs, w, ws, a), plan(x, xs, w, ws, a, None, torch.bfloat16), 2048)
+
+
+def test_tuning_naming_two_kernels_raises():
+    x, xs, w, ws, a = inputs.op_inputs(2, 512, 2048, seed=6)
+    with pytest.raises(ValueError, match="one kernel"):
+        op._TokensPlan(x, xs, w, ws, a, None, torch.bfloat16, tuning=(("bulk", 1), ("mma", 1)))
