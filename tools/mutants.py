@@ -23,6 +23,7 @@ K = "nvfp4_gemv/kernel.py"
 OP = "nvfp4_gemv/op.py"
 TOK = "nvfp4_gemv/tokens.py"
 MMA = "nvfp4_gemv/mma.py"
+BULK = "nvfp4_gemv/tokens_bulk.py"
 
 # (name, file, old, new, tests, gpu)
 MUTANTS = [
@@ -134,6 +135,13 @@ MUTANTS = [
      ["tests/test_gpu_op_kernels.py"], True),
     ("op: tensor-core kernel never chosen", OP, "    return n >= 5 and m // 8 >= sms", "    return False",
      ["tests/test_gpu_op.py::test_kernel_choice"], True),
+    ("op: bulk-copy kernel never chosen", OP, "    return Nvfp4GemvTokensBulk.suits(k, n, **bulk_tuning(n, m, k))\n",
+     "    return False\n", ["tests/test_op_config.py"], False),
+    ("op: 4 rows a thread never chosen", OP, '        return {"ctas": 1, "rt": 4}\n', '        return {"ctas": 1}\n',
+     ["tests/test_op_config.py"], False),
+    ("op bulk: a thread's rows write one row's partials", BULK,
+     "                    p = p + (vi // NT) * (4 * self.parts * NT) - 4 * (vi // NT) * NT\n",
+     "                    p = p - 4 * (vi // NT) * NT\n", ["tests/test_gpu_op_kernels.py::test_bulk_rows_a_thread"], True),
     ("op: bf16 stored as fp16", TOK, 'cvt = "cvt.rn.bf16.f32" if bf16 else "cvt.rn.f16.f32"', 'cvt = "cvt.rn.f16.f32"',
      ["tests/test_gpu_op.py"], True),
 ]
