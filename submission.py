@@ -453,6 +453,27 @@ def bulk_g2s(dst, src, nbytes, mbar, evict_first=False, *, loc=None, ip=None):
 
 
 @cute.jit
+def stage_buffers(tidx, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, part_bytes: cutlass.Constexpr,
+                  smem_bytes: cutlass.Constexpr, consumers: cutlass.Constexpr):
+    """The shared memory of a bulk-copy pipeline: ``stages`` tiles, then a partial-sum block a stage, then a
+    ``full`` and an ``empty`` mbarrier a stage (``consumers`` arrivals empty one), initialised by thread 0
+    before a CTA barrier. Returns the four base addresses."""
+    smem = SmemAllocator()
+    s_buf = smem.allocate_tensor(cutlass.Int32, cute.make_layout(smem_bytes // 4), byte_alignment=128)
+    s_tiles = s_buf.iterator.toint()
+    s_part = s_tiles + stages * stage_bytes
+    s_full = s_part + stages * part_bytes
+    s_empty = s_full + 8 * stages
+    if tidx == 0:
+        for s in cutlass.range_constexpr(stages):
+            mbar_init(s_full + 8 * s, 1)
+            mbar_init(s_empty + 8 * s, consumers)
+        mbar_init_fence()
+    cute.arch.sync_threads()
+    return s_tiles, s_part, s_full, s_empty
+
+
+@cute.jit
 def copy_tile(lane, row0, dst, full, src, src_rs, sf_src, sf_rs, rows: cutlass.Constexpr, row_bytes: cutlass.Constexpr,
               sf_bytes: cutlass.Constexpr, evict: cutlass.Constexpr):
     """A producer warp's bulk copies of one tile: lane 0 announces the stage's bytes on its ``full``
@@ -856,18 +877,9 @@ class Nvfp4GemvBulk(_GemvLaunch):
         gdimx, _, _ = cute.arch.grid_dim()
         S = self.stages
         R = self.rows
-        smem = SmemAllocator()
-        s_buf = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.smem_bytes // 4), byte_alignment=128)
-        s_a = s_buf.iterator.toint()  # stage s: R rows of a, then R rows of sfa
-        s_part = s_a + S * self.stage_bytes  # fp64 partial per stage, row and part
-        s_full = s_part + S * self.part_bytes
-        s_empty = s_full + 8 * S
-        if tidx == 0:
-            for s in cutlass.range_constexpr(S):
-                mbar_init(s_full + 8 * s, 1)
-                mbar_init(s_empty + 8 * s, 32 * self.warps)
-            mbar_init_fence()
-        cute.arch.sync_threads()
+        # stage s: R rows of a, then R rows of sfa; fp64 partial per stage, row and part
+        s_a, s_part, s_full, s_empty = stage_buffers(tidx, S, self.stage_bytes, self.part_bytes, self.smem_bytes,
+                                                     32 * self.warps)
 
         l_idx = cutlass.Int64(bidy)
         n_t = (m // R - bidx + gdimx - 1) // gdimx  # tiles bidx, bidx + gdimx, ... of this batch index

@@ -326,13 +326,13 @@ class _TokensPlan:
         # addresses are not in the plan's key: checked on every call (the kernel reads 16-byte rows and
         # 2-byte scale pairs; a misaligned read would fault and break the CUDA context)
         px, pw, pxs, pws = x.data_ptr(), w.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr()
-        if (px | pw) & 15 or (pxs | pws) & 1:
+        if (px | pw) & 15 or pxs & 1 or pws & self.ws_mask:
             bad = [n for n, p, mask in (("x", px, 15), ("w", pw, 15), ("x_scale", pxs, 1), ("w_scale", pws, 1))
-                   if p & mask][0]
-            _fail(ValueError, bad, "16-byte aligned rows of x and w, even addresses of the scales",
-                  f"address {dict(x=px, w=pw, x_scale=pxs, w_scale=pws)[bad]:#x}")
-        if pws & self.ws_mask:
-            return self._unaligned(x, x_scale, w, w_scale, alpha, out, out_dtype)
+                   if p & mask]
+            if not bad:  # w_scale even but off 16 bytes, under a bulk-copy plan
+                return self._unaligned(x, x_scale, w, w_scale, alpha, out, out_dtype)
+            _fail(ValueError, bad[0], "16-byte aligned rows of x and w, even addresses of the scales",
+                  f"address {dict(x=px, w=pw, x_scale=pxs, w_scale=pws)[bad[0]]:#x}")
         if self.unswizzle_x:
             x_scale = unswizzle_scales(x_scale.view(torch.uint8), self.out_shape[0], self.k).contiguous()
             pxs = x_scale.data_ptr()

@@ -21,7 +21,6 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .kernel import (
     E2M1_TIMES2_LO,
-    SmemAllocator,
     _asm,
     _asm_store,
     blocked_row,
@@ -33,10 +32,9 @@ from .kernel import (
     lds_stage_u16,
     lds_stage_v4,
     mbar_arrive,
-    mbar_init,
-    mbar_init_fence,
     mbar_wait,
     scale_offset,
+    stage_buffers,
 )
 from .tokens import (
     SMEM_A_SM,
@@ -154,19 +152,10 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
         gdimx, _, _ = cute.arch.grid_dim()
         S = self.stages
         R = self.rows
-        smem = SmemAllocator()
-        s_buf = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.smem_bytes // 4), byte_alignment=128)
-        s_w = s_buf.iterator.toint()  # stage s: R rows of w, then R rows of its scales
-        s_part = s_w + S * self.stage_bytes  # fp32 partial per stage, row, warp of the row and token
-        s_full = s_part + S * self.part_bytes
-        s_empty = s_full + 8 * S
         consumers = self.groups * self.tr
-        if tidx == 0:
-            for s in cutlass.range_constexpr(S):
-                mbar_init(s_full + 8 * s, 1)
-                mbar_init(s_empty + 8 * s, consumers)
-            mbar_init_fence()
-        cute.arch.sync_threads()
+        # stage s: R rows of w, then R rows of its scales; fp32 partial per stage, row, warp of the row and token
+        s_w, s_part, s_full, s_empty = stage_buffers(tidx, S, self.stage_bytes, self.part_bytes, self.smem_bytes,
+                                                     consumers)
 
         n_t = (m // R - bidx + gdimx - 1) // gdimx  # tiles bidx, bidx + gdimx, ... of w
         if tidx >= consumers:
