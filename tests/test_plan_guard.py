@@ -1,5 +1,6 @@
-"""custom_kernel's fast path: a call whose tensors have the last call's metadata (checked in C++ by torch's
-TensorGuards) reuses that plan without computing the key; anything the key tells apart, the guard does too.
+"""custom_kernel's and gemv's fast path: a call whose tensors have the metadata of a recent call with the same
+anchor tensor (custom_kernel's a, gemv's w), or else of the newest call, checked in C++ by torch's
+TensorGuards, reuses that plan without computing the key; anything the key tells apart, the guard does too.
 Runs on the CPU (plans are faked where a GPU would build them)."""
 
 import pytest
@@ -56,7 +57,8 @@ def test_the_guard_rejects_what_the_key_tells_apart(idx):
 
 
 class FakePlan:
-    guard = None
+    guard = hit = None
+    hit_path = submission._ScaledMmPlan.hit_path  # the hit path through self(data)
 
     def __init__(self, calls):
         self.calls = calls
@@ -69,9 +71,16 @@ class FakePlan:
 def test_calls_with_a_recent_calls_metadata_skip_the_key(monkeypatch):
     calls = []
     key_of = submission._metadata
-    monkeypatch.setattr(submission, "_plans", {})
     monkeypatch.setattr(submission, "_recent", submission._RecentPlans())
-    monkeypatch.setattr(submission, "_new_plan", lambda data, key: calls.append("plan") or FakePlan(calls))
+    plans = {}
+    monkeypatch.setattr(submission, "_plans", plans)
+
+    def new_plan(data, key):
+        calls.append("plan")
+        plans[key] = FakePlan(calls)
+        return plans[key]
+
+    monkeypatch.setattr(submission, "_new_plan", new_plan)
     monkeypatch.setattr(submission, "_metadata", lambda data: calls.append("key") or key_of(data))
     d = good()
     c = torch.empty_strided((256, 1, 2), (1, 512, 256), dtype=torch.float16)
@@ -79,23 +88,27 @@ def test_calls_with_a_recent_calls_metadata_skip_the_key(monkeypatch):
              (tuple(t.clone() for t in d), ["launch"]),                     # new tensors, the same metadata
              (tuple(data_replaced(d, 6, c)), ["key", "plan", "launch"]),    # other strides of c: a new plan
              (tuple(data_replaced(d, 6, c.clone())), ["launch"]),           # ... found by its guard now
-             (tuple(d), ["launch"])]                                        # and the first one still
+             (tuple(d), ["key", "launch"]),                                 # a's first plan: by its key
+             (tuple(t.clone() for t in d), ["launch"])]                     # and the newest plan again
     for data, expected in steps:
         calls.clear()
         submission.custom_kernel(data)
         assert calls == expected
 
 
-def test_only_the_newest_plans_are_kept():
+def test_each_anchor_tensor_finds_its_own_plan_and_the_table_stays_bounded():
     recent = submission._RecentPlans()
-    plans = []
-    for i in range(recent.SIZE + 2):
+    recent.SIZE = 3
+    calls, made = [], []
+    for i in range(4):
         d = list(inputs.random_inputs(128 * (i + 1), 512, 1, seed=i, device="cpu"))
-        plans.append((d, FakePlan([])))
-        recent.add(None, d, plans[-1][1])
-    assert len(recent.entries) == recent.SIZE
-    assert recent.find(None, plans[0][0]) is None and recent.find(None, plans[-1][0]) is plans[-1][1]
-    assert recent.find("other tag", plans[-1][0]) is None
+        made.append((d, FakePlan(calls)))
+        recent.add(d[0], d, made[-1][1])
+        assert len(recent.hits) <= recent.SIZE
+    assert recent.newest is made[-1][1].hit
+    d, plan = made[-1]
+    assert recent.hits[id(d[0])] is plan.hit and plan.hit(d) is d[6] and calls == ["launch"]
+    assert made[0][1].hit(d) is None  # another plan's guard: another shape
 
 
 class Subclass(torch.Tensor):
@@ -104,16 +117,60 @@ class Subclass(torch.Tensor):
 
 def test_no_guard_for_tensor_subclasses_or_nested_tensors():
     """A guard keeps a borrowed pointer to each tensor's type: a subclass could be freed and its address
-    reused; a strided nested tensor aborts the guard's stride read. Neither is ever guarded or checked."""
+    reused; a strided nested tensor aborts the guard's stride read. Neither is ever guarded (nor is a
+    nested tensor checked: test_nested_tensors_never_reach_a_guard)."""
     recent = submission._RecentPlans()
     d = good()
-    recent.add(None, data_replaced(d, 6, d[6].as_subclass(Subclass)), FakePlan([]))
-    assert recent.entries == ()
+    recent.add(d[0], data_replaced(d, 6, d[6].as_subclass(Subclass)), FakePlan([]))
+    assert recent.hits == {} and recent.newest is None
     nested = torch.nested.nested_tensor([torch.zeros(3, 4)])
-    recent.add(None, data_replaced(d, 0, nested), FakePlan([]))
-    assert recent.entries == ()
-    recent.add(None, d, FakePlan([]))
-    assert recent.find(None, data_replaced(d, 0, nested)) is None
+    recent.add(nested, data_replaced(d, 0, nested), FakePlan([]))
+    assert recent.hits == {} and recent.newest is None
+
+
+NESTED_CALLS = """
+import warnings
+warnings.simplefilter("ignore")
+import torch, inputs, submission
+from nvfp4_gemv import op
+
+class Plan:
+    guard = hit = None
+    hit_path = submission._ScaledMmPlan.hit_path
+    def __call__(self, data):
+        raise SystemExit("reached the plan")
+
+d = list(inputs.random_inputs(256, 512, 2, seed=1, device="cpu"))
+submission._recent.add(d[0], d, Plan())
+nested = torch.nested.nested_tensor([torch.zeros(3, 4)])
+for i in range(7):
+    assert submission._recent.newest([*d[:i], nested, *d[i + 1:]]) is None
+
+class OpPlan:
+    guard = hit = None
+    hit_path = op._TokensPlan.hit_path
+    launches, unswizzle_x, dev, ws_mask, out_template = [], False, -1, 1, None
+    signature = (True, True, torch.bfloat16)
+
+args = list(inputs.op_inputs(2, 128, 256, seed=1, device="cpu")) + [torch.empty(2, 128, dtype=torch.bfloat16)]
+op._recent.add(args[2], args, OpPlan())
+for i in range(6):
+    a = [*args[:i], nested, *args[i + 1:]]
+    assert op._recent.newest(*a, torch.bfloat16) is None
+print("ok")
+"""
+
+
+def test_nested_tensors_never_reach_a_guard():
+    """Its stride read aborts the process on a strided nested tensor: a subprocess sees that."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here)]))
+    proc = subprocess.run([sys.executable, "-c", NESTED_CALLS], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
 
 
 def closed_file(tmp_path):
@@ -124,14 +181,15 @@ def closed_file(tmp_path):
 
 def test_malformed_calls_after_a_cached_plan_still_raise_naming_the_argument(monkeypatch, tmp_path):
     class UnusablePlan:
-        guard = None
+        guard = hit = None
+        hit_path = submission._ScaledMmPlan.hit_path
 
         def __call__(self, data):
             pytest.fail("a malformed call reached the cached plan")
 
     d = good()
     recent = submission._RecentPlans()
-    recent.add(None, d, UnusablePlan())
+    recent.add(d[0], d, UnusablePlan())
     monkeypatch.setattr(submission, "_recent", recent)
     nested = torch.nested.nested_tensor([torch.zeros(3, 4)])
     for bad, word in ((tuple(d[:6]), "'data'"), (torch.zeros(7), "'data'"), (5, "'data'"),
@@ -149,29 +207,38 @@ def test_gemv_with_a_recent_calls_metadata_skips_the_key(monkeypatch):
     calls = []
 
     class OpPlan:
-        guard = None
+        """The real hit path over a plan that launches nothing."""
+        guard = hit = None
+        hit_path = op._TokensPlan.hit_path
+        launches, unswizzle_x, dev, ws_mask, out_template = [], False, -1, 1, None
+
+        def __init__(self, *signature):
+            self.signature = signature
 
         def __call__(self, x, xs, w, ws, alpha, out, out_dtype):
             calls.append(("launch", out_dtype))
-            return out
+            return torch.empty(0) if out is None else out
 
     args = inputs.op_inputs(2, 128, 256, seed=1, device="cpu")
     out = torch.empty(2, 128, dtype=torch.float16)
     key_of = op._key
-    monkeypatch.setattr(op, "_plans", {key_of(*args, None, torch.bfloat16): OpPlan(),
-                                       key_of(*args, out, torch.float16): OpPlan()})
+    monkeypatch.setattr(op, "_plans", {key_of(*args, None, torch.bfloat16): OpPlan(True, False, torch.bfloat16),
+                                       key_of(*args, out, torch.float16): OpPlan(True, True, torch.float16),
+                                       key_of(*args[:4], None, None, torch.bfloat16): OpPlan(False, False, torch.bfloat16)})
     monkeypatch.setattr(op, "_recent", submission._RecentPlans())
     monkeypatch.setattr(op, "_key", lambda *a: calls.append("key") or key_of(*a))
     fresh = [t.clone() for t in args]
     steps = [(lambda: op.gemv(*args), ["key", ("launch", torch.bfloat16)]),
-             (lambda: op.gemv(*fresh), [("launch", torch.bfloat16)]),
+             (lambda: op.gemv(*fresh), [("launch", torch.bfloat16)]),       # the newest plan
+             (lambda: op.gemv(*fresh, out_dtype=torch.float16), ["key"]),   # not for another result dtype
              (lambda: op.gemv(*args, out=out), ["key", ("launch", torch.float16)]),
              (lambda: op.gemv(*fresh, out=out.clone()), [("launch", torch.float16)]),
              # out of another dtype or layout than the plan's: the key (then the exact CPU path)
              (lambda: op.gemv(*args, out=torch.empty(2, 128, dtype=torch.bfloat16)), ["key"]),
              (lambda: op.gemv(*args, out=torch.empty(128, 2, dtype=torch.float16).t()), ["key"]),
              (lambda: op.gemv(*args, out_dtype=torch.float16), ["key"]),   # no plan for it on the CPU
-             (lambda: op.gemv(*args[:4], None), ["key"])]                  # no alpha: another key
+             (lambda: op.gemv(*args[:4], None), ["key", ("launch", torch.bfloat16)]),  # no alpha: another plan
+             (lambda: op.gemv(*fresh), ["key", ("launch", torch.bfloat16)])]  # whose hit takes no alpha
     for i, (call, expected) in enumerate(steps):
         calls.clear()
         try:

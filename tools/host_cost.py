@@ -32,7 +32,8 @@ def main():
     print(f"nvidia-cutlass-dsl {md.version('nvidia-cutlass-dsl')}, launch path: {plan.kernel.kind}")
     cases = [("custom_kernel", lambda: submission.custom_kernel(data)),
              ("metadata key + plan lookup", lambda: submission._plans.get(submission._metadata(data))),
-             ("C++ guard of the recent plans (the fast path)", lambda: submission._recent.find(None, data)),
+             ("plan's C++ guard alone (TensorGuards)", lambda: plan.guard.check(*data)),
+             ("plan.hit(data): the fast path, no wrapper", lambda: plan.hit(data)),
              ("plan(data): pointers, stream, launch", lambda: plan(data))]
     if plan.ffi is not None:
         args = (data[0].data_ptr(), data[1].data_ptr(), data[2].data_ptr(), data[3].data_ptr(),
