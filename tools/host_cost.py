@@ -1,4 +1,5 @@
-"""Host-side cost of one ``custom_kernel`` call and its parts, next to a bare torch launch.
+"""Host-side cost of one ``custom_kernel`` call and its parts, next to a bare torch launch, then each
+comparison the issues ask for as the median difference over alternating measurements.
 
     python tools/host_cost.py
 
@@ -61,8 +62,20 @@ def main():
               ("torch.empty(shape, dtype=, device=device)", lambda: torch.empty((4, 4096), dtype=torch.bfloat16,
                                                                                 device=dev)),
               ("w.new_empty(shape, dtype=)", lambda: w.new_empty((4, 4096), dtype=torch.bfloat16))]
+    template = torch.empty((1, 1), dtype=torch.bfloat16, device=dev).expand(4, 4096)
+    cases.append(("torch.empty_like(zero-stride template)", lambda: torch.empty_like(template)))
     for name, fn in cases:
         print(f"{name:45s} {busy_us(fn)}")
+    # the lent hosts' CPUs drift by a microsecond between lines: each comparison alternates its two calls
+    fns = dict(cases)
+    pairs = [("custom_kernel", "torch.add(x, x): a bare torch op"),
+             ("custom_kernel", "torch.cuda._sleep(0): a bare torch launch"),
+             ("gemv(..., out=out), N = 4", "custom_kernel"),
+             ("gemv(...), N = 4 (allocates the result)", "custom_kernel")]
+    for a, b in pairs:
+        diffs = sorted(busy_host_us(fns[a], rounds=3)[0] - busy_host_us(fns[b], rounds=3)[0] for _ in range(7))
+        print(f"{a.split(':')[0]} - {b.split(':')[0]}: median {diffs[3]:+.2f} us over 7 alternations "
+              f"(range {diffs[0]:+.2f} .. {diffs[-1]:+.2f})")
 
 
 if __name__ == "__main__":
