@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 import reference  # noqa: E402
 import submission  # noqa: E402
-from bench import busy_host_us  # noqa: E402
+from bench import busy_host_us, host_diff_us  # noqa: E402
 
 
 def busy_us(fn):
@@ -73,9 +73,9 @@ def main():
              ("gemv(..., out=out), N = 4", "custom_kernel"),
              ("gemv(...), N = 4 (allocates the result)", "custom_kernel")]
     for a, b in pairs:
-        diffs = sorted(busy_host_us(fns[a], rounds=3)[0] - busy_host_us(fns[b], rounds=3)[0] for _ in range(7))
-        print(f"{a.split(':')[0]} - {b.split(':')[0]}: median {diffs[3]:+.2f} us over 7 alternations "
-              f"(range {diffs[0]:+.2f} .. {diffs[-1]:+.2f})")
+        med, lo, hi = host_diff_us(fns[a], fns[b])
+        print(f"{a.split(':')[0]} - {b.split(':')[0]}: median {med:+.2f} us over 7 alternations "
+              f"(range {lo:+.2f} .. {hi:+.2f})")
 
 
 if __name__ == "__main__":
