@@ -1323,16 +1323,18 @@ class _RecentPlans:
         self.newest = None
 
     def add(self, anchor, ts, plan):
-        """Makes ``plan``'s guard from ``ts`` (the call's tensors, in the order its hit path checks them),
-        once, and files its hit path under ``anchor``; nothing for tensor subclasses or nested tensors."""
+        """Makes ``plan``'s guard from ``ts`` (the call's tensors, in the order its hit path checks them)
+        and files its hit path under ``anchor``; nothing for tensor subclasses or nested tensors. A guard
+        holds what the key does not (``nn.Parameter`` or not, requires_grad, inference tensors): tensors of
+        the plan's key that its guard rejects get a guard of their own, or they would pay the key each call."""
         if _make_guard is None or any(type(t) not in _GUARD_TYPES or t.is_nested for t in ts):
             return
-        if plan.hit is None:
-            try:
+        try:
+            if plan.hit is None or not plan.guard.check(*ts):
                 guard = _make_guard(ts)
-            except (TypeError, RuntimeError):
-                return
-            plan.guard, plan.hit = guard, plan.hit_path(guard.check)
+                plan.guard, plan.hit = guard, plan.hit_path(guard.check)
+        except (TypeError, RuntimeError):
+            return
         hits = self.hits
         if len(hits) >= self.SIZE:
             hits.clear()

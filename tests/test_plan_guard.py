@@ -96,6 +96,31 @@ def test_calls_with_a_recent_calls_metadata_skip_the_key(monkeypatch):
         assert calls == expected
 
 
+def test_tensors_the_key_cannot_tell_from_the_plans_get_a_guard_of_their_own(monkeypatch):
+    """A Parameter has the key of the plain tensor it wraps, not its guard: after one call through the key
+    it has a guard of its own, instead of paying the key on every call."""
+    calls = []
+    key_of = submission._metadata
+    plans = {}
+    monkeypatch.setattr(submission, "_plans", plans)
+    monkeypatch.setattr(submission, "_recent", submission._RecentPlans())
+
+    def new_plan(data, key):
+        calls.append("plan")
+        plans[key] = FakePlan(calls)
+        return plans[key]
+
+    monkeypatch.setattr(submission, "_new_plan", new_plan)
+    monkeypatch.setattr(submission, "_metadata", lambda data: calls.append("key") or key_of(data))
+    d = good()
+    p = data_replaced(d, 0, torch.nn.Parameter(d[0], requires_grad=False))
+    for data, expected in ((d, ["key", "plan", "launch"]), (p, ["key", "launch"]), (p, ["launch"]),
+                           ([t.clone() for t in d], ["key", "launch"]), (d, ["launch"]), (p, ["launch"])):
+        calls.clear()
+        submission.custom_kernel(data)
+        assert calls == expected
+
+
 def test_each_anchor_tensor_finds_its_own_plan_and_the_table_stays_bounded():
     recent = submission._RecentPlans()
     recent.SIZE = 3

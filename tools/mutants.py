@@ -75,6 +75,8 @@ MUTANTS = [
     ("guard: strides not compared (the self-check must refuse it)", K,
      "dynamic_dims_strides=[list(t.stride()) for t in ts]", "dynamic_dims_strides=[[None] * t.dim() for t in ts]",
      ["tests/test_plan_guard.py"], False),
+    ("guard: one guard a plan", K, "if plan.hit is None or not plan.guard.check(*ts):", "if plan.hit is None:",
+     ["tests/test_plan_guard.py"], False),
     ("guard: tensor subclasses guarded", K, "type(t) not in _GUARD_TYPES or t.is_nested", "t.is_nested",
      ["tests/test_plan_guard.py"], False),
     ("guard: nested x reaches gemv's guard", OP, "if x.is_nested or x_scale.is_nested", "if x_scale.is_nested",
