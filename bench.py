@@ -105,11 +105,19 @@ def busy_host_us(fn, calls=200, rounds=7):
 
 
 def host_diff_us(fn_a, fn_b, alternations=7):
-    """Host time of ``fn_a`` minus ``fn_b`` (``busy_host_us``, 3 rounds each), measured alternately
-    ``alternations`` times: ``(median, lowest, highest)``. The lent hosts' CPUs drift by a microsecond or
-    more between measurements taken one after the other; alternating pairs cancel the drift."""
-    diffs = sorted(busy_host_us(fn_a, rounds=3)[0] - busy_host_us(fn_b, rounds=3)[0] for _ in range(alternations))
-    return diffs[len(diffs) // 2], diffs[0], diffs[-1]
+    """Host time of ``fn_a`` minus ``fn_b`` (``busy_host_us``, 3 rounds each), measured ``alternations``
+    times in alternating order (ab, ba, ab, ...): ``(median, lowest, highest, valid)``. The lent hosts' CPUs
+    drift by a microsecond or more between measurements taken one after the other; pairs in both orders
+    cancel the drift. ``valid`` as ``busy_host_us``'s, for all of them."""
+    diffs, valid = [], True
+    for i in range(alternations):
+        first, second = (fn_a, fn_b) if i % 2 == 0 else (fn_b, fn_a)
+        t1, v1 = busy_host_us(first, rounds=3)
+        t2, v2 = busy_host_us(second, rounds=3)
+        diffs.append(t1 - t2 if i % 2 == 0 else t2 - t1)
+        valid = valid and v1 and v2
+    diffs.sort()
+    return diffs[len(diffs) // 2], diffs[0], diffs[-1], valid
 
 
 def host_cost_us(data):

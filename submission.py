@@ -1164,8 +1164,7 @@ class _CutePlan:
     """Everything about a CuTe launch that the tensors' metadata fixes (kernel, grid, strides), so
     that a call only reads the five data pointers and the stream."""
 
-    guard = None  # custom_kernel's C++ metadata check for this plan's tensors (_guard_maker)
-    hit = None  # custom_kernel's call through that check (hit_path)
+    variants = ()  # (guard, hit): C++ checks of tensor sets with this plan's key, newest first (_RecentPlans)
 
     def __init__(self, data, m, k, l, scales_on_gpu, tuning=None):
         a, b, sfa, sfb, sfa_p, sfb_p, c = data
@@ -1247,8 +1246,7 @@ class _ScaledMmPlan:
     """L == 1 on a GPU whose ``_scaled_mm`` takes fp4; ``NVFP4_GEMV_FORCE_CUTE=1`` sends it to the CuTe
     kernel, compiled only then."""
 
-    guard = None  # custom_kernel's C++ metadata check for this plan's tensors (_guard_maker)
-    hit = None
+    variants = ()
 
     def __init__(self, shape):
         self.shape = shape  # (m, k, l, scales_on_gpu)
@@ -1309,43 +1307,57 @@ _GUARD_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 class _RecentPlans:
-    """Recent calls' plans, so that a hit skips the Python key: by the identity of one of the call's tensors
-    (custom_kernel's ``a``; gemv's ``w``, which a model passes at every step), else the newest plan (fresh
-    tensors of the last call's shape, as the leaderboard passes them). An entry is the plan's ``hit``: the
-    plan's call behind a C++ guard of all the call's tensor metadata, returning None where the guard
-    rejects the tensors (another plan's metadata, or a dead tensor's id reused: the guard makes both safe).
-    One entry an anchor tensor: the newest plan it was called with."""
+    """Recent calls' plans, so that a hit skips the Python key: first by the identity of one of the call's
+    tensors (custom_kernel's ``a``; gemv's ``w``, which a model passes at every step), then the last few
+    plans in turn (fresh tensors of a recent shape: the leaderboard's inputs, or ``w.detach()`` each call).
+    A hit is a plan's call behind a C++ guard of all the call's tensor metadata, returning None where the
+    guard rejects them (another plan's metadata, or a dead tensor's id reused: the guard makes both safe).
+    A plan keeps a guard a variant of its key's tensors (``nn.Parameter`` or not, requires_grad, inference
+    tensors: what the key does not hold), up to ``VARIANTS``."""
 
     SIZE = 4096  # ids, not tensors: nothing is kept alive
+    RECENT = 8  # a decoder layer's distinct weight shapes, and then some
+    VARIANTS = 4
 
     def __init__(self):
         self.hits = {}
-        self.newest = None
+        self.recent = ()  # the newest hits, newest first; one assignment: thread-safe reads
+
+    def scan(self, tried, *args):
+        """The result of the first recent hit other than ``tried`` that takes ``args``, else None."""
+        for hit in self.recent:
+            if hit is not tried:
+                res = hit(*args)
+                if res is not None:
+                    return res
+        return None
 
     def add(self, anchor, ts, plan):
-        """Makes ``plan``'s guard from ``ts`` (the call's tensors, in the order its hit path checks them)
-        and files its hit path under ``anchor``; nothing for tensor subclasses or nested tensors. A guard
-        holds what the key does not (``nn.Parameter`` or not, requires_grad, inference tensors): tensors of
-        the plan's key that its guard rejects get a guard of their own, or they would pay the key each call."""
+        """Files a hit of ``plan`` for ``ts`` (the call's tensors, in the order its hit path checks them)
+        under ``anchor`` and first in ``recent``, with the plan's variant whose guard takes ``ts`` (a new one
+        if none does); nothing for tensor subclasses or nested tensors."""
         if _make_guard is None or any(type(t) not in _GUARD_TYPES or t.is_nested for t in ts):
             return
         try:
-            if plan.hit is None or not plan.guard.check(*ts):
+            hit = next((h for g, h in plan.variants if g.check(*ts)), None)
+            if hit is None:
                 guard = _make_guard(ts)
-                plan.guard, plan.hit = guard, plan.hit_path(guard.check)
+                hit = plan.hit_path(guard.check)
+                plan.variants = ((guard, hit),) + plan.variants[: self.VARIANTS - 1]
         except (TypeError, RuntimeError):
             return
-        hits = self.hits
-        if len(hits) >= self.SIZE:
+        hits, key = self.hits, id(anchor)
+        if key not in hits and len(hits) >= self.SIZE:
             hits.clear()
-        hits[id(anchor)] = self.newest = plan.hit
+        hits[key] = hit
+        self.recent = (hit,) + tuple(h for h in self.recent if h is not hit)[: self.RECENT - 1]
 
 
 def _hit_path(check, plan, ffi=None, static=(), dev=-1, sfa_mask=1, scale_idx=(2, 3)):
     """custom_kernel's call of ``plan`` for data with exactly its metadata: None where ``check`` (the plan's
     guard) rejects ``data`` or it is no 7 tensors. A TVM-FFI launch is inlined (about 0.5 us less host
     time than ``plan(data)``); without ``ffi``, and for what the launch does not take, ``plan(data)``."""
-    get_device, stream, (i0, i1) = _get_device, _current_stream, scale_idx
+    get_device, stream, plain = _get_device, _current_stream, scale_idx == (2, 3)
 
     def call(data):
         try:
@@ -1358,7 +1370,11 @@ def _hit_path(check, plan, ffi=None, static=(), dev=-1, sfa_mask=1, scale_idx=(2
             return None
         if ffi is None:
             return plan(data)
-        pa, pb, psa, psb = a.data_ptr(), b.data_ptr(), data[i0].data_ptr(), data[i1].data_ptr()
+        if plain:
+            psa, psb = sfa.data_ptr(), sfb.data_ptr()
+        else:
+            psa, psb = sfa_p.data_ptr(), sfb_p.data_ptr()
+        pa, pb = a.data_ptr(), b.data_ptr()
         if (pa | pb) & 15 or psa & sfa_mask or psb & 1 or get_device() != dev:
             return plan(data)
         ffi(pa, pb, psa, psb, c.data_ptr(), *static, stream(dev))
@@ -1424,18 +1440,18 @@ def custom_kernel(data: input_t) -> output_t:
     :return: ``c``
     :raises TypeError, ValueError: on malformed input, naming the argument.
     """
-    try:
-        hit = _recent.hits.get(id(data[0]), _recent.newest)
-    except (TypeError, KeyError, IndexError):
-        hit = None
-    if hit is not None:
-        c = hit(data)
+    key = None
+    if type(data) is tuple or type(data) is list:  # anything else: check_inputs names it
+        hit = _recent.hits.get(id(data[0])) if data else None
+        c = hit(data) if hit is not None else None
+        if c is None:
+            c = _recent.scan(hit, data)
         if c is not None:
             return c
-    try:
-        key = _metadata(data)
-    except (TypeError, ValueError, AttributeError, RuntimeError):  # RuntimeError: strides of a nested tensor
-        key = None
+        try:
+            key = _metadata(data)
+        except (TypeError, ValueError, AttributeError, RuntimeError):  # RuntimeError: strides of a nested tensor
+            pass
     plan = _plans.get(key)
     if plan is None:
         plan = _new_plan(data, key)  # validates data in full; raises on malformed input

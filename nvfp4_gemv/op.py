@@ -44,10 +44,16 @@ def swizzled_scale_shape(rows, k):
     return (-(-rows // 128) * 32, -(-k // 64) * 16)
 
 
+def _strided(t, name):
+    if t.is_nested or t.layout != torch.strided:
+        _fail(TypeError, name, "a dense (strided) tensor", "a nested tensor" if t.is_nested else f"layout {t.layout}")
+
+
 def _scale_layout(s, name, rows, k):
     """``False`` for plain [rows, K/16] scales, ``True`` for the blocked layout (told apart by shape)."""
     if not isinstance(s, torch.Tensor):
         _fail(TypeError, name, "a torch.Tensor", type(s).__name__)
+    _strided(s, name)
     if s.dtype not in _FP8:
         _fail(TypeError, name, "dtype torch.float8_e4m3fn or torch.uint8", s.dtype)
     shape = tuple(s.shape)
@@ -70,6 +76,7 @@ def check_args(x, x_scale, w, w_scale, alpha, out_dtype, out=None):
     for t, name in ((x, "x"), (w, "w")):
         if not isinstance(t, torch.Tensor):
             _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
+        _strided(t, name)
         if t.dtype not in _FP4:
             _fail(TypeError, name, "dtype torch.float4_e2m1fn_x2 or torch.uint8 (two e2m1 values a byte)", t.dtype)
         if t.dim() != 2:
@@ -98,6 +105,7 @@ def check_args(x, x_scale, w, w_scale, alpha, out_dtype, out=None):
     if alpha is not None:
         if not isinstance(alpha, torch.Tensor):
             _fail(TypeError, "alpha", "None or a one-element torch.float32 tensor", type(alpha).__name__)
+        _strided(alpha, "alpha")
         if alpha.dtype != torch.float32 or alpha.numel() != 1 or alpha.dim() > 1:
             _fail(TypeError, "alpha", "a one-element torch.float32 tensor of 0 or 1 dimensions",
                   f"{alpha.dtype} of shape {tuple(alpha.shape)}")
@@ -107,6 +115,7 @@ def check_args(x, x_scale, w, w_scale, alpha, out_dtype, out=None):
     if out is not None:
         if not isinstance(out, torch.Tensor):
             _fail(TypeError, "out", "a torch.Tensor", type(out).__name__)
+        _strided(out, "out")
         if out.dtype != out_dtype or tuple(out.shape) != (n, m):
             _fail(ValueError, "out", f"a [{n}, {m}] {out_dtype} tensor", f"{tuple(out.shape)} {out.dtype}")
         if out.device != dev:
@@ -248,8 +257,7 @@ class _TokensPlan:
     """What the tensors' metadata fixes for a launch (kernels, grid, strides, token groups), so that a
     call only reads the data pointers and the stream."""
 
-    guard = None  # gemv's C++ metadata check for this plan's tensors (kernel._guard_maker)
-    hit = None  # gemv's call through that check (hit_path)
+    variants = ()  # (guard, hit): C++ checks of tensor sets with this plan's key (kernel._RecentPlans)
 
     def __init__(self, x, x_scale, w, w_scale, alpha, out, out_dtype, tuning=()):
         n, m, k, xb, wb = check_args(x, x_scale, w, w_scale, alpha, out_dtype, out)
@@ -423,7 +431,7 @@ def _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype, key=None):
     if key is None:
         try:
             key = _key(x, x_scale, w, w_scale, alpha, out, out_dtype)
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError, RuntimeError, NotImplementedError):
             key = None
     plan = _plans.get(key)
     if plan is None:
@@ -501,15 +509,16 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
     direct = (type(w) in _PLAIN and type(x) in _PLAIN and not torch.compiler.is_compiling()
               and not torch._C._len_torch_dispatch_stack())
     if direct:
-        hit = _recent.hits.get(id(w), _recent.newest)
-        if hit is not None:
-            res = hit(x, x_scale, w, w_scale, alpha, out, out_dtype)
-            if res is not None:
-                return res
+        hit = _recent.hits.get(id(w))
+        res = hit(x, x_scale, w, w_scale, alpha, out, out_dtype) if hit is not None else None
+        if res is None:
+            res = _recent.scan(hit, x, x_scale, w, w_scale, alpha, out, out_dtype)
+        if res is not None:
+            return res
         try:
             key = _key(x, x_scale, w, w_scale, alpha, out, out_dtype if out is None else out.dtype)
             plan = _plans.get(key)
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError, RuntimeError, NotImplementedError):  # strides of nested, sparse
             key = plan = None
         if plan is not None:
             ts = (x, x_scale, w, w_scale) + ((alpha,) if alpha is not None else ()) + ((out,) if out is not None else ())

@@ -6,6 +6,8 @@ import torch
 import inputs
 from nvfp4_gemv import gemv
 
+pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+
 
 def ops(n=2, m=128, k=128):
     return list(inputs.op_inputs(n, m, k, seed=1, device="cpu"))
@@ -33,6 +35,13 @@ BAD = [
     ("out_dtype fp32", lambda a: None, {"out_dtype": torch.float32}, TypeError, "out_dtype"),
     ("out shape", lambda a: None, {"out": torch.empty(2, 64, dtype=torch.bfloat16)}, ValueError, "out"),
     ("out dtype", lambda a: None, {"out": torch.empty(2, 128, dtype=torch.float32)}, TypeError, "out"),
+    ("x nested", lambda a: a.__setitem__(0, torch.nested.nested_tensor([a[0].view(torch.uint8)] * 2)), {},
+     TypeError, "x"),
+    ("w sparse", lambda a: a.__setitem__(2, a[2].view(torch.uint8).to_sparse()), {}, TypeError, "w"),
+    ("w_scale sparse", lambda a: a.__setitem__(3, a[3].view(torch.uint8).to_sparse()), {}, TypeError, "w_scale"),
+    ("alpha sparse", lambda a: a.__setitem__(4, torch.ones(1).to_sparse()), {}, TypeError, "alpha"),
+    ("out nested", lambda a: None, {"out": torch.nested.nested_tensor([torch.empty(2, 128, dtype=torch.bfloat16)])},
+     TypeError, "out"),
 ]
 
 

@@ -1,7 +1,9 @@
-"""custom_kernel's and gemv's fast path: a call whose tensors have the metadata of a recent call with the same
-anchor tensor (custom_kernel's a, gemv's w), or else of the newest call, checked in C++ by torch's
+"""custom_kernel's and gemv's fast path: a call whose tensors have the metadata of a recent call, found by
+its anchor tensor (custom_kernel's a, gemv's w) or among the last few plans and checked in C++ by torch's
 TensorGuards, reuses that plan without computing the key; anything the key tells apart, the guard does too.
 Runs on the CPU (plans are faked where a GPU would build them)."""
+
+import collections
 
 import pytest
 import torch
@@ -57,7 +59,7 @@ def test_the_guard_rejects_what_the_key_tells_apart(idx):
 
 
 class FakePlan:
-    guard = hit = None
+    variants = ()
     hit_path = submission._ScaledMmPlan.hit_path  # the hit path through self(data)
 
     def __init__(self, calls):
@@ -88,7 +90,7 @@ def test_calls_with_a_recent_calls_metadata_skip_the_key(monkeypatch):
              (tuple(t.clone() for t in d), ["launch"]),                     # new tensors, the same metadata
              (tuple(data_replaced(d, 6, c)), ["key", "plan", "launch"]),    # other strides of c: a new plan
              (tuple(data_replaced(d, 6, c.clone())), ["launch"]),           # ... found by its guard now
-             (tuple(d), ["key", "launch"]),                                 # a's first plan: by its key
+             (tuple(d), ["launch"]),                                        # a's first plan: a recent one
              (tuple(t.clone() for t in d), ["launch"])]                     # and the newest plan again
     for data, expected in steps:
         calls.clear()
@@ -114,26 +116,90 @@ def test_tensors_the_key_cannot_tell_from_the_plans_get_a_guard_of_their_own(mon
     monkeypatch.setattr(submission, "_metadata", lambda data: calls.append("key") or key_of(data))
     d = good()
     p = data_replaced(d, 0, torch.nn.Parameter(d[0], requires_grad=False))
-    for data, expected in ((d, ["key", "plan", "launch"]), (p, ["key", "launch"]), (p, ["launch"]),
-                           ([t.clone() for t in d], ["key", "launch"]), (d, ["launch"]), (p, ["launch"])):
+    fresh_p = lambda: data_replaced(d, 0, torch.nn.Parameter(d[0].clone(), requires_grad=False))  # noqa: E731
+    for i, (data, expected) in enumerate(((d, ["key", "plan", "launch"]), (p, ["key", "launch"]), (p, ["launch"]),
+                                          ([t.clone() for t in d], ["launch"]), (d, ["launch"]), (p, ["launch"]),
+                                          # fresh anchors of both kinds, alternating: each kind's guard is kept
+                                          (fresh_p(), ["launch"]), ([t.clone() for t in d], ["launch"]),
+                                          (fresh_p(), ["launch"]))):
         calls.clear()
         submission.custom_kernel(data)
-        assert calls == expected
+        assert calls == expected, i
+    assert len(next(iter(plans.values())).variants) == 2
 
 
-def test_each_anchor_tensor_finds_its_own_plan_and_the_table_stays_bounded():
+def test_fresh_anchors_of_alternating_shapes_find_their_plans_without_the_key(monkeypatch):
+    """``w.detach()`` each call, or the leaderboard's fresh inputs: no anchor is ever seen twice, and the
+    recent plans are tried in turn."""
+    calls = []
+    key_of = submission._metadata
+    plans = {}
+    monkeypatch.setattr(submission, "_plans", plans)
+    monkeypatch.setattr(submission, "_recent", submission._RecentPlans())
+
+    def new_plan(data, key):
+        calls.append("plan")
+        plans[key] = FakePlan(calls)
+        return plans[key]
+
+    monkeypatch.setattr(submission, "_new_plan", new_plan)
+    monkeypatch.setattr(submission, "_metadata", lambda data: calls.append("key") or key_of(data))
+    shapes = [list(inputs.random_inputs(128 * (i + 1), 512, 1, seed=i, device="cpu")) for i in range(4)]
+    for i, d in enumerate(shapes + shapes):  # the second round: each shape's plan is found again
+        calls.clear()
+        submission.custom_kernel([t.clone() for t in d])
+        assert calls == (["launch"] if i >= 4 else ["key", "plan", "launch"]), i
+
+
+def test_the_inlined_launch_passes_the_checked_tensors_pointers(monkeypatch):
+    """The TVM-FFI launch in the hit path, with a recorder for the launcher: the five pointers come from the
+    tensors the guard checked (the plain or the permuted scales, as the plan reads), then the plan's static
+    arguments and the stream; misaligned pointers go to the plan's own call."""
+    monkeypatch.setattr(submission, "_get_device", lambda: 0)
+    monkeypatch.setattr(submission, "_current_stream", lambda dev: 1234)
+    d = good()
+    for plain in (True, False):
+        launched, slow = [], []
+
+        class Plan:
+            variants = ()
+
+            def __call__(self, data):
+                slow.append(1)
+                return data[6]
+
+        plan = Plan()
+        guard = submission._make_guard(d)
+        hit = submission._hit_path(guard.check, plan, lambda *a: launched.append(a), (7, 8), 0, 15,
+                                   (2, 3) if plain else (4, 5))
+        assert hit(d) is d[6] and not slow
+        sa, sb = (d[2], d[3]) if plain else (d[4], d[5])
+        assert launched == [(d[0].data_ptr(), d[1].data_ptr(), sa.data_ptr(), sb.data_ptr(), d[6].data_ptr(),
+                             7, 8, 1234)]
+        if plain:  # an sfa 2 bytes off its 16-byte alignment, same metadata: the plan's call
+            base = torch.empty(d[2].numel() + 8, dtype=torch.uint8)
+            off = (16 - base.data_ptr() % 16) % 16 + 2
+            moved = base[off:off + d[2].numel()].view(d[2].dtype).view(d[2].shape)
+            moved = torch.as_strided(moved, d[2].shape, d[2].stride())
+            assert moved.data_ptr() % 16 == 2 and guard.check(*data_replaced(d, 2, moved))
+            launched.clear()
+            assert hit(data_replaced(d, 2, moved)) is d[6] and slow and not launched
+
+
+def test_each_anchor_tensor_finds_its_own_plan_and_the_tables_stay_bounded():
     recent = submission._RecentPlans()
-    recent.SIZE = 3
+    recent.SIZE, recent.RECENT = 3, 2
     calls, made = [], []
     for i in range(4):
         d = list(inputs.random_inputs(128 * (i + 1), 512, 1, seed=i, device="cpu"))
         made.append((d, FakePlan(calls)))
         recent.add(d[0], d, made[-1][1])
-        assert len(recent.hits) <= recent.SIZE
-    assert recent.newest is made[-1][1].hit
+        recent.add(d[0], d, made[-1][1])  # again: no second entry, no eviction
+        assert len(recent.hits) == i % 3 + 1 and len(recent.recent) == min(i + 1, 2)
     d, plan = made[-1]
-    assert recent.hits[id(d[0])] is plan.hit and plan.hit(d) is d[6] and calls == ["launch"]
-    assert made[0][1].hit(d) is None  # another plan's guard: another shape
+    hit = plan.variants[0][1]
+    assert recent.recent[0] is hit and recent.hits[id(d[0])] is hit and hit(d) is d[6] and calls == ["launch"]
+    assert made[0][1].variants[0][1](d) is None  # another plan's guard: another shape
 
 
 class Subclass(torch.Tensor):
@@ -147,10 +213,10 @@ def test_no_guard_for_tensor_subclasses_or_nested_tensors():
     recent = submission._RecentPlans()
     d = good()
     recent.add(d[0], data_replaced(d, 6, d[6].as_subclass(Subclass)), FakePlan([]))
-    assert recent.hits == {} and recent.newest is None
+    assert recent.hits == {} and recent.recent == ()
     nested = torch.nested.nested_tensor([torch.zeros(3, 4)])
     recent.add(nested, data_replaced(d, 0, nested), FakePlan([]))
-    assert recent.hits == {} and recent.newest is None
+    assert recent.hits == {} and recent.recent == ()
 
 
 NESTED_CALLS = """
@@ -160,7 +226,7 @@ import torch, inputs, submission
 from nvfp4_gemv import op
 
 class Plan:
-    guard = hit = None
+    variants = ()
     hit_path = submission._ScaledMmPlan.hit_path
     def __call__(self, data):
         raise SystemExit("reached the plan")
@@ -169,10 +235,10 @@ d = list(inputs.random_inputs(256, 512, 2, seed=1, device="cpu"))
 submission._recent.add(d[0], d, Plan())
 nested = torch.nested.nested_tensor([torch.zeros(3, 4)])
 for i in range(7):
-    assert submission._recent.newest([*d[:i], nested, *d[i + 1:]]) is None
+    assert submission._recent.recent[0]([*d[:i], nested, *d[i + 1:]]) is None
 
 class OpPlan:
-    guard = hit = None
+    variants = ()
     hit_path = op._TokensPlan.hit_path
     launches, unswizzle_x, dev, ws_mask, out_template = [], False, -1, 1, None
     signature = (True, True, torch.bfloat16)
@@ -181,7 +247,7 @@ args = list(inputs.op_inputs(2, 128, 256, seed=1, device="cpu")) + [torch.empty(
 op._recent.add(args[2], args, OpPlan())
 for i in range(6):
     a = [*args[:i], nested, *args[i + 1:]]
-    assert op._recent.newest(*a, torch.bfloat16) is None
+    assert op._recent.recent[0](*a, torch.bfloat16) is None
 print("ok")
 """
 
@@ -206,7 +272,7 @@ def closed_file(tmp_path):
 
 def test_malformed_calls_after_a_cached_plan_still_raise_naming_the_argument(monkeypatch, tmp_path):
     class UnusablePlan:
-        guard = hit = None
+        variants = ()
         hit_path = submission._ScaledMmPlan.hit_path
 
         def __call__(self, data):
@@ -218,7 +284,7 @@ def test_malformed_calls_after_a_cached_plan_still_raise_naming_the_argument(mon
     monkeypatch.setattr(submission, "_recent", recent)
     nested = torch.nested.nested_tensor([torch.zeros(3, 4)])
     for bad, word in ((tuple(d[:6]), "'data'"), (torch.zeros(7), "'data'"), (5, "'data'"),
-                      (closed_file(tmp_path), "'data'"),
+                      (closed_file(tmp_path), "'data'"), (collections.deque(d), "'data'"), ((), "'data'"),
                       (tuple(data_replaced(d, 0, d[0].view(torch.uint8))), "'a'"),
                       (tuple(data_replaced(d, 0, nested)), "'a'"),
                       (tuple(data_replaced(d, 6, d[6].to_sparse())), "'c'")):
@@ -233,7 +299,7 @@ def test_gemv_with_a_recent_calls_metadata_skips_the_key(monkeypatch):
 
     class OpPlan:
         """The real hit path over a plan that launches nothing."""
-        guard = hit = None
+        variants = ()
         hit_path = op._TokensPlan.hit_path
         launches, unswizzle_x, dev, ws_mask, out_template = [], False, -1, 1, None
 
@@ -241,7 +307,7 @@ def test_gemv_with_a_recent_calls_metadata_skips_the_key(monkeypatch):
             self.signature = signature
 
         def __call__(self, x, xs, w, ws, alpha, out, out_dtype):
-            calls.append(("launch", out_dtype))
+            calls.append(("launch" if self.signature[0] else "launch without alpha", out_dtype))
             return torch.empty(0) if out is None else out
 
     args = inputs.op_inputs(2, 128, 256, seed=1, device="cpu")
@@ -262,8 +328,8 @@ def test_gemv_with_a_recent_calls_metadata_skips_the_key(monkeypatch):
              (lambda: op.gemv(*args, out=torch.empty(2, 128, dtype=torch.bfloat16)), ["key"]),
              (lambda: op.gemv(*args, out=torch.empty(128, 2, dtype=torch.float16).t()), ["key"]),
              (lambda: op.gemv(*args, out_dtype=torch.float16), ["key"]),   # no plan for it on the CPU
-             (lambda: op.gemv(*args[:4], None), ["key", ("launch", torch.bfloat16)]),  # no alpha: another plan
-             (lambda: op.gemv(*fresh), ["key", ("launch", torch.bfloat16)])]  # whose hit takes no alpha
+             (lambda: op.gemv(*args[:4], None), ["key", ("launch without alpha", torch.bfloat16)]),
+             (lambda: op.gemv(*fresh), [("launch", torch.bfloat16)])]  # the plan with alpha, not the newest
     for i, (call, expected) in enumerate(steps):
         calls.clear()
         try:

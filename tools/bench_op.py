@@ -78,9 +78,10 @@ def host_costs():
         print(f"host {name:24s} {us:6.2f} us{'' if valid else ' (GPU went idle: upper bound)'}", flush=True)
     # single lines drift by microseconds on the lent hosts: the comparisons the issues set, alternated
     for a, b in (("custom_kernel", "torch.add(x, x)"), ("gemv(out=)", "custom_kernel"), ("gemv", "custom_kernel")):
-        med, lo, hi = host_diff_us(cases[a], cases[b])
+        med, lo, hi, valid = host_diff_us(cases[a], cases[b])
         res[f"{a} - {b}"] = med
-        print(f"host {a} - {b}: median {med:+.2f} us over 7 alternations ({lo:+.2f} .. {hi:+.2f})", flush=True)
+        print(f"host {a} - {b}: median {med:+.2f} us over 7 alternations ({lo:+.2f} .. {hi:+.2f})"
+              f"{'' if valid else ' (GPU went idle: not valid)'}", flush=True)
     return res
 
 

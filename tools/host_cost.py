@@ -33,8 +33,8 @@ def main():
     print(f"nvidia-cutlass-dsl {md.version('nvidia-cutlass-dsl')}, launch path: {plan.kernel.kind}")
     cases = [("custom_kernel", lambda: submission.custom_kernel(data)),
              ("metadata key + plan lookup", lambda: submission._plans.get(submission._metadata(data))),
-             ("plan's C++ guard alone (TensorGuards)", lambda: plan.guard.check(*data)),
-             ("plan.hit(data): the fast path, no wrapper", lambda: plan.hit(data)),
+             ("plan's C++ guard alone (TensorGuards)", lambda: plan.variants[0][0].check(*data)),
+             ("the plan's hit(data): the fast path, no wrapper", lambda: plan.variants[0][1](data)),
              ("plan(data): pointers, stream, launch", lambda: plan(data))]
     if plan.ffi is not None:
         args = (data[0].data_ptr(), data[1].data_ptr(), data[2].data_ptr(), data[3].data_ptr(),
@@ -73,9 +73,9 @@ def main():
              ("gemv(..., out=out), N = 4", "custom_kernel"),
              ("gemv(...), N = 4 (allocates the result)", "custom_kernel")]
     for a, b in pairs:
-        med, lo, hi = host_diff_us(fns[a], fns[b])
+        med, lo, hi, valid = host_diff_us(fns[a], fns[b])
         print(f"{a.split(':')[0]} - {b.split(':')[0]}: median {med:+.2f} us over 7 alternations "
-              f"(range {lo:+.2f} .. {hi:+.2f})")
+              f"(range {lo:+.2f} .. {hi:+.2f}){'' if valid else ' (GPU went idle: not valid)'}")
 
 
 if __name__ == "__main__":

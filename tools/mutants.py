@@ -65,6 +65,8 @@ MUTANTS = [
      "    return s.to(torch.float64).abs().repeat_interleave(16, dim=1)", ["tests/test_op_contract.py"], False),
     ("op: alpha ignored on the exact path", OP, "        res = res * alpha.reshape(()).to(torch.float64)", "        res = res",
      ["tests/test_op_contract.py"], False),
+    ("op: nested and sparse tensors accepted", OP, "def _strided(t, name):\n    if t.is_nested or t.layout != torch.strided:",
+     "def _strided(t, name):\n    if False:", ["tests/test_op_validation.py"], False),
     ("op: out= not written on the CPU", OP, "    out.copy_(res)\n    return out", "    return out",
      ["tests/test_op_contract.py"], False),
     # -- the plan caches' C++ guards (CPU) --
@@ -75,8 +77,14 @@ MUTANTS = [
     ("guard: strides not compared (the self-check must refuse it)", K,
      "dynamic_dims_strides=[list(t.stride()) for t in ts]", "dynamic_dims_strides=[[None] * t.dim() for t in ts]",
      ["tests/test_plan_guard.py"], False),
-    ("guard: one guard a plan", K, "if plan.hit is None or not plan.guard.check(*ts):", "if plan.hit is None:",
+    ("guard: one guard a plan", K, "hit = next((h for g, h in plan.variants if g.check(*ts)), None)",
+     "hit = next((h for g, h in plan.variants[:1]), None)", ["tests/test_plan_guard.py"], False),
+    ("guard: no scan of the recent plans", K, "            c = _recent.scan(hit, data)", "            c = None",
      ["tests/test_plan_guard.py"], False),
+    ("guard: any container takes the cached path", K, "    if type(data) is tuple or type(data) is list:",
+     "    if True:", ["tests/test_plan_guard.py"], False),
+    ("launch: the hit path's scales from the other layout", K, "        if plain:\n            psa, psb",
+     "        if not plain:\n            psa, psb", ["tests/test_plan_guard.py"], False),
     ("guard: tensor subclasses guarded", K, "type(t) not in _GUARD_TYPES or t.is_nested", "t.is_nested",
      ["tests/test_plan_guard.py"], False),
     ("guard: nested x reaches gemv's guard", OP, "if x.is_nested or x_scale.is_nested", "if x_scale.is_nested",
@@ -85,7 +93,10 @@ MUTANTS = [
      ["tests/test_plan_guard.py"], False),
     ("guard: gemv's plan without its alpha", OP, "if (alpha is None) == has_alpha or ", "if ",
      ["tests/test_plan_guard.py"], False),
-    ("guard: gemv's out not guarded", OP, " + ((out,) if out is not None else ())", "",
+    ("guard: gemv's out not guarded", OP,  # where the guard is made and both calls that check out
+     (" + ((out,) if out is not None else ())", "check(x, x_scale, w, w_scale, alpha, out) if has_out else",
+      "not out.is_nested and check(x, x_scale, w, w_scale, out)"),
+     ("", "check(x, x_scale, w, w_scale, alpha) if has_out else", "not out.is_nested and check(x, x_scale, w, w_scale)"),
      ["tests/test_plan_guard.py"], False),
     ("check: nested and sparse tensors accepted", K, "    if t.is_nested or t.layout != torch.strided:\n",
      "    if False:\n", ["tests/test_plan_guard.py"], False),
@@ -155,9 +166,17 @@ MUTANTS = [
 ]
 
 
+def sites(old, new):
+    """A mutant's (old, new) replacements: one, or tuples of them (each text once in the file)."""
+    return list(zip(old, new)) if isinstance(old, tuple) else [(old, new)]
+
+
 def stale_mutants():
-    """The mutants whose text does not occur exactly once in their file (tests/test_mutants_list.py)."""
-    bad = [(m[0], open(os.path.join(ROOT, m[1])).read().count(m[2])) for m in MUTANTS]
+    """The mutants whose texts do not each occur exactly once in their file (tests/test_mutants_list.py)."""
+    bad = []
+    for m in MUTANTS:
+        text = open(os.path.join(ROOT, m[1])).read()
+        bad += [(m[0], text.count(old)) for old, _ in sites(m[2], m[3])]
     return [b for b in bad if b[1] != 1]
 
 
@@ -175,10 +194,12 @@ def run_mutant(name, path, old, new, tests, files):
         target = os.path.join(tmp, path)
         with open(target) as f:
             text = f.read()
-        if text.count(old) != 1:
-            return f"BAD MUTANT: the text occurs {text.count(old)} times in {path}"
+        for o, n in sites(old, new):
+            if text.count(o) != 1:
+                return f"BAD MUTANT: the text occurs {text.count(o)} times in {path}"
+            text = text.replace(o, n)
         with open(target, "w") as f:
-            f.write(text.replace(old, new))
+            f.write(text)
         if path == K and name != "packaging: submission.py stale":
             subprocess.run([sys.executable, "tools/gen_submission.py"], cwd=tmp, check=True)
         env = dict(os.environ, PYTHONPATH=tmp, PYTHONDONTWRITEBYTECODE="1")
