@@ -1322,12 +1322,16 @@ class _RecentPlans:
         self.hits = {}
         self.recent = ()  # the newest hits, newest first; one assignment: thread-safe reads
 
-    def scan(self, tried, *args):
-        """The result of the first recent hit other than ``tried`` that takes ``args``, else None."""
+    def scan(self, anchor, tried, *args):
+        """The result of the first recent hit other than ``tried`` that takes ``args``, filed under
+        ``anchor`` for its next call; else None."""
         for hit in self.recent:
             if hit is not tried:
                 res = hit(*args)
                 if res is not None:
+                    hits, key = self.hits, id(anchor)
+                    if key in hits or len(hits) < self.SIZE:
+                        hits[key] = hit
                     return res
         return None
 
@@ -1335,7 +1339,8 @@ class _RecentPlans:
         """Files a hit of ``plan`` for ``ts`` (the call's tensors, in the order its hit path checks them)
         under ``anchor`` and first in ``recent``, with the plan's variant whose guard takes ``ts`` (a new one
         if none does); nothing for tensor subclasses or nested tensors."""
-        if _make_guard is None or any(type(t) not in _GUARD_TYPES or t.is_nested for t in ts):
+        if _make_guard is None or any(type(t) not in _GUARD_TYPES or t.is_nested or t.layout != torch.strided
+                                      for t in ts):
             return
         try:
             hit = next((h for g, h in plan.variants if g.check(*ts)), None)
@@ -1440,13 +1445,15 @@ def custom_kernel(data: input_t) -> output_t:
     :raises TypeError, ValueError: on malformed input, naming the argument.
     """
     key = None
-    if type(data) is tuple or type(data) is list:  # anything else: check_inputs names it
-        hit = _recent.hits.get(id(data[0])) if data else None
-        c = hit(data) if hit is not None else None
-        if c is None:
-            c = _recent.scan(hit, data)
-        if c is not None:
-            return c
+    if type(data) is tuple or type(data) is list:
+        if data:
+            hit = _recent.hits.get(id(data[0]))
+            c = hit(data) if hit is not None else None
+            if c is None:
+                c = _recent.scan(data[0], hit, data)
+            if c is not None:
+                return c
+    if isinstance(data, (tuple, list)):  # anything else: check_inputs names it
         try:
             key = _metadata(data)
         except (TypeError, ValueError, AttributeError, RuntimeError):  # RuntimeError: strides of a nested tensor

@@ -423,7 +423,7 @@ def _key(x, x_scale, w, w_scale, alpha, out, out_dtype):
     return (x.shape, x.stride(), x.dtype, x.get_device(), x_scale.shape, x_scale.stride(), x_scale.dtype,
             x_scale.get_device(), w.shape, w.stride(), w.dtype, w.get_device(), w_scale.shape, w_scale.stride(),
             w_scale.dtype, w_scale.get_device(),
-            None if alpha is None else (alpha.shape, alpha.dtype, alpha.get_device()),
+            None if alpha is None else (alpha.shape, alpha.dtype, alpha.layout, alpha.get_device()),
             None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()), out_dtype)
 
 
@@ -512,13 +512,13 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
         hit = _recent.hits.get(id(w))
         res = hit(x, x_scale, w, w_scale, alpha, out, out_dtype) if hit is not None else None
         if res is None:
-            res = _recent.scan(hit, x, x_scale, w, w_scale, alpha, out, out_dtype)
+            res = _recent.scan(w, hit, x, x_scale, w, w_scale, alpha, out, out_dtype)
         if res is not None:
             return res
         try:
             key = _key(x, x_scale, w, w_scale, alpha, out, out_dtype if out is None else out.dtype)
             plan = _plans.get(key)
-        except (AttributeError, TypeError, RuntimeError, NotImplementedError):  # strides of nested, sparse
+        except (AttributeError, TypeError, RuntimeError, NotImplementedError):  # strides of nested, CSR, ...
             key = plan = None
         if plan is not None:
             ts = (x, x_scale, w, w_scale) + ((alpha,) if alpha is not None else ()) + ((out,) if out is not None else ())

@@ -128,6 +128,30 @@ def test_tensors_the_key_cannot_tell_from_the_plans_get_a_guard_of_their_own(mon
     assert len(next(iter(plans.values())).variants) == 2
 
 
+def test_tuple_subclasses_reuse_their_plan_through_the_key(monkeypatch):
+    """A namedtuple of the 7 tensors is validated as a tuple: its plan is cached by key (the cached hit path
+    takes exact tuples and lists only)."""
+    calls = []
+    key_of = submission._metadata
+    plans = {}
+    monkeypatch.setattr(submission, "_plans", plans)
+    monkeypatch.setattr(submission, "_recent", submission._RecentPlans())
+
+    def new_plan(data, key):
+        calls.append("plan")
+        plans[key] = FakePlan(calls)
+        return plans[key]
+
+    monkeypatch.setattr(submission, "_new_plan", new_plan)
+    monkeypatch.setattr(submission, "_metadata", lambda data: calls.append("key") or key_of(data))
+    Data = collections.namedtuple("Data", "a b sfa sfb sfa_p sfb_p c")
+    d = Data(*good())
+    for expected in (["key", "plan", "launch"], ["key", "launch"]):
+        calls.clear()
+        assert submission.custom_kernel(d) is d.c
+        assert calls == expected
+
+
 def test_fresh_anchors_of_alternating_shapes_find_their_plans_without_the_key(monkeypatch):
     """``w.detach()`` each call, or the leaderboard's fresh inputs: no anchor is ever seen twice, and the
     recent plans are tried in turn."""
@@ -151,39 +175,87 @@ def test_fresh_anchors_of_alternating_shapes_find_their_plans_without_the_key(mo
         assert calls == (["launch"] if i >= 4 else ["key", "plan", "launch"]), i
 
 
-def test_the_inlined_launch_passes_the_checked_tensors_pointers(monkeypatch):
+def moved_to(t, offset):
+    """A tensor with ``t``'s metadata and contents at an address ``offset`` bytes past a 16-byte boundary."""
+    extent = (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+    base = torch.empty(extent + 32, dtype=torch.uint8)
+    start = (16 - base.data_ptr() % 16) % 16 + offset
+    out = torch.as_strided(base[start:start + extent].view(t.dtype), t.shape, t.stride())
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["plain scales", "permuted scales"])
+def test_the_inlined_launch_passes_the_checked_tensors_pointers(monkeypatch, plain):
     """The TVM-FFI launch in the hit path, with a recorder for the launcher: the five pointers come from the
     tensors the guard checked (the plain or the permuted scales, as the plan reads), then the plan's static
-    arguments and the stream; misaligned pointers go to the plan's own call."""
-    monkeypatch.setattr(submission, "_get_device", lambda: 0)
+    arguments and the stream; a pointer the kernel cannot take (a or b off 16 bytes, sfa off the plan's
+    mask, sfb odd) or another current device goes to the plan's own call, as ``_CutePlan.__call__`` does."""
+    device = [0]
+    monkeypatch.setattr(submission, "_get_device", lambda: device[0])
     monkeypatch.setattr(submission, "_current_stream", lambda dev: 1234)
     d = good()
-    for plain in (True, False):
-        launched, slow = [], []
+    launched, slow = [], []
 
-        class Plan:
-            variants = ()
+    class Plan:
+        variants = ()
 
-            def __call__(self, data):
-                slow.append(1)
-                return data[6]
+        def __call__(self, data):
+            slow.append(1)
+            return data[6]
 
-        plan = Plan()
-        guard = submission._make_guard(d)
-        hit = submission._hit_path(guard.check, plan, lambda *a: launched.append(a), (7, 8), 0, 15,
-                                   (2, 3) if plain else (4, 5))
-        assert hit(d) is d[6] and not slow
-        sa, sb = (d[2], d[3]) if plain else (d[4], d[5])
-        assert launched == [(d[0].data_ptr(), d[1].data_ptr(), sa.data_ptr(), sb.data_ptr(), d[6].data_ptr(),
-                             7, 8, 1234)]
-        if plain:  # an sfa 2 bytes off its 16-byte alignment, same metadata: the plan's call
-            base = torch.empty(d[2].numel() + 8, dtype=torch.uint8)
-            off = (16 - base.data_ptr() % 16) % 16 + 2
-            moved = base[off:off + d[2].numel()].view(d[2].dtype).view(d[2].shape)
-            moved = torch.as_strided(moved, d[2].shape, d[2].stride())
-            assert moved.data_ptr() % 16 == 2 and guard.check(*data_replaced(d, 2, moved))
-            launched.clear()
-            assert hit(data_replaced(d, 2, moved)) is d[6] and slow and not launched
+    sfa_mask = 15 if plain else 1  # the bulk kernel's 16-byte sfa rows, else 2-byte reads
+    i_a, i_b = (2, 3) if plain else (4, 5)
+    guard = submission._make_guard(d)
+    hit = submission._hit_path(guard.check, Plan(), lambda *a: launched.append(a), (7, 8), 0, sfa_mask, (i_a, i_b))
+    assert hit(d) is d[6] and not slow
+    assert launched == [(d[0].data_ptr(), d[1].data_ptr(), d[i_a].data_ptr(), d[i_b].data_ptr(), d[6].data_ptr(),
+                         7, 8, 1234)]
+    for idx, offset in ((0, 8), (1, 4), (i_a, 2 if plain else 1), (i_b, 1)):
+        moved = data_replaced(d, idx, moved_to(d[idx], offset))
+        assert guard.check(*moved), idx
+        launched.clear(), slow.clear()
+        assert hit(moved) is d[6] and slow == [1] and not launched, idx
+    for idx in (i_a, i_b):  # offsets the kernel takes: launched from the moved tensor
+        moved = data_replaced(d, idx, moved_to(d[idx], 16 if idx == i_a and plain else 2))
+        launched.clear(), slow.clear()
+        assert hit(moved) is d[6] and not slow and launched[0][2 + (idx == i_b)] == moved[idx].data_ptr(), idx
+    device[0] = 1
+    launched.clear(), slow.clear()
+    assert hit(d) is d[6] and slow == [1] and not launched
+
+
+def test_a_plan_keeps_a_few_guard_variants():
+    """Tensor sets of one key that the guard tells apart (here a Parameter at one position or another) get
+    guards of their own, at most ``VARIANTS`` a plan, the newest kept."""
+    recent = submission._RecentPlans()
+    plan = FakePlan([])
+    d = good()
+    sets = [d] + [data_replaced(d, i, torch.nn.Parameter(d[i], requires_grad=False)) for i in range(6)]
+    for ts in sets:
+        recent.add(ts[0], ts, plan)
+    assert len(plan.variants) == recent.VARIANTS
+    assert plan.variants[0][1](sets[-1]) is d[6] and plan.variants[-1][1](sets[-recent.VARIANTS]) is d[6]
+    assert all(g.check(*d) is False for g, _ in plan.variants)
+
+
+def test_a_hit_found_among_the_recent_plans_is_filed_under_its_anchor():
+    """An anchor whose filed hit stops matching (a prefill's shape, then decode's) and whose new tensors
+    match another recent plan gets that plan's hit, so its next call does not scan again."""
+    recent = submission._RecentPlans()
+    calls = []
+    a, b = FakePlan(calls), FakePlan(calls)
+    d1 = good()
+    d2 = list(inputs.random_inputs(384, 512, 1, seed=3, device="cpu"))
+    recent.add(d2[0], d2, b)
+    recent.add(d1[0], d1, a)
+    anchor = d1[0]
+    e = [anchor] + [t.clone() for t in d2[1:]]  # d1's a: the wrong shape for plan b's guard
+    recent.hits[id(anchor)] = b.variants[0][1]
+    assert recent.hits[id(anchor)](d1) is None
+    assert recent.scan(anchor, recent.hits[id(anchor)], d1) is d1[6] and recent.hits[id(anchor)] is a.variants[0][1]
+    assert recent.scan(anchor, None, e) is None  # nothing takes it: nothing filed
+    assert recent.hits[id(anchor)] is a.variants[0][1]
 
 
 def test_each_anchor_tensor_finds_its_own_plan_and_the_tables_stay_bounded():
@@ -337,3 +409,25 @@ def test_gemv_with_a_recent_calls_metadata_skips_the_key(monkeypatch):
         except ValueError:  # the exact path rejects the transposed out: only the calls matter here
             pass
         assert calls == expected, i
+
+
+def test_a_sparse_alpha_never_reaches_a_dense_alphas_plan(monkeypatch):
+    """A COO tensor reports zero strides instead of raising: the key holds alpha's layout, so a sparse alpha
+    of a cached plan's shape goes to the full validation (a TypeError naming alpha), never to the plan."""
+    from nvfp4_gemv import op
+
+    class UnusablePlan:
+        variants = ()
+        hit_path = op._TokensPlan.hit_path
+        launches, unswizzle_x, dev, ws_mask, out_template = [], False, -1, 1, None
+        signature = (True, False, torch.bfloat16)
+
+        def __call__(self, *args):
+            pytest.fail("a sparse alpha reached the cached plan")
+
+    args = list(inputs.op_inputs(2, 128, 256, seed=1, device="cpu"))
+    monkeypatch.setattr(op, "_plans", {op._key(*args, None, torch.bfloat16): UnusablePlan()})
+    monkeypatch.setattr(op, "_recent", submission._RecentPlans())
+    with pytest.raises(TypeError, match="'alpha'"):
+        op.gemv(*args[:4], args[4].to_sparse())
+
