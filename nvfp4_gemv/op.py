@@ -369,7 +369,7 @@ class _TokensPlan:
         (``check``, the plan's guard, rejects them). One TVM-FFI launch is inlined; any other plan runs
         ``self(...)``."""
         has_alpha, has_out, dtype = self.signature
-        (kern, (dx, dxs, dout), static), = self.launches if len(self.launches) == 1 else ((None, (0, 0, 0), ()),)
+        kern, (dx, dxs, dout), static = self.launches[0] if len(self.launches) == 1 else (None, (0, 0, 0), ())
         ffi = kern.ffi if kern is not None and not self.unswizzle_x else None
         dev, ws_mask, template = self.dev, self.ws_mask, self.out_template
         get_device, stream, empty_like = _k._get_device, _k._current_stream, torch.empty_like

@@ -70,12 +70,14 @@ class FakePlan:
         return data[6]
 
 
-def test_calls_with_a_recent_calls_metadata_skip_the_key(monkeypatch):
-    calls = []
+@pytest.fixture
+def counted(monkeypatch):
+    """custom_kernel with empty plan caches, fake plans, and a log of what each call did: ``"key"`` (the
+    Python key computed), ``"plan"`` (a plan made), ``"launch"`` (a plan called). Returns ``(log, plans)``."""
+    calls, plans = [], {}
     key_of = submission._metadata
-    monkeypatch.setattr(submission, "_recent", submission._RecentPlans())
-    plans = {}
     monkeypatch.setattr(submission, "_plans", plans)
+    monkeypatch.setattr(submission, "_recent", submission._RecentPlans())
 
     def new_plan(data, key):
         calls.append("plan")
@@ -84,6 +86,11 @@ def test_calls_with_a_recent_calls_metadata_skip_the_key(monkeypatch):
 
     monkeypatch.setattr(submission, "_new_plan", new_plan)
     monkeypatch.setattr(submission, "_metadata", lambda data: calls.append("key") or key_of(data))
+    return calls, plans
+
+
+def test_calls_with_a_recent_calls_metadata_skip_the_key(counted):
+    calls, _ = counted
     d = good()
     c = torch.empty_strided((256, 1, 2), (1, 512, 256), dtype=torch.float16)
     steps = [(tuple(d), ["key", "plan", "launch"]),
@@ -98,22 +105,10 @@ def test_calls_with_a_recent_calls_metadata_skip_the_key(monkeypatch):
         assert calls == expected
 
 
-def test_tensors_the_key_cannot_tell_from_the_plans_get_a_guard_of_their_own(monkeypatch):
+def test_tensors_the_key_cannot_tell_from_the_plans_get_a_guard_of_their_own(counted):
     """A Parameter has the key of the plain tensor it wraps, not its guard: after one call through the key
     it has a guard of its own, instead of paying the key on every call."""
-    calls = []
-    key_of = submission._metadata
-    plans = {}
-    monkeypatch.setattr(submission, "_plans", plans)
-    monkeypatch.setattr(submission, "_recent", submission._RecentPlans())
-
-    def new_plan(data, key):
-        calls.append("plan")
-        plans[key] = FakePlan(calls)
-        return plans[key]
-
-    monkeypatch.setattr(submission, "_new_plan", new_plan)
-    monkeypatch.setattr(submission, "_metadata", lambda data: calls.append("key") or key_of(data))
+    calls, plans = counted
     d = good()
     p = data_replaced(d, 0, torch.nn.Parameter(d[0], requires_grad=False))
     fresh_p = lambda: data_replaced(d, 0, torch.nn.Parameter(d[0].clone(), requires_grad=False))  # noqa: E731
@@ -128,22 +123,10 @@ def test_tensors_the_key_cannot_tell_from_the_plans_get_a_guard_of_their_own(mon
     assert len(next(iter(plans.values())).variants) == 2
 
 
-def test_tuple_subclasses_reuse_their_plan_through_the_key(monkeypatch):
+def test_tuple_subclasses_reuse_their_plan_through_the_key(counted):
     """A namedtuple of the 7 tensors is validated as a tuple: its plan is cached by key (the cached hit path
     takes exact tuples and lists only)."""
-    calls = []
-    key_of = submission._metadata
-    plans = {}
-    monkeypatch.setattr(submission, "_plans", plans)
-    monkeypatch.setattr(submission, "_recent", submission._RecentPlans())
-
-    def new_plan(data, key):
-        calls.append("plan")
-        plans[key] = FakePlan(calls)
-        return plans[key]
-
-    monkeypatch.setattr(submission, "_new_plan", new_plan)
-    monkeypatch.setattr(submission, "_metadata", lambda data: calls.append("key") or key_of(data))
+    calls, _ = counted
     Data = collections.namedtuple("Data", "a b sfa sfb sfa_p sfb_p c")
     d = Data(*good())
     for expected in (["key", "plan", "launch"], ["key", "launch"]):
@@ -152,22 +135,10 @@ def test_tuple_subclasses_reuse_their_plan_through_the_key(monkeypatch):
         assert calls == expected
 
 
-def test_fresh_anchors_of_alternating_shapes_find_their_plans_without_the_key(monkeypatch):
+def test_fresh_anchors_of_alternating_shapes_find_their_plans_without_the_key(counted):
     """``w.detach()`` each call, or the leaderboard's fresh inputs: no anchor is ever seen twice, and the
     recent plans are tried in turn."""
-    calls = []
-    key_of = submission._metadata
-    plans = {}
-    monkeypatch.setattr(submission, "_plans", plans)
-    monkeypatch.setattr(submission, "_recent", submission._RecentPlans())
-
-    def new_plan(data, key):
-        calls.append("plan")
-        plans[key] = FakePlan(calls)
-        return plans[key]
-
-    monkeypatch.setattr(submission, "_new_plan", new_plan)
-    monkeypatch.setattr(submission, "_metadata", lambda data: calls.append("key") or key_of(data))
+    calls, _ = counted
     shapes = [list(inputs.random_inputs(128 * (i + 1), 512, 1, seed=i, device="cpu")) for i in range(4)]
     for i, d in enumerate(shapes + shapes):  # the second round: each shape's plan is found again
         calls.clear()
@@ -256,6 +227,9 @@ def test_a_hit_found_among_the_recent_plans_is_filed_under_its_anchor():
     assert recent.scan(anchor, recent.hits[id(anchor)], d1) is d1[6] and recent.hits[id(anchor)] is a.variants[0][1]
     assert recent.scan(anchor, None, e) is None  # nothing takes it: nothing filed
     assert recent.hits[id(anchor)] is a.variants[0][1]
+    recent.SIZE = len(recent.hits)  # a full table: a scan's hit is returned, but no new anchor is filed
+    other = d1[0].clone()
+    assert recent.scan(other, None, [other, *d1[1:]]) is d1[6] and id(other) not in recent.hits
 
 
 def test_each_anchor_tensor_finds_its_own_plan_and_the_tables_stay_bounded():
@@ -431,3 +405,40 @@ def test_a_sparse_alpha_never_reaches_a_dense_alphas_plan(monkeypatch):
     with pytest.raises(TypeError, match="'alpha'"):
         op.gemv(*args[:4], args[4].to_sparse())
 
+
+
+def test_gemv_inlined_launch_passes_the_checked_tensors_pointers(monkeypatch):
+    """gemv's TVM-FFI launch in the hit path, with a recorder for the launcher: w, x (+ the group's offset),
+    w_scale, x_scale (+ offset), out (+ offset), alpha, the plan's static arguments, the stream; the result
+    allocated from the plan's template where no out is given; an odd x_scale goes to the plan's own call."""
+    from nvfp4_gemv import kernel as k, op
+
+    monkeypatch.setattr(k, "_get_device", lambda: 0)
+    monkeypatch.setattr(k, "_current_stream", lambda dev: 1234)
+    launched, slow = [], []
+
+    class Kern:
+        ffi = staticmethod(lambda *a: launched.append(a))
+
+    class Plan:
+        variants = ()
+        hit_path = op._TokensPlan.hit_path
+        launches = [(Kern, (16, 2, 4), (7, 8))]
+        unswizzle_x, dev, ws_mask = False, 0, 1
+        signature = (True, False, torch.bfloat16)
+        out_template = torch.empty((1, 1), dtype=torch.bfloat16).expand(2, 128)
+
+        def __call__(self, *args):
+            slow.append(1)
+            return args[5]
+
+    x, xs, w, ws, a = inputs.op_inputs(2, 128, 256, seed=1, device="cpu")
+    hit = Plan().hit_path(submission._make_guard((x, xs, w, ws, a)).check)
+    out = hit(x, xs, w, ws, a, None, torch.bfloat16)
+    assert out.shape == (2, 128) and out.dtype == torch.bfloat16 and out.is_contiguous() and not slow
+    assert launched == [(w.data_ptr(), x.data_ptr() + 16, ws.data_ptr(), xs.data_ptr() + 2, out.data_ptr() + 4,
+                         a.data_ptr(), 7, 8, 1234)]
+    odd = moved_to(xs, 1)
+    launched.clear()
+    hit(x, odd, w, ws, a, None, torch.bfloat16)
+    assert slow == [1] and not launched
