@@ -308,7 +308,7 @@ class _TokensPlan:
             g = token_group(n, k)
         tuning = tuple(sorted(tuning.items()))
         self.ws_mask = 15 if bulk else 1  # bulk copies read 16-byte aligned rows of w_scale
-        self.args = (tuple(t for t in tuning if t[0] not in ("ctas", "rt", "xsmem")), mma, forced)
+        self.args = (tuple(t for t in tuning if t[0] not in ("ctas", "rt")), mma, forced)
         self.fallback = None
         # blocked x scales: the kernel indexes tokens within one launch; rows below 32 of a tile are 16
         # bytes apart, so a later group starts 16 * t0 bytes in; beyond that the plan unswizzles on the host

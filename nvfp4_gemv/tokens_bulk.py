@@ -31,8 +31,6 @@ from .kernel import (
     ldg_v4,
     lds_stage_u16,
     lds_stage_v4,
-    sts_f32x2,
-    sts_v4,
     mbar_arrive,
     mbar_wait,
     scale_offset,
@@ -63,14 +61,6 @@ def lds_stage_f32(addr, *, loc=None, ip=None):
     return cutlass.Float32(r[0])
 
 
-@dsl_user_op
-def lds_stage_f32x2(addr, *, loc=None, ip=None):
-    """Two floats of shared memory, kept in the loop that reads them (volatile: not hoisted into registers)."""
-    r = _asm([T.f32(), T.f32()], [cutlass.Int32(addr)], "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r", loc, ip,
-             volatile=True)
-    return cutlass.Float32(r[0]), cutlass.Float32(r[1])
-
-
 def scatter_sum(vals, lane):
     """Warp sums of ``len(vals)`` (a power of two up to 32: tokens x rows a thread) values a lane: lane ``l``
     gets the sum of value ``(l >> (5 - log2 len)) & (len - 1)``. Each of the first log2(len) levels halves the values a lane holds (it keeps one
@@ -93,15 +83,12 @@ def scatter_sum(vals, lane):
 class Nvfp4GemvTokensBulk(_OpLaunch):
     """See the module docstring. ``threads`` is the consumer threads a CTA aims at (a power of two of whole
     rows' threads), ``max_n`` the most chunks a thread, ``rt`` the rows of a stage each thread takes (1, 2
-    or 4: its share of x and the per-row work, the waits and the warp sums, serve ``rt`` rows). ``xsmem=1``
-    keeps the decoded x in shared memory instead of registers (loaded once, read per chunk and token each
-    stage: ~1.25 bytes a value), so that a thread needs about 64 registers fewer at four tokens and two
-    chunks, and more warps fit; experimental (not routed)."""
+    or 4: its share of x and the per-row work, the waits and the warp sums, serve ``rt`` rows)."""
 
     MAX_TOKENS = 4
 
     def __init__(self, k: int, n_tok: int, w_blocked: bool, x_blocked: bool, has_alpha: bool, out_bf16: bool,
-                 bulk=1, threads=256, ctas=None, stages=None, max_n=None, evict=1, signed=None, rt=1, xsmem=0):
+                 bulk=1, threads=256, ctas=None, stages=None, max_n=None, evict=1, signed=None, rt=1):
         if w_blocked or k % 256:
             raise ValueError(f"nvfp4_gemv: the bulk-copy op kernel needs plain w scales and K % 256 == 0, "
                              f"got K={k}, blocked={w_blocked}")
@@ -136,10 +123,7 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
         self.part_bytes = -(-self.rows * self.parts * n_tok * 4 // 16) * 16
         # about 40 KB a CTA in flight, as the custom_kernel bulk kernel's best (3 stages of 4 rows at K = 7168)
         self.stages = stages or max(3, min(8, 40960 // self.stage_bytes))
-        self.xsmem = bool(xsmem)
-        # x as int8 words (two 16-byte planes a chunk and token) and its scales / 4 (two floats)
-        self.x_bytes = n_tok * c * 40 if self.xsmem else 0
-        self.smem_bytes = self.stages * (self.stage_bytes + self.part_bytes + 16) + self.x_bytes
+        self.smem_bytes = self.stages * (self.stage_bytes + self.part_bytes + 16)
         self.threads = self.groups * tr + 32
         self.ctas = ctas or (2 if n_tok <= 2 else 1)
         if self.rows > 32 or self.threads > 1024:  # the producer's lanes each copy one row of a stage
@@ -177,9 +161,6 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
         if tidx >= consumers:
             self._produce(n_t, bidx, gdimx, tidx - consumers, s_w, s_part, s_full, s_empty, w_ptr, w_rs, ws_ptr,
                           ws_rs, out_ptr, out_rs, alpha_ptr)
-        elif cutlass.const_expr(self.xsmem):
-            self._consume_xsmem(n_t, tidx, s_w, s_part, s_full, s_empty, s_full + 16 * S, x_ptr, x_rs, xs_ptr,
-                                xs_rs)
         else:
             self._consume(n_t, tidx, s_w, s_part, s_full, s_empty, x_ptr, x_rs, xs_ptr, xs_rs)
 
@@ -275,84 +256,6 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
             total = scatter_sum(accs + [cutlass.Float32(0.0)] * (NP - NV), lane)
             p = s_part + (s * R + r * RT) * (4 * self.parts * NT) + (jl // 32) * (4 * NT)
             vi = lane // (32 // NP)  # value vi = q * NT + t: row r * RT + q, token t
-            if lane % (32 // NP) == 0 and vi < NV:
-                if cutlass.const_expr(RT > 1):
-                    p = p + (vi // NT) * (4 * self.parts * NT) - 4 * (vi // NT) * NT
-                sts_f32(p + 4 * vi, total)
-            mbar_arrive(s_empty + 8 * s)
-
-
-    @cute.jit
-    def _consume_xsmem(self, n_t, tidx, s_w, s_part, s_full, s_empty, s_x, x_ptr, x_rs, xs_ptr, xs_rs):
-        """``_consume`` with x in shared memory: the first row group stores every chunk of x, decoded, and
-        the consumers meet at a named barrier; then each stage decodes a chunk of its ``rt`` rows of w and
-        reads each token's 32 values and two scales of that chunk once for all ``rt`` rows."""
-        S = self.stages
-        R = self.rows
-        NT = self.n_tok
-        n = self.n
-        C = self.chunks
-        r = tidx // self.tr
-        jl = tidx % self.tr
-        s_xs = s_x + NT * C * 32
-        if r == 0:
-            for t in cutlass.range_constexpr(NT):
-                t64 = cutlass.Int64(t)
-                if cutlass.const_expr(self.x_blocked):
-                    xs_row = blocked_row(xs_ptr, t64, xs_rs)
-                else:
-                    xs_row = xs_ptr + t64 * xs_rs
-                for i in cutlass.range_constexpr(n):
-                    ch = jl + i * self.tr
-                    v = ldg_v4(x_ptr + t64 * x_rs + cutlass.Int64(ch) * 16)
-                    words = []
-                    for q in cutlass.range_constexpr(4):
-                        words += list(fp4x8_to_i8(v[q]))
-                    # plane h of (token t, chunk ch) at ((t * 2 + h) * C + ch) * 16: a warp's 16-byte reads are consecutive
-                    sts_v4(s_x + ((t * 2) * C + ch) * 16, words[0], words[1], words[2], words[3])
-                    sts_v4(s_x + ((t * 2 + 1) * C + ch) * 16, words[4], words[5], words[6], words[7])
-                    s0, s1 = e4m3x2_to_f32x2(ldg_u16(xs_row + scale_offset(ch, self.x_blocked)))
-                    sts_f32x2(s_xs + (t * C + ch) * 8, s0 * 0.25, s1 * 0.25)
-        cute.arch.barrier(barrier_id=1, number_of_threads=self.groups * self.tr)
-        tbl = cutlass.Int32(E2M1_TIMES2_LO)
-        RT = self.rt
-        NV = RT * NT
-        NP = 1 << (NV - 1).bit_length()
-        lane = jl % 32
-        for j in cutlass.range(n_t, unroll=1):
-            s = j % S
-            mbar_wait(s_full + 8 * s, (j // S) & 1)
-            accs = [cutlass.Float32(0.0)] * NV  # value q * NT + t: row r * RT + q, token t
-            for i in cutlass.range_constexpr(n):
-                ch = jl + i * self.tr
-                lks, sas = [], []
-                for q in cutlass.range_constexpr(RT):
-                    row = r * RT + q
-                    wv = lds_stage_v4(s_w + s * self.stage_bytes + row * self.row_w + ch * 16)
-                    ss = lds_stage_u16(s_w + s * self.stage_bytes + R * self.row_w + row * self.row_ws + ch * 2)
-                    sas.append(e4m3x2_to_f32x2(ss))
-                    lk0 = fp4x16_lookups(wv[0], wv[1], tbl)
-                    lk1 = fp4x16_lookups(wv[2], wv[3], tbl)
-                    if cutlass.const_expr(self.signed):
-                        lk0 = lookups_signed(lk0)
-                        lk1 = lookups_signed(lk1)
-                    lks.append((lk0, lk1))
-                for t in cutlass.range_constexpr(NT):
-                    xv = lds_stage_v4(s_x + ((t * 2) * C + ch) * 16) + lds_stage_v4(s_x + ((t * 2 + 1) * C + ch) * 16)
-                    sb0, sb1 = lds_stage_f32x2(s_xs + (t * C + ch) * 8)
-                    for q in cutlass.range_constexpr(RT):
-                        lk0, lk1 = lks[q]
-                        sa0, sa1 = sas[q]
-                        if cutlass.const_expr(self.signed):
-                            d0 = signed_dot(lk0, xv[0:4])
-                            d1 = signed_dot(lk1, xv[4:8])
-                        else:
-                            d0 = lookups_dot(lk0, xv[0:4])
-                            d1 = lookups_dot(lk1, xv[4:8])
-                        accs[q * NT + t] = accs[q * NT + t] + d0 * (sa0 * sb0) + d1 * (sa1 * sb1)
-            total = scatter_sum(accs + [cutlass.Float32(0.0)] * (NP - NV), lane)
-            p = s_part + (s * R + r * RT) * (4 * self.parts * NT) + (jl // 32) * (4 * NT)
-            vi = lane // (32 // NP)
             if lane % (32 // NP) == 0 and vi < NV:
                 if cutlass.const_expr(RT > 1):
                     p = p + (vi // NT) * (4 * self.parts * NT) - 4 * (vi // NT) * NT

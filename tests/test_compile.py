@@ -91,9 +91,7 @@ def test_op_tensor_core_kernel_compiles_without_gpu(arch, k, tokens, groups, ext
                                                         ("sm_100a", 4096, 1, "ctas=2", False),
                                                         ("sm_100a", 7168, 3, "ctas=2", True),
                                                         ("sm_90a", 16384, 3, "ctas=1,rt=4", False),
-                                                        ("sm_100a", 16384, 4, "ctas=1,rt=4", True),
-                                                        ("sm_90a", 16384, 4, "ctas=1,rt=2,threads=512,xsmem=1", False),
-                                                        ("sm_100a", 16384, 4, "ctas=1,rt=2,threads=512,xsmem=1", True)])
+                                                        ("sm_100a", 16384, 4, "ctas=1,rt=4", True)])
 def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, tune, blocked, tmp_path):
     """The bulk-copy dp4a kernel as the op configures it (``op.bulk_tuning``; 4 tokens at K = 7168 only as a
     tuning); ``--blocked`` blocks x's scales (w's stay plain)."""

@@ -163,23 +163,6 @@ def test_bulk_rows_a_thread(rt, ctas, n):
     assert_exact(args, out)
 
 
-XSMEM = [(4, 256, 16384, dict(rt=2, threads=512)), (4, 384, 4096, dict(rt=2, threads=512)),
-         (3, 256, 16384, dict(rt=4)), (2, 384, 7168, dict(rt=2, threads=512)), (1, 384, 4096, dict(rt=4))]
-
-
-@pytest.mark.parametrize("n,m,k,tuning", XSMEM)
-@pytest.mark.parametrize("x_blocked", [False, True])
-def test_bulk_x_in_shared_memory(n, m, k, tuning, x_blocked):
-    """``xsmem=1``: the first row group decodes x into shared memory, the consumers meet at a named barrier,
-    and every stage reads each token's chunk once for the thread's rows (two row groups where threads=512)."""
-    x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=40 + n + k // 1024)
-    args = (x, blocked(xs, n, k) if x_blocked else xs, w, ws, a)
-    out, plan = run_plan(args, "bulk", ctas=1, xsmem=1, **tuning)
-    kern = plan.launches[0][0].op
-    assert kern.xsmem and kern.rt == tuning["rt"]
-    assert_exact(args, out, plain=(x, xs, w, ws, a))
-
-
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("x_blocked,alpha", [(False, False), (True, True), (False, True), (True, False)])
 def test_bulk_layouts_epilogues(out_dtype, x_blocked, alpha):
