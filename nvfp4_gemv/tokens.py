@@ -107,6 +107,19 @@ def signed_dot(a, w, *, loc=None, ip=None):
     return cutlass.Float32(r[0])
 
 
+def chunk_lookups(v, tbl, signed):
+    """A chunk's two blocks of 16 e2m1 values (four words) decoded once for every token: their
+    ``fp4x16_lookups``, or where ``signed`` their signed int8 words."""
+    lk = (fp4x16_lookups(v[0], v[1], tbl), fp4x16_lookups(v[2], v[3], tbl))
+    return tuple(lookups_signed(b) for b in lk) if signed else lk
+
+
+def chunk_dots(lk, xv, signed):
+    """The two blocks' exact dot products (``chunk_lookups``) with a token's eight int8 words of the chunk."""
+    dot = signed_dot if signed else lookups_dot
+    return dot(lk[0], xv[0:4]), dot(lk[1], xv[4:8])
+
+
 @dsl_user_op
 def ldg_f32(addr, *, loc=None, ip=None):
     r = _asm([T.f32()], [cutlass.Int64(addr)], "ld.global.nc.f32 $0, [$1];", "=f,l", loc, ip)
@@ -248,23 +261,14 @@ class Nvfp4GemvTokens(_OpLaunch, Nvfp4Gemv):
         that is at most (K / 32 + 1) * 2^-24 <= 2^-14 for K <= 32768 (G = 2 where K / 64 is odd): the op's
         promise, with no room to spare at the largest K."""
         sa0, sa1 = e4m3x2_to_f32x2(s16)
-        lk0 = fp4x16_lookups(x[0], x[1], tbl)
-        lk1 = fp4x16_lookups(x[2], x[3], tbl)
-        if cutlass.const_expr(self.signed):
-            lk0 = lookups_signed(lk0)
-            lk1 = lookups_signed(lk1)
+        lk = chunk_lookups(x, tbl, self.signed)
         C = self.chunks
         out = []
         for t in cutlass.range_constexpr(self.n_tok):
             base = s_b + t * (40 * C)
             w = lds_v4(base + c * 16) + lds_v4(base + 16 * C + c * 16)
             sb0, sb1 = lds_f32x2(base + 32 * C + c * 8)
-            if cutlass.const_expr(self.signed):
-                d0 = signed_dot(lk0, w[0:4])
-                d1 = signed_dot(lk1, w[4:8])
-            else:
-                d0 = lookups_dot(lk0, w[0:4])
-                d1 = lookups_dot(lk1, w[4:8])
+            d0, d1 = chunk_dots(lk, w, self.signed)
             a = acc[t] + d0 * (sa0 * sb0)
             out.append(a + d1 * (sa1 * sb1))
         return out

@@ -39,12 +39,10 @@ from .kernel import (
 from .tokens import (
     SMEM_A_SM,
     _OpLaunch,
+    chunk_dots,
+    chunk_lookups,
     compile_op,
-    fp4x16_lookups,
     ldg_f32,
-    lookups_dot,
-    lookups_signed,
-    signed_dot,
     stg_as,
 )
 
@@ -237,20 +235,11 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
                 acc = [cutlass.Float32(0.0)] * NT
                 for i in cutlass.range_constexpr(n):
                     sa0, sa1 = e4m3x2_to_f32x2(ss[i])
-                    lk0 = fp4x16_lookups(ws_[i][0], ws_[i][1], tbl)
-                    lk1 = fp4x16_lookups(ws_[i][2], ws_[i][3], tbl)
-                    if cutlass.const_expr(self.signed):
-                        lk0 = lookups_signed(lk0)
-                        lk1 = lookups_signed(lk1)
+                    lk = chunk_lookups(ws_[i], tbl, self.signed)
                     for t in cutlass.range_constexpr(NT):
                         xv = xw[t * n + i]
                         sb0, sb1 = xsc[t * n + i]
-                        if cutlass.const_expr(self.signed):
-                            d0 = signed_dot(lk0, xv[0:4])
-                            d1 = signed_dot(lk1, xv[4:8])
-                        else:
-                            d0 = lookups_dot(lk0, xv[0:4])
-                            d1 = lookups_dot(lk1, xv[4:8])
+                        d0, d1 = chunk_dots(lk, xv, self.signed)
                         acc[t] = acc[t] + d0 * (sa0 * sb0) + d1 * (sa1 * sb1)
                 accs += acc
             total = scatter_sum(accs + [cutlass.Float32(0.0)] * (NP - NV), lane)
