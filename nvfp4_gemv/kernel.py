@@ -72,6 +72,7 @@ FORCE_CUTE_ENV = "NVFP4_GEMV_FORCE_CUTE"
 E2M1_TIMES2_LO = 0x03020100  # 2 * e2m1 magnitude codes 0..3; codes 4..7 give 0x0C080604
 MAX_K = 32768
 BULK_MIN_K = 7168  # shorter rows: the register-streaming kernel is as fast (docs/perf-notes.md)
+STAGE_EXTRA_BYTES = 128  # a bulk pipeline's shared memory after its stages: the decode table, a copy a lane
 
 # ----------------------------------------------------------------------------------------------------
 # Checks
@@ -394,6 +395,12 @@ def lds_stage_v4(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def lds_stage_u32(addr, *, loc=None, ip=None):
+    r = _asm([T.i32()], [cutlass.Int32(addr)], "ld.shared.u32 $0, [$1];", "=r,r", loc, ip, volatile=True)
+    return cutlass.Int32(r[0])
+
+
+@dsl_user_op
 def lds_stage_u16(addr, *, loc=None, ip=None):
     r = _asm([T.i32()], [cutlass.Int32(addr)], "ld.shared.u16 $0, [$1];", "=r,r", loc, ip, volatile=True)
     return cutlass.Int32(r[0])
@@ -455,20 +462,26 @@ def stage_buffers(tidx, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexp
                   smem_bytes: cutlass.Constexpr, consumers: cutlass.Constexpr):
     """The shared memory of a bulk-copy pipeline: ``stages`` tiles, then a partial-sum block a stage, then a
     ``full`` and an ``empty`` mbarrier a stage (``consumers`` arrivals empty one), initialised by thread 0
-    before a CTA barrier. Returns the four base addresses."""
+    before a CTA barrier, then the decode table, a copy a lane (``STAGE_EXTRA_BYTES``). Returns the four
+    base addresses and the table, read back from shared memory: ptxas copies a constant or warp-uniform
+    table from a uniform register into a fresh register before every ``prmt`` (50 of the 344 instructions
+    of the K = 16384 loop); a lane's own copy is neither."""
     smem = SmemAllocator()
     s_buf = smem.allocate_tensor(cutlass.Int32, cute.make_layout(smem_bytes // 4), byte_alignment=128)
     s_tiles = s_buf.iterator.toint()
     s_part = s_tiles + stages * stage_bytes
     s_full = s_part + stages * part_bytes
     s_empty = s_full + 8 * stages
+    s_tbl = s_empty + 8 * stages + 4 * (tidx % 32)
     if tidx == 0:
         for s in cutlass.range_constexpr(stages):
             mbar_init(s_full + 8 * s, 1)
             mbar_init(s_empty + 8 * s, consumers)
         mbar_init_fence()
+    if tidx < 32:
+        sts_u32(s_tbl, cutlass.Int32(E2M1_TIMES2_LO))
     cute.arch.sync_threads()
-    return s_tiles, s_part, s_full, s_empty
+    return s_tiles, s_part, s_full, s_empty, lds_stage_u32(s_tbl)
 
 
 @cute.jit
@@ -843,7 +856,7 @@ class Nvfp4GemvBulk(_GemvLaunch):
         self.stage_bytes = self.rows * (self.row_a + self.row_sf)
         self.part_bytes = self.rows * self.parts * 8
         self.stages = stages
-        self.smem_bytes = self.stages * (self.stage_bytes + self.part_bytes + 16)
+        self.smem_bytes = self.stages * (self.stage_bytes + self.part_bytes + 16) + STAGE_EXTRA_BYTES
         if self.smem_bytes + 1024 > 233472 // ctas:
             raise ValueError(f"nvfp4_gemv: K={k}: {stages} stages of {self.stage_bytes} bytes exceed the "
                              f"shared memory of {ctas} CTAs a SM")
@@ -876,7 +889,7 @@ class Nvfp4GemvBulk(_GemvLaunch):
         S = self.stages
         R = self.rows
         # stage s: R rows of a, then R rows of sfa; fp64 partial per stage, row and part
-        s_a, s_part, s_full, s_empty = stage_buffers(tidx, S, self.stage_bytes, self.part_bytes, self.smem_bytes,
+        s_a, s_part, s_full, s_empty, tbl = stage_buffers(tidx, S, self.stage_bytes, self.part_bytes, self.smem_bytes,
                                                      32 * self.warps)
 
         l_idx = cutlass.Int64(bidy)
@@ -887,7 +900,8 @@ class Nvfp4GemvBulk(_GemvLaunch):
             self._produce(n_t, bidx, gdimx, lane, s_a, s_part, s_full, s_empty, a_ptr + l_idx * a_ls, a_rs,
                           sfa_ptr + l_idx * sfa_ls, sfa_rs, c_ptr + l_idx * c_ls, c_rs)
         else:
-            self._consume(n_t, tidx, s_a, s_part, s_full, s_empty, b_ptr + l_idx * b_ls, sfb_ptr + l_idx * sfb_ls)
+            self._consume(n_t, tidx, s_a, s_part, s_full, s_empty, b_ptr + l_idx * b_ls, sfb_ptr + l_idx * sfb_ls,
+                          tbl)
 
     @cute.jit
     def _produce(self, n_t, bidx, gdimx, lane, s_a, s_part, s_full, s_empty, a_base, a_rs, sfa_base, sfa_rs,
@@ -910,13 +924,12 @@ class Nvfp4GemvBulk(_GemvLaunch):
                           sfa_base, sfa_rs, R, self.row_a, self.row_sf, self.evict)
 
     @cute.jit
-    def _consume(self, n_t, tidx, s_a, s_part, s_full, s_empty, b_base, sfb_base):
+    def _consume(self, n_t, tidx, s_a, s_part, s_full, s_empty, b_base, sfb_base, tbl):
         S = self.stages
         R = self.rows
         r = tidx // self.tr
         jl = tidx % self.tr
         wb, sb = b_in_registers(b_base, sfb_base, jl, self.tr, self.n, lambda ch: cutlass.Int64(ch) * 2)
-        tbl = cutlass.Int32(E2M1_TIMES2_LO)
         for j in cutlass.range(n_t, unroll=1):
             s = j % S
             mbar_wait(s_full + 8 * s, (j // S) & 1)

@@ -20,7 +20,7 @@ import cutlass.cute as cute
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .kernel import (
-    E2M1_TIMES2_LO,
+    STAGE_EXTRA_BYTES,
     _asm,
     _asm_store,
     blocked_row,
@@ -121,7 +121,7 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
         self.part_bytes = -(-self.rows * self.parts * n_tok * 4 // 16) * 16
         # about 40 KB a CTA in flight, as the custom_kernel bulk kernel's best (3 stages of 4 rows at K = 7168)
         self.stages = stages or max(3, min(8, 40960 // self.stage_bytes))
-        self.smem_bytes = self.stages * (self.stage_bytes + self.part_bytes + 16)
+        self.smem_bytes = self.stages * (self.stage_bytes + self.part_bytes + 16) + STAGE_EXTRA_BYTES
         self.threads = self.groups * tr + 32
         self.ctas = ctas or (2 if n_tok <= 2 else 1)
         if self.rows > 32 or self.threads > 1024:  # the producer's lanes each copy one row of a stage
@@ -152,7 +152,7 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
         R = self.rows
         consumers = self.groups * self.tr
         # stage s: R rows of w, then R rows of its scales; fp32 partial per stage, row, warp of the row and token
-        s_w, s_part, s_full, s_empty = stage_buffers(tidx, S, self.stage_bytes, self.part_bytes, self.smem_bytes,
+        s_w, s_part, s_full, s_empty, tbl = stage_buffers(tidx, S, self.stage_bytes, self.part_bytes, self.smem_bytes,
                                                      consumers)
 
         n_t = (m // R - bidx + gdimx - 1) // gdimx  # tiles bidx, bidx + gdimx, ... of w
@@ -160,7 +160,7 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
             self._produce(n_t, bidx, gdimx, tidx - consumers, s_w, s_part, s_full, s_empty, w_ptr, w_rs, ws_ptr,
                           ws_rs, out_ptr, out_rs, alpha_ptr)
         else:
-            self._consume(n_t, tidx, s_w, s_part, s_full, s_empty, x_ptr, x_rs, xs_ptr, xs_rs)
+            self._consume(n_t, tidx, s_w, s_part, s_full, s_empty, x_ptr, x_rs, xs_ptr, xs_rs, tbl)
 
     @cute.jit
     def _produce(self, n_t, bidx, gdimx, lane, s_w, s_part, s_full, s_empty, w_ptr, w_rs, ws_ptr, ws_rs, out_ptr,
@@ -189,7 +189,7 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
                           ws_ptr, ws_rs, R, self.row_w, self.row_ws, self.evict)
 
     @cute.jit
-    def _consume(self, n_t, tidx, s_w, s_part, s_full, s_empty, x_ptr, x_rs, xs_ptr, xs_rs):
+    def _consume(self, n_t, tidx, s_w, s_part, s_full, s_empty, x_ptr, x_rs, xs_ptr, xs_rs, tbl):
         S = self.stages
         R = self.rows
         NT = self.n_tok
@@ -213,7 +213,6 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
                 xw.append(words)
                 s0, s1 = e4m3x2_to_f32x2(ldg_u16(xs_row + scale_offset(ch, self.x_blocked)))
                 xsc.append((s0 * 0.25, s1 * 0.25))
-        tbl = cutlass.Int32(E2M1_TIMES2_LO)
         RT = self.rt
         NV = RT * NT
         NP = 1 << (NV - 1).bit_length()  # the rows' tokens padded to a power of two for the scatter
