@@ -889,8 +889,8 @@ class Nvfp4GemvBulk(_GemvLaunch):
         S = self.stages
         R = self.rows
         # stage s: R rows of a, then R rows of sfa; fp64 partial per stage, row and part
-        s_a, s_part, s_full, s_empty, tbl = stage_buffers(tidx, S, self.stage_bytes, self.part_bytes, self.smem_bytes,
-                                                     32 * self.warps)
+        s_a, s_part, s_full, s_empty, tbl = stage_buffers(tidx, S, self.stage_bytes, self.part_bytes,
+                                                          self.smem_bytes, 32 * self.warps)
 
         l_idx = cutlass.Int64(bidy)
         n_t = (m // R - bidx + gdimx - 1) // gdimx  # tiles bidx, bidx + gdimx, ... of this batch index

@@ -152,8 +152,8 @@ class Nvfp4GemvTokensBulk(_OpLaunch):
         R = self.rows
         consumers = self.groups * self.tr
         # stage s: R rows of w, then R rows of its scales; fp32 partial per stage, row, warp of the row and token
-        s_w, s_part, s_full, s_empty, tbl = stage_buffers(tidx, S, self.stage_bytes, self.part_bytes, self.smem_bytes,
-                                                     consumers)
+        s_w, s_part, s_full, s_empty, tbl = stage_buffers(tidx, S, self.stage_bytes, self.part_bytes,
+                                                          self.smem_bytes, consumers)
 
         n_t = (m // R - bidx + gdimx - 1) // gdimx  # tiles bidx, bidx + gdimx, ... of w
         if tidx >= consumers:
