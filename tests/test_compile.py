@@ -4,6 +4,7 @@ Each compile runs in a subprocess (a compiler crash must not take pytest down); 
 must be a real ELF with the kernel in it."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -97,3 +98,36 @@ def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, tune, blocked, tmp
     tuning); ``--blocked`` blocks x's scales (w's stay plain)."""
     assert_op_build(compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--tune", f"bulk=1,{tune}",
                                   *(["--blocked"] if blocked else [])))
+
+
+def _nvdisasm():
+    import glob
+
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    found = [p for d in nvidia.__path__ for p in glob.glob(os.path.join(d, "*", "bin", "nvdisasm"))]
+    return found[0] if found else None
+
+
+@pytest.mark.parametrize("arch,k,extra", [("sm_90a", 16384, ("--tune", "bulk=1")),
+                                          ("sm_100a", 7168, ("--tune", "bulk=1")),
+                                          ("sm_90a", 16384, ("--tokens", "4", "--tune", "bulk=1,ctas=1,rt=4")),
+                                          ("sm_90a", 16384, ("--tokens", "1", "--tune", "bulk=1"))])
+def test_bulk_loops_keep_the_decode_table_in_one_register(arch, k, extra, tmp_path):
+    """ptxas kept a constant (or warp-uniform) ``prmt`` table in a uniform register and copied it into a
+    fresh register before each ``prmt``: 10-18% of the bulk kernels' loop instructions, 4.6% of the op's
+    N = 4 time on H200 (docs/perf-notes.md, sixth session). A lane's own copy from shared memory is neither."""
+    nvdisasm = _nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not installed (the test extra has nvidia-cuda-nvdisasm)")
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
+    import sass_budget
+
+    info = compile_check(arch, k, tmp_path, *extra)
+    sass = subprocess.run([nvdisasm, "-c", info["cubin"]], capture_output=True, text=True, check=True).stdout
+    body = max(sass_budget.loops(sass.splitlines()), key=lambda b: sum(sass_budget.opcode(t) == "IDP" for t in b))
+    prmt = sum(sass_budget.opcode(t) == "PRMT" for t in body)
+    copies = sum(bool(re.match(r"(IMAD\.U32 R\d+, RZ, RZ, UR\d+|MOV R\d+, UR\d+)", t)) for t in body)
+    assert prmt >= 64 and copies <= 4, (prmt, copies)
