@@ -23,11 +23,11 @@ Algorithm (CuTe DSL kernel, both architectures):
   warps (one 16-byte chunk a lane where the wave fits; where 1024 does not divide K, the last warp's
   surplus lanes load nothing), with ``b`` in registers and no loop; the warps' sums meet in shared
   memory. Shorter rows take the register kernel with up to a whole warp a row and each lane's share
-  loaded in one unit (``Nvfp4Gemv.shape_tuning``).
-* Long rows (``K >= 7168``) beyond one wave go to ``Nvfp4GemvBulk``: a producer warp fetches whole rows
-  of ``a`` and ``sfa`` into shared memory with bulk copies (``cp.async.bulk``, the TMA engine without a
-  tensor map), three stages deep on mbarriers, with an L2 evict-first hint; consumer warps keep their
-  share of ``b`` in registers. On H200 under the leaderboard's timing this streams the benchmark shapes
+  loaded in one unit (``Nvfp4Gemv.shape_tuning``), unless that unit is long and SMs hold two CTAs.
+* Long rows (``K >= 7168``) that the split-row kernel does not take go to ``Nvfp4GemvBulk``: a producer
+  warp fetches whole rows of ``a`` and ``sfa`` into shared memory with bulk copies (``cp.async.bulk``,
+  the TMA engine without a tensor map), three stages deep on mbarriers, with an L2 evict-first hint;
+  consumer warps keep their share of ``b`` in registers. On H200 under the leaderboard's timing this streams the benchmark shapes
   about as fast as the same copies with no arithmetic at all (``pick_tuning`` chooses the kernel).
 * ``K`` and the configuration are compile-time constants; ``M``, ``L`` and all strides are run-time
   values. Scales are read from the plain ``[M, K/16, L]`` tensors, or, when those are not on the GPU
@@ -45,7 +45,7 @@ Set ``NVFP4_GEMV_FORCE_CUTE=1`` to send every call to the CuTe DSL kernel.
 
 Constraints: CUDA tensors; ``M % 128 == 0``; ``K % 64 == 0`` and ``K <= 32768``; ``a``/``b`` and the
 plain scales contiguous along K; ``a`` rows 16-byte aligned. The bulk kernel also needs ``K % 256 == 0``
-and 16-byte aligned rows of ``sfa``; where they are missing the streaming kernel runs instead.
+and 16-byte aligned rows of ``sfa``; where they are missing the choice among the others runs instead.
 """
 
 import ctypes
@@ -581,6 +581,11 @@ class Nvfp4Gemv(_GemvLaunch):
         per_lane = chunks // group
         ctas = -(-m * group // Nvfp4Gemv.threads) * l
         if group < 2 or per_lane > 12 or ctas > 2 * sms:
+            return ()
+        # All of a lane's arithmetic waits for its last byte; with 8+ chunks a lane and two CTAs on some
+        # SMs that tail costs more than the streaming kernel's overlap, where its units hold 3+ chunks
+        # (K = 4608 and 2304 on 192-256 CTAs: 0.9-1.0 us; on 96-128 CTAs the latency config wins)
+        if per_lane >= 8 and ctas > sms and Nvfp4Gemv(k, False).batch >= 3:
             return ()
         return (("batch", per_lane), ("group", group), ("min_blocks", 2))
 
@@ -1191,11 +1196,11 @@ class _CutePlan:
             if explicit:
                 raise ValueError("nvfp4_gemv: the bulk-copy kernel needs the plain scales on the GPU and "
                                  "16-byte aligned rows of a and sfa")
-            tuning, bulk = (), False
+            tuning, bulk = pick_tuning(k, m, l, sms, True), False  # the choice without the bulk kernel
         self.kernel = kern = _get_kernel(self.dev, k, not scales_on_gpu, tuning)
         self.scale_idx = (2, 3) if scales_on_gpu else (4, 5)
         self.sfa_mask = 15 if bulk else 1
-        self.fallback = None  # for a bulk plan called with a misaligned sfa: the streaming kernel
+        self.fallback = None  # for a bulk plan called with a misaligned sfa: the choice without it
         if scales_on_gpu:
             strides = (sfa.stride(0), sfa.stride(2), sfb.stride(2))
         else:
@@ -1250,7 +1255,9 @@ class _CutePlan:
     def _unaligned(self, data):
         check_inputs(data)  # raises, naming the misaligned argument
         if self.fallback is None:  # only the bulk kernel's 16-byte sfa alignment is missing
-            self.fallback = _CutePlan(data, *self.data_shape, tuning=())
+            m, k, l, _ = self.data_shape
+            self.fallback = _CutePlan(data, *self.data_shape,
+                                      tuning=pick_tuning(k, m, l, device_info(self.dev)[1], True))
         return self.fallback(data)
 
 
@@ -1427,18 +1434,17 @@ def _new_plan(data, key):
 
 
 def pick_tuning(k, m, l, sms, blocked_scales):
-    """The kernel and configuration for one problem size: the latency config where one wave of CTAs
-    holds the problem (rows split over warps where they are long enough), else the bulk-copy kernel for
-    long rows, else the streaming default ``()``."""
+    """The kernel and configuration for one problem size: rows split over warps where one wave of CTAs
+    holds the problem and rows are long enough, else the bulk-copy kernel for long rows (where both
+    apply it is as fast as the latency config or up to 2 us faster: 0-17% on 10 one-wave shapes with
+    K >= 7168, docs/perf-notes.md), else the latency config for one wave, else the streaming default
+    ``()``."""
     split = Nvfp4GemvSplit.shape_tuning(k, m, l, sms)
     if split:
         return split
-    latency = Nvfp4Gemv.shape_tuning(k, m, l, sms)
-    if latency:
-        return latency
     if not blocked_scales and Nvfp4GemvBulk.suits(k):
         return (("bulk", 1),)
-    return ()
+    return Nvfp4Gemv.shape_tuning(k, m, l, sms)
 
 
 def run_cute(data, m, k, l, scales_on_gpu, tuning=None):

@@ -32,6 +32,27 @@ def test_long_rows_beyond_one_wave_take_the_bulk_kernel(m, k, l, seed):
     assert submission.pick_tuning(k, m, l, H200_SMS, True) == (), "blocked scales: streaming kernel"
 
 
+@pytest.mark.parametrize("m,k,l", [(1024, 7168, 1), (2048, 7168, 1), (1024, 7168, 2), (768, 11264, 1),
+                                   (2048, 11264, 1), (1024, 12288, 2), (512, 9216, 4)])
+def test_one_wave_long_rows_too_many_to_split_take_the_bulk_kernel(m, k, l):
+    """Measured on H200: the bulk kernel 0-2.05 us faster than the latency config on these."""
+    assert dict(G.shape_tuning(k, m, l, H200_SMS)).get("batch") == k // 32 // 32, "latency config possible"
+    assert submission.pick_tuning(k, m, l, H200_SMS, False) == (("bulk", 1),)
+    assert submission.pick_tuning(k, m, l, H200_SMS, True) == G.shape_tuning(k, m, l, H200_SMS), "blocked scales"
+
+
+@pytest.mark.parametrize("m,k,l,latency", [
+    (2048, 4608, 2, False), (1536, 4608, 2, False), (1024, 4608, 4, False), (4096, 2304, 2, False),
+    (1024, 4608, 2, True), (2048, 2304, 2, True), (3072, 2304, 1, True),  # no more CTAs than SMs
+    (4096, 1280, 2, True), (4096, 3584, 1, True), (2048, 2816, 4, True), (3072, 5632, 1, True),  # streaming units of 1 chunk
+])
+def test_latency_config_yields_to_streaming_where_its_tail_is_longer(m, k, l, latency):
+    """One unit of 8+ chunks a lane on more CTAs than SMs computes everything after its last byte; the
+    streaming kernel overlaps its units of 3+ chunks (measured on H200, docs/perf-notes.md)."""
+    assert bool(G.shape_tuning(k, m, l, H200_SMS)) == latency
+    assert submission.pick_tuning(k, m, l, H200_SMS, False) == G.shape_tuning(k, m, l, H200_SMS)
+
+
 @pytest.mark.parametrize("m,k,l,seed", ONE_WAVE)
 def test_one_wave_splits_rows_over_warps_where_k_allows(m, k, l, seed):
     tuning = submission.pick_tuning(k, m, l, H200_SMS, False)

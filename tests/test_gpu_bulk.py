@@ -1,5 +1,5 @@
 """The bulk-copy kernel (``Nvfp4GemvBulk``) on a CUDA GPU: every tile split it can take, its tuning
-knobs, padded rows, and the fall back to the streaming kernel where its alignment needs are not met.
+knobs, padded rows, and the fall back to the other kernels where its alignment needs are not met.
 Outputs are poisoned with NaN and compared with the float64 reference on random signed inputs."""
 
 import pytest
@@ -65,6 +65,15 @@ def test_sfa_rows_off_16_bytes_take_the_streaming_kernel():
     check_chosen_kernel(data, submission.Nvfp4Gemv)
     with pytest.raises(ValueError, match="bulk"):
         submission.run_cute(data, *submission.check_inputs(data), tuning=BULK)
+
+
+@pytest.mark.parametrize("m,k,l", [(1024, 7168, 2), (2048, 11264, 1)])
+def test_one_wave_long_rows_take_the_bulk_kernel_or_without_it_the_latency_config(m, k, l):
+    check_chosen_kernel(inputs.random_inputs(m, k, l, seed=13), submission.Nvfp4GemvBulk)
+    data = padded(inputs.random_inputs(m, k, l, seed=14), 0, 2)
+    check_chosen_kernel(data, submission.Nvfp4Gemv)
+    op = submission._CutePlan(data, *submission.check_inputs(data)).kernel.op
+    assert op.batch == op.per_lane, "a lane's whole share in one unit"
 
 
 def test_cached_bulk_plan_with_a_misaligned_sfa_falls_back():
