@@ -759,16 +759,21 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
     def shape_tuning(k, m, l, sms):
         """The split for a problem whose threads all fit on the GPU at once (one chunk a lane where
         possible, else up to four: more spill registers), ``()`` where none does or rows are shorter
-        than two warps' chunks. Where 1024 does not divide K, only one chunk a lane, the last warp of a
-        row partly idle (512x1536x2: 6.30 us against 6.59 for the latency config, two-GPU H200). A CTA gets up to 512 threads (measured 0.05-0.15 us faster than 256 on
-        384x7168x2 and 512x4096x2); the occupancy hint caps registers so that the wave fits."""
+        than two warps' chunks. Where the split does not divide the row, the last chunk of some lanes
+        lies past it (512x1536x2: 6.30 us against 6.59 for the latency config, two-GPU H200). A CTA gets
+        up to 512 threads (measured 0.05-0.15 us faster than 256 on 384x7168x2 and 512x4096x2); the
+        occupancy hint caps registers so that the wave fits."""
         chunks = k // 32
         warps = -(-chunks // 32)  # warps a row at one chunk a lane
         for split in range(warps, 1, -1):
-            threads_a_sm = 1536 if split == warps else 1024  # more chunks a lane, more registers
-            if warps % split or warps // split > 4 or m * l * 32 * split > sms * threads_a_sm:
+            n = -(-chunks // (32 * split))
+            threads_a_sm = 1536 if n == 1 else 1024  # more chunks a lane, more registers
+            if n > 4 or m * l * 32 * split > sms * threads_a_sm:
                 continue
-            if chunks % 32 and split != warps:  # a tail (K % 1024 != 0): only at one chunk a lane
+            # A tail at several chunks a lane only where measured (K >= 7168, against the bulk kernel:
+            # 2048x7168x1 split 2 7.62 us, bulk 7.81; 768x11264x1 split 4 7.46, bulk 7.90) and with at
+            # least 85% of the lanes' last chunks inside the row
+            if n > 1 and chunks % (32 * split) and (k < BULK_MIN_K or chunks < 0.85 * n * 32 * split):
                 continue
             rows = 1 << max(0, (512 // (32 * split)).bit_length() - 1)  # up to 512 threads a CTA
             return (("min_blocks", max(1, threads_a_sm // (rows * 32 * split))), ("rows", rows),

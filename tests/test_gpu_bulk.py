@@ -67,7 +67,7 @@ def test_sfa_rows_off_16_bytes_take_the_streaming_kernel():
         submission.run_cute(data, *submission.check_inputs(data), tuning=BULK)
 
 
-@pytest.mark.parametrize("m,k,l", [(1024, 7168, 2), (2048, 11264, 1)])
+@pytest.mark.parametrize("m,k,l", [(512, 9216, 4), (2048, 11264, 1)])
 def test_one_wave_long_rows_take_the_bulk_kernel_or_without_it_the_latency_config(m, k, l):
     check_chosen_kernel(inputs.random_inputs(m, k, l, seed=13), submission.Nvfp4GemvBulk)
     data = padded(inputs.random_inputs(m, k, l, seed=14), 0, 2)

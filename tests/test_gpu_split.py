@@ -26,6 +26,8 @@ CASES = [  # (m, k, l, tuning): one chunk a lane (split = K / 1024), 2-4 chunks,
     # a tail: the last chunk of some lanes lies past the row (K % (1024 * split) != 0)
     (128, 1536, 1, tune(split=2)), (512, 1536, 2, tune(split=2, rows=4)), (2432, 4608, 2, tune(split=3)),
     (256, 4608, 1, tune(split=5, rows=2)), (128, 7168, 3, tune(split=3)), (384, 1088, 1, tune(split=2)),
+    (1024, 7168, 1, tune(split=4, rows=4)), (2048, 7168, 1, tune(split=2, rows=8)),  # as routed
+    (768, 11264, 1, tune(split=4, rows=4)),
 ]
 
 
@@ -42,6 +44,11 @@ def test_split_kernel_matches_float64(m, k, l, tuning, plain):
 @pytest.mark.parametrize("m,k,l", sorted({c[:3] for c in task_cases("tests") if c[1] > 1024 and c[:3] != (2432, 4608, 2)}))
 def test_one_wave_task_shapes_take_the_split_kernel(m, k, l):
     check_chosen_kernel(inputs.random_inputs(m, k, l, seed=3), submission.Nvfp4GemvSplit)
+
+
+@pytest.mark.parametrize("m,k,l", [(2048, 7168, 1), (768, 11264, 1)])
+def test_one_wave_long_rows_take_the_split_kernel_with_a_tail(m, k, l):
+    check_chosen_kernel(inputs.random_inputs(m, k, l, seed=4), submission.Nvfp4GemvSplit)
 
 
 @pytest.mark.parametrize("plain", [True, False], ids=["plain-scales", "permuted-scales"])
