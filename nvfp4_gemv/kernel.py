@@ -20,14 +20,16 @@ Algorithm (CuTe DSL kernel, both architectures):
   butterfly shuffle (fp64) combines the group's partials and one lane writes ``c``.
 * Problems that fit in one wave (small ``M * L``) are latency-bound: what counts is the time after the
   last byte lands. Where a row has more than 1024 values, ``Nvfp4GemvSplit`` splits it over whole
-  warps (one 16-byte chunk a lane where the wave fits; where 1024 does not divide K, the last warp's
-  surplus lanes load nothing), with ``b`` in registers and no loop; the warps' sums meet in shared
-  memory. Shorter rows take the register kernel with up to a whole warp a row and each lane's share
-  loaded in one unit (``Nvfp4Gemv.shape_tuning``), unless that unit is long and SMs hold two CTAs.
+  warps (one 16-byte chunk a lane where the wave fits, else up to four; where the split does not divide
+  the row, the last chunk of some lanes lies past it and loads nothing), with ``b`` in registers and no
+  loop; the warps' sums meet in shared memory. Shorter rows take the register kernel with up to a whole
+  warp a row and each lane's share loaded in one unit (``Nvfp4Gemv.shape_tuning``), unless that unit has
+  8+ chunks, CTAs outnumber SMs and the streaming units hold 3+ chunks.
 * Long rows (``K >= 7168``) that the split-row kernel does not take go to ``Nvfp4GemvBulk``: a producer
   warp fetches whole rows of ``a`` and ``sfa`` into shared memory with bulk copies (``cp.async.bulk``,
   the TMA engine without a tensor map), three stages deep on mbarriers, with an L2 evict-first hint;
-  consumer warps keep their share of ``b`` in registers. On H200 under the leaderboard's timing this streams the benchmark shapes
+  consumer warps keep their share of ``b`` in registers. On H200 under the leaderboard's timing this
+  streams the benchmark shapes
   about as fast as the same copies with no arithmetic at all (``pick_tuning`` chooses the kernel).
 * ``K`` and the configuration are compile-time constants; ``M``, ``L`` and all strides are run-time
   values. Scales are read from the plain ``[M, K/16, L]`` tensors, or, when those are not on the GPU
@@ -756,13 +758,14 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
         self.smem_bytes = 8 * (self.threads // 32)
 
     @staticmethod
-    def shape_tuning(k, m, l, sms):
+    def shape_tuning(k, m, l, sms, long_tails=False):
         """The split for a problem whose threads all fit on the GPU at once (one chunk a lane where
         possible, else up to four: more spill registers), ``()`` where none does or rows are shorter
         than two warps' chunks. Where the split does not divide the row, the last chunk of some lanes
         lies past it (512x1536x2: 6.30 us against 6.59 for the latency config, two-GPU H200). A CTA gets
         up to 512 threads (measured 0.05-0.15 us faster than 256 on 384x7168x2 and 512x4096x2); the
-        occupancy hint caps registers so that the wave fits."""
+        occupancy hint caps registers so that the wave fits. ``long_tails``: such a tail also at 2-4
+        chunks a lane, for pick_tuning where the alternative is the bulk kernel."""
         chunks = k // 32
         warps = -(-chunks // 32)  # warps a row at one chunk a lane
         for split in range(warps, 1, -1):
@@ -770,10 +773,11 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
             threads_a_sm = 1536 if n == 1 else 1024  # more chunks a lane, more registers
             if n > 4 or m * l * 32 * split > sms * threads_a_sm:
                 continue
-            # A tail at several chunks a lane only where measured (K >= 7168, against the bulk kernel:
-            # 2048x7168x1 split 2 7.62 us, bulk 7.81; 768x11264x1 split 4 7.46, bulk 7.90) and with at
-            # least 85% of the lanes' last chunks inside the row
-            if n > 1 and chunks % (32 * split) and (k < BULK_MIN_K or chunks < 0.85 * n * 32 * split):
+            # A tail at several chunks a lane only as measured: against the bulk kernel (2048x7168x1 split
+            # 2 7.62 us, bulk 7.81; 768x11264x1 split 4 7.46, bulk 7.90), with a power-of-two split (CTAs
+            # of a power of two threads fill the 1024 a SM) and the row filling 85% of the lanes' chunks
+            if n > 1 and chunks % (32 * split) and (not long_tails or split & (split - 1)
+                                                     or chunks < 0.85 * n * 32 * split):
                 continue
             rows = 1 << max(0, (512 // (32 * split)).bit_length() - 1)  # up to 512 threads a CTA
             return (("min_blocks", max(1, threads_a_sm // (rows * 32 * split))), ("rows", rows),
@@ -1444,10 +1448,11 @@ def pick_tuning(k, m, l, sms, blocked_scales):
     apply it is as fast as the latency config or up to 2 us faster: 0-17% on 10 one-wave shapes with
     K >= 7168, docs/perf-notes.md), else the latency config for one wave, else the streaming default
     ``()``."""
-    split = Nvfp4GemvSplit.shape_tuning(k, m, l, sms)
+    bulk = not blocked_scales and Nvfp4GemvBulk.suits(k)
+    split = Nvfp4GemvSplit.shape_tuning(k, m, l, sms, long_tails=bulk)
     if split:
         return split
-    if not blocked_scales and Nvfp4GemvBulk.suits(k):
+    if bulk:
         return (("bulk", 1),)
     return Nvfp4Gemv.shape_tuning(k, m, l, sms)
 

@@ -1,6 +1,6 @@
 """The per-shape kernel configuration: which problems take the latency config, which the bulk-copy
 kernel, and that every configuration the heuristic can pick is a valid kernel (chunks split evenly or,
-in the split-row kernel at one chunk a lane, with a partly idle last warp; shared memory within the SM's)."""
+in the split-row kernel, with the last chunk of some lanes past the row; shared memory within the SM's)."""
 
 import pytest
 
@@ -49,12 +49,15 @@ def test_one_wave_long_rows_split_with_a_tail_at_several_chunks_a_lane(m, k, l, 
     op = submission.make_op(k, False, **tuning)
     assert isinstance(op, submission.Nvfp4GemvSplit) and op.split == split and op.tail and op.per_lane > 1
     assert m * l * op.row_lanes <= H200_SMS * 1024, "every thread resident at once"
+    assert submission.pick_tuning(k, m, l, H200_SMS, True) == G.shape_tuning(k, m, l, H200_SMS), (
+        "blocked scales (no bulk kernel to beat): the latency config, as before")
 
 
 @pytest.mark.parametrize("m,k,l,latency", [
     (2048, 4608, 2, False), (1536, 4608, 2, False), (1024, 4608, 4, False), (4096, 2304, 2, False),
     (1024, 4608, 2, True), (2048, 2304, 2, True), (3072, 2304, 1, True),  # no more CTAs than SMs
-    (4096, 1280, 2, True), (4096, 3584, 1, True), (2048, 2816, 4, True), (3072, 5632, 1, True),  # streaming units of 1 chunk
+    (4096, 1280, 2, True), (4096, 3584, 1, True),  # 5 and 7 chunks a lane
+    (2048, 2816, 4, True), (3072, 5632, 1, True),  # 11 chunks a lane, streaming units of 1 chunk
 ])
 def test_latency_config_yields_to_streaming_where_its_tail_is_longer(m, k, l, latency):
     """One unit of 8+ chunks a lane on more CTAs than SMs computes everything after its last byte; the
@@ -84,7 +87,7 @@ def test_every_k_gets_a_valid_config(k):
                 if tuning.get("split"):
                     assert (op.per_lane - 1) * op.row_lanes < op.chunks <= op.per_lane * op.row_lanes
                     assert 1 <= op.per_lane <= 4 and (op.per_lane == 1 or not op.tail or (
-                        k >= submission.BULK_MIN_K and op.chunks >= 0.85 * op.per_lane * op.row_lanes))
+                        not blocked and submission.Nvfp4GemvBulk.suits(k) and op.split in (2, 4, 8, 16)))
                     assert op.threads <= 1024 and op.grid_x(m, l, sms) * op.rows_per_cta >= m
                     continue
                 if tuning.get("bulk"):

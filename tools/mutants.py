@@ -126,7 +126,7 @@ MUTANTS = [
     ("mma: partial sums read without side effects", MMA,
      '"ld.shared.f32 $0, [$1];", "=f,r", loc, ip, volatile=True)', '"ld.shared.f32 $0, [$1];", "=f,r", loc, ip)',
      ["tests/test_compile.py::test_op_tensor_core_kernel_compiles_without_gpu"], False),
-    ("routing: bulk never chosen", K, "    if not blocked_scales and Nvfp4GemvBulk.suits(k):", "    if False:",
+    ("routing: bulk never chosen", K, "    bulk = not blocked_scales and Nvfp4GemvBulk.suits(k)\n", "    bulk = False\n",
      ["tests/test_config.py"], False),
     # -- arithmetic, routing, streams (GPU) --
     ("store: fp16 rounds toward zero", K, "cvt.rn.f16.f32 h, $1", "cvt.rz.f16.f32 h, $1",
@@ -145,7 +145,7 @@ MUTANTS = [
      ["tests/test_gpu_split.py"], True),
     ("split: a tail lane's b not clamped to the row", K, "ch = cutlass.min(ch, last)", "ch = ch",
      ["tests/test_gpu_split.py::test_tail_lanes_read_nothing_past_the_row"], True),
-    ("routing: split kernel never chosen", K, "    split = Nvfp4GemvSplit.shape_tuning(k, m, l, sms)\n",
+    ("routing: split kernel never chosen", K, "    split = Nvfp4GemvSplit.shape_tuning(k, m, l, sms, long_tails=bulk)\n",
      "    split = ()\n", ["tests/test_gpu_split.py"], True),
     ("stream: the legacy default stream", K, "ffi(pa, pb, psa, psb, c.data_ptr(), *self.static, _current_stream(self.dev))",
      "ffi(pa, pb, psa, psb, c.data_ptr(), *self.static, 0)", ["tests/test_gpu_correctness.py", "tests/test_gpu_contexts.py"],
