@@ -92,3 +92,22 @@ def test_cached_bulk_plan_with_a_misaligned_sfa_falls_back():
     torch.cuda.synchronize()
     ok, msg = inputs.check_exact(data, out)
     assert ok, msg
+
+
+def test_cached_one_wave_bulk_plan_with_a_misaligned_sfa_falls_back_to_the_latency_config():
+    """The fallback is the choice without the bulk kernel: for this one-wave shape the latency config
+    (a lane's whole share in one unit), not the streaming default."""
+    data = inputs.random_inputs(512, 9216, 4, seed=15)
+    plan = submission._CutePlan(data, *submission.check_inputs(data))
+    assert isinstance(plan.kernel.op, submission.Nvfp4GemvBulk)
+    sfa = data[2]
+    raw = torch.zeros(sfa.numel() + 8, dtype=torch.uint8, device="cuda")
+    moved = raw[8:].as_strided(sfa.shape, sfa.stride()).view(torch.float8_e4m3fn)  # same metadata
+    moved.copy_(sfa)
+    data = (data[0], data[1], moved, *data[3:])
+    out = plan(inputs.poisoned(data))
+    torch.cuda.synchronize()
+    op = plan.fallback.kernel.op
+    assert type(op) is submission.Nvfp4Gemv and op.batch == op.per_lane
+    ok, msg = inputs.check_exact(data, out)
+    assert ok, msg
