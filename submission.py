@@ -30,8 +30,8 @@ Algorithm (CuTe DSL kernel, both architectures):
   warp fetches whole rows of ``a`` and ``sfa`` into shared memory with bulk copies (``cp.async.bulk``,
   the TMA engine without a tensor map), three stages deep on mbarriers, with an L2 evict-first hint;
   consumer warps keep their share of ``b`` in registers. On H200 under the leaderboard's timing this
-  streams the benchmark shapes
-  about as fast as the same copies with no arithmetic at all (``pick_tuning`` chooses the kernel).
+  streams the benchmark shapes about as fast as the same copies with no arithmetic at all
+  (``pick_tuning`` chooses the kernel).
 * ``K`` and the configuration are compile-time constants; ``M``, ``L`` and all strides are run-time
   values. Scales are read from the plain ``[M, K/16, L]`` tensors, or, when those are not on the GPU
   (older official generators kept them on the CPU), from the permuted cuBLAS-blocked tensors.
