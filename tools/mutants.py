@@ -128,6 +128,11 @@ MUTANTS = [
      ["tests/test_compile.py::test_op_tensor_core_kernel_compiles_without_gpu"], False),
     ("routing: bulk never chosen", K, "    bulk = not blocked_scales and Nvfp4GemvBulk.suits(k)\n", "    bulk = False\n",
      ["tests/test_config.py"], False),
+    ("routing: the latency config never yields", K,
+     "        if per_lane >= 8 and ctas > sms and Nvfp4Gemv(k, False).batch >= 3:", "        if False:",
+     ["tests/test_config.py"], False),
+    ("routing: a tail at several chunks for any split", K, "(not long_tails or split & (split - 1)",
+     "(not long_tails", ["tests/test_config.py"], False),
     # -- arithmetic, routing, streams (GPU) --
     ("store: fp16 rounds toward zero", K, "cvt.rn.f16.f32 h, $1", "cvt.rz.f16.f32 h, $1",
      ["tests/test_gpu_accuracy.py"], True),
