@@ -764,26 +764,41 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
         possible, else up to four: more spill registers), ``()`` where none does or rows are shorter
         than two warps' chunks. Where the split does not divide the row, the last chunk of some lanes
         lies past it (512x1536x2: 6.30 us against 6.59 for the latency config, two-GPU H200). A CTA gets
-        up to 512 threads (measured 0.05-0.15 us faster than 256 on 384x7168x2 and 512x4096x2); the
-        occupancy hint caps registers so that the wave fits. ``long_tails``: such a tail also at 2-4
-        chunks a lane, for pick_tuning where the alternative is the bulk kernel."""
+        up to 512 threads (measured 0.05-0.15 us faster than 256 on 384x7168x2 and 512x4096x2) or up to
+        256 where that puts fewer threads on the busiest SM and keeps two rows a CTA (768x11264x1: 192
+        CTAs of 512 leave 60 SMs two, 384 of 256 leave none more than three: 7.20 -> 6.72 us); the
+        occupancy hint caps registers so that every CTA is resident at once. ``long_tails``: such a tail also at 2-4 chunks a lane, for pick_tuning
+        where the alternative is the bulk kernel."""
         chunks = k // 32
         warps = -(-chunks // 32)  # warps a row at one chunk a lane
+        two_waves = ()  # the largest split whose threads fit but whose CTAs take two waves (3, 5, 7... warps)
         for split in range(warps, 1, -1):
             n = -(-chunks // (32 * split))
+            lanes = 32 * split
             threads_a_sm = 1536 if n == 1 else 1024  # more chunks a lane, more registers
-            if n > 4 or m * l * 32 * split > sms * threads_a_sm:
+            if n > 4 or m * l * lanes > sms * threads_a_sm:
                 continue
             # A tail at several chunks a lane only as measured: against the bulk kernel (2048x7168x1 split
             # 2 7.62 us, bulk 7.81; 768x11264x1 split 4 7.46, bulk 7.90), with a power-of-two split (CTAs
             # of a power of two threads fill the 1024 a SM) and the row filling 85% of the lanes' chunks
-            if n > 1 and chunks % (32 * split) and (not long_tails or split & (split - 1)
-                                                     or chunks < 0.85 * n * 32 * split):
+            if n > 1 and chunks % lanes and (not long_tails or split & (split - 1) or chunks < 0.85 * n * lanes):
                 continue
-            rows = 1 << max(0, (512 // (32 * split)).bit_length() - 1)  # up to 512 threads a CTA
-            return (("min_blocks", max(1, threads_a_sm // (rows * 32 * split))), ("rows", rows),
-                    ("split", split))
-        return ()
+            best, first = None, None
+            for cap in (512, 256):
+                rows = 1 << max(0, (cap // lanes).bit_length() - 1)
+                if cap == 256 and rows < 2:  # one-row CTAs each fetch b from L2 (128x7232x1: +0.16 us)
+                    continue
+                per_sm = max(1, threads_a_sm // (rows * lanes))
+                first = first or (("min_blocks", per_sm), ("rows", rows), ("split", split))
+                waves = -(-(-(-m // rows) * l) // sms)  # CTAs on the busiest SM, spread breadth-first
+                if waves <= per_sm and (best is None or waves * rows < best[0]):  # ties: the larger CTA
+                    best = (waves * rows, (("min_blocks", per_sm), ("rows", rows), ("split", split)))
+            if best:
+                return best[1]
+            # A smaller split may fit one wave (128x22528x3: split 8 7.23 us, split 11 7.54); where none
+            # does, the two waves still beat the alternatives (384x4160x3: 5.92 us, streaming 38.5)
+            two_waves = two_waves or first
+        return two_waves
 
     def grid_x(self, m, l, sms):
         return -(-m // self.rows_per_cta)

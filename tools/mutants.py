@@ -133,6 +133,10 @@ MUTANTS = [
      ["tests/test_config.py"], False),
     ("routing: a tail at several chunks for any split", K, "(not long_tails or split & (split - 1)",
      "(not long_tails", ["tests/test_config.py"], False),
+    ("routing: split CTAs always up to 512 threads", K, "            for cap in (512, 256):", "            for cap in (512,):",
+     ["tests/test_config.py"], False),
+    ("routing: the first split whose threads fit, one wave or not", K, "            if best:\n                return best[1]",
+     "            if first:\n                return first", ["tests/test_config.py"], False),
     # -- arithmetic, routing, streams (GPU) --
     ("store: fp16 rounds toward zero", K, "cvt.rn.f16.f32 h, $1", "cvt.rz.f16.f32 h, $1",
      ["tests/test_gpu_accuracy.py"], True),
