@@ -766,8 +766,8 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
         up to 512 threads (measured 0.05-0.15 us faster than 256 on 384x7168x2 and 512x4096x2) or up to
         256 where that puts fewer threads on the busiest SM and keeps two rows a CTA (768x11264x1: 192
         CTAs of 512 leave 60 SMs two, 384 of 256 leave none more than three: 7.20 -> 6.72 us); the
-        occupancy hint caps registers so that every CTA is resident at once. ``long_tails``: such a tail also at 2-4 chunks a lane, for pick_tuning
-        where the alternative is the bulk kernel."""
+        occupancy hint caps registers so that every CTA is resident at once. ``long_tails``: such a tail
+        also at 2-4 chunks a lane, for pick_tuning where the alternative is the bulk kernel."""
         chunks = k // 32
         warps = -(-chunks // 32)  # warps a row at one chunk a lane
         two_waves = ()  # the largest split whose threads fit but whose CTAs take two waves (3, 5, 7... warps)
@@ -789,9 +789,9 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
                     continue
                 per_sm = max(1, threads_a_sm // (rows * lanes))
                 first = first or (("min_blocks", per_sm), ("rows", rows), ("split", split))
-                waves = -(-(-(-m // rows) * l) // sms)  # CTAs on the busiest SM, spread breadth-first
-                if waves <= per_sm and (best is None or waves * rows < best[0]):  # ties: the larger CTA
-                    best = (waves * rows, (("min_blocks", per_sm), ("rows", rows), ("split", split)))
+                busiest = -(-(-(-m // rows) * l) // sms)  # CTAs on the busiest SM, spread breadth-first
+                if busiest <= per_sm and (best is None or busiest * rows < best[0]):  # ties: the larger CTA
+                    best = (busiest * rows, (("min_blocks", per_sm), ("rows", rows), ("split", split)))
             if best:
                 return best[1]
             # A smaller split may fit one wave (128x22528x3: split 8 7.23 us, split 11 7.54); where none
