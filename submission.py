@@ -731,10 +731,10 @@ class Nvfp4Gemv(_GemvLaunch):
 
 
 class Nvfp4GemvSplit(Nvfp4Gemv):
-    """Kernel for problems that fit in one wave of CTAs, where the time after the last byte lands counts:
-    each row is split over ``split`` whole warps, so a lane has only ``n = ceil(K / (1024 * split))``
-    chunks of arithmetic and the SMs have many warps to issue it (where the split does not divide the row,
-    the last chunk of the last lanes is predicated off). A CTA holds ``rows`` rows, once each (no
+    """Kernel for problems that fit in one wave of CTAs (or two, where no split fits one), where the time
+    after the last byte lands counts: each row is split over ``split`` whole warps, so a lane has only
+    ``n = ceil(K / (1024 * split))`` chunks of arithmetic and the SMs have many warps to issue it (where
+    the split does not divide the row, the last chunk of the last lanes is predicated off). A CTA holds ``rows`` rows, once each (no
     grid-stride, no loop). A lane loads its chunks of ``a`` and ``sfa`` first, then its chunks of ``b``
     and ``sfb``, which stay in registers (no shared-memory staging, no barrier before the arithmetic).
     Warps add their lanes' terms with a butterfly and meet in shared memory."""
@@ -762,16 +762,17 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
     def shape_tuning(k, m, l, sms, long_tails=False):
         """The split for a problem whose threads all fit on the GPU at once (one chunk a lane where
         possible, else up to four: more spill registers), ``()`` where none does or rows are shorter
-        than two warps' chunks. Where the split does not divide the row, the last chunk of some lanes
+        than two warps' chunks; the largest split whose CTAs all fit at the occupancy they ask for, else
+        (CTAs whose threads do not fill the SM's) the largest whose threads fit, in two waves. Where the split does not divide the row, the last chunk of some lanes
         lies past it (512x1536x2: 6.30 us against 6.59 for the latency config, two-GPU H200). A CTA gets
         up to 512 threads (measured 0.05-0.15 us faster than 256 on 384x7168x2 and 512x4096x2) or up to
         256 where that puts fewer threads on the busiest SM and keeps two rows a CTA (768x11264x1: 192
         CTAs of 512 leave 60 SMs two, 384 of 256 leave none more than three: 7.20 -> 6.72 us); the
-        occupancy hint caps registers so that every CTA is resident at once. ``long_tails``: such a tail
+        occupancy hint caps registers so that the threads fit. ``long_tails``: such a tail
         also at 2-4 chunks a lane, for pick_tuning where the alternative is the bulk kernel."""
         chunks = k // 32
         warps = -(-chunks // 32)  # warps a row at one chunk a lane
-        two_waves = ()  # the largest split whose threads fit but whose CTAs take two waves (3, 5, 7... warps)
+        two_waves = ()  # the largest split whose threads fit but whose CTAs take two waves
         for split in range(warps, 1, -1):
             n = -(-chunks // (32 * split))
             lanes = 32 * split
@@ -795,7 +796,7 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
                     best = (busiest * rows, (("min_blocks", per_sm), ("rows", rows), ("split", split)))
             if best:
                 return best[1]
-            # A smaller split may fit one wave (128x22528x3: split 8 7.23 us, split 11 7.54); where none
+            # A smaller split may fit one wave (128x22528x3: split 8 7.26 us, split 11 7.52); where none
             # does, the two waves still beat the alternatives (384x4160x3: 5.92 us, streaming 38.5)
             two_waves = two_waves or first
         return two_waves

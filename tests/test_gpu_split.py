@@ -28,11 +28,13 @@ CASES = [  # (m, k, l, tuning): one chunk a lane (split = K / 1024), 2-4 chunks,
     (256, 4608, 1, tune(split=5, rows=2)), (128, 7168, 3, tune(split=3)), (384, 1088, 1, tune(split=2)),
     (1024, 7168, 1, tune(split=4, rows=4)), (2048, 7168, 1, tune(split=2, rows=8)),  # as routed
     (768, 11264, 1, tune(split=4, rows=4)),
-    # as routed: CTAs of 256 threads where 512 would load the busiest SM more, the largest split of one wave
+    # as routed (plain scales): CTAs of 256 threads where 512 would load the busiest SM more, the largest
+    # split of one wave
     (768, 11264, 1, tune(split=4, rows=2, min_blocks=4)), (1536, 7168, 1, tune(split=2, rows=4, min_blocks=4)),
     (128, 1536, 1, tune(split=2, rows=4, min_blocks=6)), (128, 22528, 3, tune(split=8, rows=2)),
     (384, 4160, 3, tune(split=5, rows=2, min_blocks=4)),  # two waves: no split fits one
-    (128, 4160, 1, tune(split=5, min_blocks=9)), (128, 22528, 3, tune(split=8, min_blocks=4)),  # 9 CTAs a SM
+    # one-row CTAs (not routed): 9 CTAs a SM of 5 warps, 4 of 8 warps at 3 chunks a lane
+    (128, 4160, 1, tune(split=5, min_blocks=9)), (128, 22528, 3, tune(split=8, min_blocks=4)),
 ]
 
 
