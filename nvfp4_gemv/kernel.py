@@ -733,10 +733,11 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
     """Kernel for problems that fit in one wave of CTAs (or two, where no split fits one), where the time
     after the last byte lands counts: each row is split over ``split`` whole warps, so a lane has only
     ``n = ceil(K / (1024 * split))`` chunks of arithmetic and the SMs have many warps to issue it (where
-    the split does not divide the row, the last chunk of the last lanes is predicated off). A CTA holds ``rows`` rows, once each (no
-    grid-stride, no loop). A lane loads its chunks of ``a`` and ``sfa`` first, then its chunks of ``b``
-    and ``sfb``, which stay in registers (no shared-memory staging, no barrier before the arithmetic).
-    Warps add their lanes' terms with a butterfly and meet in shared memory."""
+    the split does not divide the row, the last chunk of the last lanes is predicated off). A CTA holds
+    ``rows`` rows, once each (no grid-stride, no loop). A lane loads its chunks of ``a`` and ``sfa``
+    first, then its chunks of ``b`` and ``sfb``, which stay in registers (no shared-memory staging, no
+    barrier before the arithmetic). Warps add their lanes' terms with a butterfly and meet in shared
+    memory."""
 
     def __init__(self, k: int, blocked_scales: bool, split=2, rows=1, min_blocks=4, probe=0):
         self.k = k
@@ -762,13 +763,14 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
         """The split for a problem whose threads all fit on the GPU at once (one chunk a lane where
         possible, else up to four: more spill registers), ``()`` where none does or rows are shorter
         than two warps' chunks; the largest split whose CTAs all fit at the occupancy they ask for, else
-        (CTAs whose threads do not fill the SM's) the largest whose threads fit, in two waves. Where the split does not divide the row, the last chunk of some lanes
-        lies past it (512x1536x2: 6.30 us against 6.59 for the latency config, two-GPU H200). A CTA gets
-        up to 512 threads (measured 0.05-0.15 us faster than 256 on 384x7168x2 and 512x4096x2) or up to
-        256 where that puts fewer threads on the busiest SM and keeps two rows a CTA (768x11264x1: 192
-        CTAs of 512 leave 60 SMs two, 384 of 256 leave none more than three: 7.20 -> 6.72 us); the
-        occupancy hint caps registers so that the threads fit. ``long_tails``: such a tail
-        also at 2-4 chunks a lane, for pick_tuning where the alternative is the bulk kernel."""
+        (CTAs whose threads do not fill the SM's) the largest whose threads fit, in two waves. Where the
+        split does not divide the row, the last chunk of some lanes lies past it (512x1536x2: 6.30 us
+        against 6.59 for the latency config, two-GPU H200). A CTA gets up to 512 threads (measured
+        0.05-0.15 us faster than 256 on 384x7168x2 and 512x4096x2) or up to 256 where that puts fewer
+        threads on the busiest SM and keeps two rows a CTA (768x11264x1: 192 CTAs of 512 leave 60 SMs
+        two, 384 of 256 leave none more than three: 7.20 -> 6.72 us); the occupancy hint caps registers
+        so that the threads fit. ``long_tails``: such a tail also at 2-4 chunks a lane, for pick_tuning
+        where the alternative is the bulk kernel."""
         chunks = k // 32
         warps = -(-chunks // 32)  # warps a row at one chunk a lane
         two_waves = ()  # the largest split whose threads fit but whose CTAs take two waves
@@ -781,7 +783,8 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
             # A tail at several chunks a lane only as measured: against the bulk kernel (2048x7168x1 split
             # 2 7.62 us, bulk 7.81; 768x11264x1 split 4 7.46, bulk 7.90), with a power-of-two split (CTAs
             # of a power of two threads fill the 1024 a SM) and the row filling 85% of the lanes' chunks
-            if n > 1 and chunks % lanes and (not long_tails or split & (split - 1) or chunks < 0.85 * n * lanes):
+            if n > 1 and chunks % lanes and (not long_tails or split & (split - 1)
+                                             or chunks < 0.85 * n * lanes):
                 continue
             best, first = None, None
             for cap in (512, 256):
@@ -789,10 +792,11 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
                 if cap == 256 and rows < 2:  # one-row CTAs each fetch b from L2 (128x7232x1: +0.16 us)
                     continue
                 per_sm = max(1, threads_a_sm // (rows * lanes))
-                first = first or (("min_blocks", per_sm), ("rows", rows), ("split", split))
+                tuning = (("min_blocks", per_sm), ("rows", rows), ("split", split))
+                first = first or tuning
                 busiest = -(-(-(-m // rows) * l) // sms)  # CTAs on the busiest SM, spread breadth-first
                 if busiest <= per_sm and (best is None or busiest * rows < best[0]):  # ties: the larger CTA
-                    best = (busiest * rows, (("min_blocks", per_sm), ("rows", rows), ("split", split)))
+                    best = (busiest * rows, tuning)
             if best:
                 return best[1]
             # A smaller split may fit one wave (128x22528x3: split 8 7.26 us, split 11 7.52); where none
