@@ -460,6 +460,17 @@ def bulk_g2s(dst, src, nbytes, mbar, evict_first=False, *, loc=None, ip=None):
                    "r,l,r,r", loc, ip)
 
 
+@dsl_user_op
+def atom_add_one(addr, *, loc=None, ip=None):
+    r = _asm([T.i32()], [cutlass.Int64(addr)], "atom.global.add.u32 $0, [$1], 1;", "=r,l", loc, ip, volatile=True)
+    return cutlass.Int32(r[0])
+
+
+@dsl_user_op
+def stg_u32(addr, v, *, loc=None, ip=None):
+    _asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "st.global.u32 [$0], $1;", "l,r", loc, ip)
+
+
 @cute.jit
 def stage_buffers(tidx, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, part_bytes: cutlass.Constexpr,
                   smem_bytes: cutlass.Constexpr, consumers: cutlass.Constexpr):
@@ -504,28 +515,29 @@ def copy_tile(lane, row0, dst, full, src, src_rs, sf_src, sf_rs, rows: cutlass.C
 
 
 class _GemvLaunch:
-    """What every kernel class shares: the 16 run-time arguments (five addresses, M, strides in bytes,
-    the grid), one launch on ``stream`` with the subclass's block, shared memory and occupancy, and the
-    typed kernel entry, which runs the subclass's ``body``."""
+    """What every kernel class shares: the 17 run-time arguments (five data addresses, the bulk kernel's
+    tile counters, M, strides in bytes, the grid), one launch on ``stream`` with the subclass's block,
+    shared memory and occupancy, and the typed kernel entry, which runs the subclass's ``body``."""
 
     @cute.jit
     def __call__(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
-                 sfb_ptr: cutlass.Int64, c_ptr: cutlass.Int64, m: cutlass.Int32,
+                 sfb_ptr: cutlass.Int64, c_ptr: cutlass.Int64, ctr_ptr: cutlass.Int64, m: cutlass.Int32,
                  a_rs: cutlass.Int64, a_ls: cutlass.Int64, b_ls: cutlass.Int64,
                  sfa_rs: cutlass.Int64, sfa_ls: cutlass.Int64, sfb_ls: cutlass.Int64,
                  c_rs: cutlass.Int64, c_ls: cutlass.Int64, grid_x: cutlass.Int32, num_l: cutlass.Int32,
                  stream):
-        self.kernel(a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls,
+        self.kernel(a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, ctr_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls,
                     c_rs, c_ls).launch(grid=[grid_x, num_l, 1], block=[self.threads, 1, 1],
                                        smem=self.smem_bytes, stream=stream, min_blocks_per_mp=self.min_blocks)
 
     @cute.kernel
     def kernel(self, a_ptr: cutlass.Int64, b_ptr: cutlass.Int64, sfa_ptr: cutlass.Int64,
-               sfb_ptr: cutlass.Int64, c_ptr: cutlass.Int64, m: cutlass.Int32,
+               sfb_ptr: cutlass.Int64, c_ptr: cutlass.Int64, ctr_ptr: cutlass.Int64, m: cutlass.Int32,
                a_rs: cutlass.Int64, a_ls: cutlass.Int64, b_ls: cutlass.Int64,
                sfa_rs: cutlass.Int64, sfa_ls: cutlass.Int64, sfb_ls: cutlass.Int64,
                c_rs: cutlass.Int64, c_ls: cutlass.Int64):
-        self.body(a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls, c_rs, c_ls)
+        self.body(a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, ctr_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls, c_rs,
+                  c_ls)
 
 
 class Nvfp4Gemv(_GemvLaunch):
@@ -613,7 +625,8 @@ class Nvfp4Gemv(_GemvLaunch):
         return scaled_chunk_dot(acc, x, s16, w, sb0, sb1, tbl)
 
     @cute.jit
-    def body(self, a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls, c_rs, c_ls):
+    def body(self, a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, ctr_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls, c_rs,
+             c_ls):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, _ = cute.arch.block_idx()
         gdimx, _, _ = cute.arch.grid_dim()
@@ -809,7 +822,8 @@ class Nvfp4GemvSplit(Nvfp4Gemv):
         return -(-m // self.rows_per_cta)
 
     @cute.jit
-    def body(self, a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls, c_rs, c_ls):
+    def body(self, a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, ctr_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls, c_rs,
+             c_ls):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, _ = cute.arch.block_idx()
         n = self.per_lane
@@ -860,7 +874,7 @@ class Nvfp4GemvBulk(_GemvLaunch):
     stage. Needs the plain scales and ``K % 256 == 0`` (16-byte aligned rows of ``sfa``)."""
 
     def __init__(self, k: int, blocked_scales: bool, bulk=1, warps=4, ctas=2, stages=3, max_n=4, evict=1,
-                 probe=0):
+                 probe=0, dynamic=0):
         if blocked_scales or k % 256:
             raise ValueError(f"nvfp4_gemv: the bulk-copy kernel needs the plain scales and K % 256 == 0, "
                              f"got K={k}, blocked={blocked_scales}")
@@ -891,7 +905,10 @@ class Nvfp4GemvBulk(_GemvLaunch):
         self.stage_bytes = self.rows * (self.row_a + self.row_sf)
         self.part_bytes = self.rows * self.parts * 8
         self.stages = stages
+        self.dynamic = dynamic
         self.smem_bytes = self.stages * (self.stage_bytes + self.part_bytes + 16) + STAGE_EXTRA_BYTES
+        if dynamic:  # the tile index of each stage
+            self.smem_bytes += -(-4 * stages // 16) * 16
         if self.smem_bytes + 1024 > 233472 // ctas:
             raise ValueError(f"nvfp4_gemv: K={k}: {stages} stages of {self.stage_bytes} bytes exceed the "
                              f"shared memory of {ctas} CTAs a SM")
@@ -917,7 +934,8 @@ class Nvfp4GemvBulk(_GemvLaunch):
         return max(1, min(m // self.rows, sms * self.ctas // l))
 
     @cute.jit
-    def body(self, a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls, c_rs, c_ls):
+    def body(self, a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr, ctr_ptr, m, a_rs, a_ls, b_ls, sfa_rs, sfa_ls, sfb_ls, c_rs,
+             c_ls):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, bidy, _ = cute.arch.block_idx()
         gdimx, _, _ = cute.arch.grid_dim()
@@ -931,7 +949,16 @@ class Nvfp4GemvBulk(_GemvLaunch):
         n_t = (m // R - bidx + gdimx - 1) // gdimx  # tiles bidx, bidx + gdimx, ... of this batch index
         warp = tidx // 32
         lane = tidx % 32
-        if warp == self.warps:
+        if cutlass.const_expr(self.dynamic):
+            s_tile = s_empty + 8 * S + STAGE_EXTRA_BYTES
+            if warp == self.warps:
+                self._produce_dynamic(m // R, bidx, gdimx, lane, s_a, s_part, s_full, s_empty, s_tile,
+                                      a_ptr + l_idx * a_ls, a_rs, sfa_ptr + l_idx * sfa_ls, sfa_rs,
+                                      c_ptr + l_idx * c_ls, c_rs, ctr_ptr, ctr_ptr + 4 * l_idx, tbl)
+            else:
+                self._consume(n_t, tidx, s_a, s_part, s_full, s_empty, b_ptr + l_idx * b_ls,
+                              sfb_ptr + l_idx * sfb_ls, tbl, s_tile)
+        elif warp == self.warps:
             self._produce(n_t, bidx, gdimx, lane, s_a, s_part, s_full, s_empty, a_ptr + l_idx * a_ls, a_rs,
                           sfa_ptr + l_idx * sfa_ls, sfa_rs, c_ptr + l_idx * c_ls, c_rs)
         else:
@@ -959,35 +986,116 @@ class Nvfp4GemvBulk(_GemvLaunch):
                           sfa_base, sfa_rs, R, self.row_a, self.row_sf, self.evict)
 
     @cute.jit
-    def _consume(self, n_t, tidx, s_a, s_part, s_full, s_empty, b_base, sfb_base, tbl):
+    def _produce_dynamic(self, n_tiles, bidx, gdimx, lane, s_a, s_part, s_full, s_empty, s_tile, a_base, a_rs,
+                         sfa_base, sfa_rs, c_base, c_rs, ctr, ctr_l, tbl):
+        """``_produce`` with tiles claimed at run time: the first ``stages`` tiles of a CTA are static
+        (``bidx + j * gdimx``), each later one comes from an atomic add on the batch index's counter at
+        ``ctr_l``, issued a step before its use; SMs are served unequally (24-31 tiles a CTA measured where the
+        static split gives 27-28), so a fixed split ends on its slowest SM. The first claim past the last
+        tile ends the CTA: the stage gets tile index -1, which stops the consumers. Every CTA that claims
+        makes exactly one such claim, so a launch makes a known number of claims; the CTA that gets the
+        last one zeroes the counter (the same word: ordered after every claim), and the next launch on the
+        stream starts from zero. ``ctr == 0`` (a launch inside a graph capture) keeps the static schedule."""
         S = self.stages
+        R = self.rows
+        dyn = S * gdimx  # tiles of the static steps
+        # claims: one a tile past the static ones, plus the one past the last tile of each CTA whose last
+        # static step has a tile
+        last_claim = (cutlass.max(n_tiles - dyn, 0) + cutlass.min(cutlass.max(n_tiles - dyn + gdimx, 0), gdimx)
+                      - 1)
+        n_t = cutlass.Int32(1 << 30)  # steps that copy a tile: known once a tile index is past the last
+        nxt = bidx  # lane 0's tile index for the next step, less ``base``
+        base = cutlass.Int32(0)
+        j = cutlass.Int32(0)
+        while j < n_t + S:
+            s = j % S
+            if j >= S:
+                mbar_wait(s_empty + 8 * s, (j // S - 1) & 1)
+                if lane < R:
+                    p = s_part + (s * R + lane) * (8 * self.parts)
+                    acc = lds_stage_f64(p)
+                    for q in cutlass.range_constexpr(1, self.parts):
+                        acc = acc + lds_stage_f64(p + 8 * q)
+                    row = lds_stage_u32(s_tile + 4 * s) * R + lane
+                    stg_f16(c_base + cutlass.Int64(row) * c_rs, cutlass.Float32(acc))
+            if j < n_t:
+                # the claim's result is read here, a step after its issue (also the warp's sync point)
+                tile = cute.arch.shuffle_sync(nxt, 0) + base
+                if base != 0:
+                    if lane == 0:
+                        if nxt == last_claim:
+                            stg_u32(ctr_l, cutlass.Int32(0))
+                if tile < n_tiles:
+                    nxt = bidx + (j + 1) * gdimx
+                    base = cutlass.Int32(0)
+                    if ctr != 0:
+                        if j + 1 >= S:
+                            got = cutlass.Int32(0)
+                            if lane == 0:
+                                # an address ptxas cannot see is warp-uniform (tbl >> 30 is 0): else it
+                                # aggregates the atomic over the warp and waits for its result at once
+                                got = atom_add_one(ctr_l + cutlass.Int64(tbl >> 30))
+                            nxt = got
+                            base = dyn
+                    if lane == 0:
+                        sts_u32(s_tile + 4 * s, tile)
+                    copy_tile(lane, tile * R, s_a + s * self.stage_bytes, s_full + 8 * s, a_base, a_rs, sfa_base,
+                              sfa_rs, R, self.row_a, self.row_sf, self.evict)
+                else:
+                    n_t = j
+                    if lane == 0:
+                        sts_u32(s_tile + 4 * s, cutlass.Int32(-1))
+                        mbar_arrive(s_full + 8 * s)
+            j = j + 1
+
+    @cute.jit
+    def _consume(self, n_t, tidx, s_a, s_part, s_full, s_empty, b_base, sfb_base, tbl, s_tile=None):
+        """Consumer warps: ``n_t`` tiles, or with dynamic tiles until a stage's tile index is negative."""
+        S = self.stages
+        jl = tidx % self.tr
+        wb, sb = b_in_registers(b_base, sfb_base, jl, self.tr, self.n, lambda ch: cutlass.Int64(ch) * 2)
+        if cutlass.const_expr(self.dynamic):
+            step = cutlass.Int32(0)
+            go = cutlass.Int32(1)
+            while go != 0:
+                sd = step % S
+                mbar_wait(s_full + 8 * sd, (step // S) & 1)
+                if lds_stage_u32(s_tile + 4 * sd) < 0:
+                    go = cutlass.Int32(0)
+                else:
+                    self._consume_stage(sd, tidx, s_a, s_part, s_empty, wb, sb, tbl)
+                step = step + 1
+        else:
+            for j in cutlass.range(n_t, unroll=1):
+                s = j % S
+                mbar_wait(s_full + 8 * s, (j // S) & 1)
+                self._consume_stage(s, tidx, s_a, s_part, s_empty, wb, sb, tbl)
+
+    @cute.jit
+    def _consume_stage(self, s, tidx, s_a, s_part, s_empty, wb, sb, tbl):
         R = self.rows
         r = tidx // self.tr
         jl = tidx % self.tr
-        wb, sb = b_in_registers(b_base, sfb_base, jl, self.tr, self.n, lambda ch: cutlass.Int64(ch) * 2)
-        for j in cutlass.range(n_t, unroll=1):
-            s = j % S
-            mbar_wait(s_full + 8 * s, (j // S) & 1)
-            a_row = s_a + s * self.stage_bytes + r * self.row_a
-            sf_row = s_a + s * self.stage_bytes + R * self.row_a + r * self.row_sf
-            xs = []
-            for i in cutlass.range_constexpr(self.n):
-                xs.append(lds_stage_v4(a_row + (jl + i * self.tr) * 16))
-            ss = []
-            for i in cutlass.range_constexpr(self.n):
-                ss.append(lds_stage_u16(sf_row + (jl + i * self.tr) * 2))
-            acc = cutlass.Float64(0.0)
-            for i in cutlass.range_constexpr(self.n):
-                if cutlass.const_expr(self.probe):
-                    acc = probe_sum(acc, xs[i], ss[i])
-                else:
-                    acc = scaled_chunk_dot(acc, xs[i], ss[i], wb[8 * i:8 * i + 8], sb[2 * i], sb[2 * i + 1], tbl)
-            acc = group_sum(acc, self.shuffle_offsets)
-            if jl % 32 == 0:
-                sts_f64(s_part + ((s * R + r) * self.parts + jl // 32) * 8, acc)
-            # every consumer thread releases its own reads of the stage (one arrive a warp after a
-            # warp barrier measured 0.1-0.4 us faster, but compute-sanitizer's racecheck cannot see it)
-            mbar_arrive(s_empty + 8 * s)
+        a_row = s_a + s * self.stage_bytes + r * self.row_a
+        sf_row = s_a + s * self.stage_bytes + R * self.row_a + r * self.row_sf
+        xs = []
+        for i in cutlass.range_constexpr(self.n):
+            xs.append(lds_stage_v4(a_row + (jl + i * self.tr) * 16))
+        ss = []
+        for i in cutlass.range_constexpr(self.n):
+            ss.append(lds_stage_u16(sf_row + (jl + i * self.tr) * 2))
+        acc = cutlass.Float64(0.0)
+        for i in cutlass.range_constexpr(self.n):
+            if cutlass.const_expr(self.probe):
+                acc = probe_sum(acc, xs[i], ss[i])
+            else:
+                acc = scaled_chunk_dot(acc, xs[i], ss[i], wb[8 * i:8 * i + 8], sb[2 * i], sb[2 * i + 1], tbl)
+        acc = group_sum(acc, self.shuffle_offsets)
+        if jl % 32 == 0:
+            sts_f64(s_part + ((s * R + r) * self.parts + jl // 32) * 8, acc)
+        # every consumer thread releases its own reads of the stage (one arrive a warp after a
+        # warp barrier measured 0.1-0.4 us faster, but compute-sanitizer's racecheck cannot see it)
+        mbar_arrive(s_empty + 8 * s)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1040,9 +1148,9 @@ class _Kernel:
     """A compiled kernel on one device and its launch path, the fastest that this install offers:
 
     * ``tvm-ffi``: compiled with ``--enable-tvm-ffi`` (the DSL's public fast path, package
-      apache-tvm-ffi); a call passes its values (17 for ``custom_kernel``'s kernels, 14 for the op's) as
+      apache-tvm-ffi); a call passes its values (18 for ``custom_kernel``'s kernels, 14 for the op's) as
       Python ints to a C function.
-    * ``direct``: without apache-tvm-ffi (the leaderboard's image), ``custom_kernel``'s 17 values are
+    * ``direct``: without apache-tvm-ffi (the leaderboard's image), ``custom_kernel``'s 18 values are
       written into ctypes storage and the compiled host function is called directly. This reads DSL
       internals, so the storage layout is checked once against the DSL's own conversion (it matches on
       4.3, not on 4.8; the op's kernel never takes this path).
@@ -1050,7 +1158,7 @@ class _Kernel:
       call, against 5-10 for the others); a warning says so once.
     """
 
-    I32 = (5, 14, 15)  # m, grid_x, num_l; the others are int64 addresses and strides
+    I32 = (6, 15, 16)  # m, grid_x, num_l; the others are int64 addresses and strides
 
     def __init__(self, fn, device_index, op):
         self.fn = fn
@@ -1072,14 +1180,14 @@ class _Kernel:
 
     @classmethod
     def layout_matches(cls, fn):
-        probe = [1000 + i for i in range(16)] + [_CUstream(0x5EED)]
+        probe = [1000 + i for i in range(17)] + [_CUstream(0x5EED)]
         try:
             exe, _ = fn.args_spec.generate_execution_args(probe, {})
             addr = [e.value if isinstance(e, ctypes.c_void_p) else e for e in exe]
             vals = [(ctypes.c_int32 if i in cls.I32 else ctypes.c_int64).from_address(addr[i]).value
-                    for i in range(16)]
-            return (len(exe) == 17 and vals == probe[:16]
-                    and ctypes.c_void_p.from_address(addr[16]).value == 0x5EED)
+                    for i in range(17)]
+            return (len(exe) == 18 and vals == probe[:17]
+                    and ctypes.c_void_p.from_address(addr[17]).value == 0x5EED)
         except Exception:  # noqa: BLE001 - any surprise: not this layout
             return False
 
@@ -1096,14 +1204,14 @@ class _Kernel:
 
     def args(self, static):
         """Argument storage for this kernel, ``(head, static values, packed, result, capi)``: ``head`` holds
-        the five data pointers and the stream side by side (one ``_HEAD.pack_into`` a call), the 11 values
+        the six pointers and the stream side by side (one ``_HEAD.pack_into`` a call), the 11 values
         after the pointers are set to ``static``; the layout of the packed array is the DSL executor's."""
         ex = self._executor()
-        head = (ctypes.c_int64 * 6)()
-        values = [ctypes.c_int32(x) if i in self.I32 else ctypes.c_int64(x) for i, x in enumerate(static, 5)]
+        head = (ctypes.c_int64 * 7)()
+        values = [ctypes.c_int32(x) if i in self.I32 else ctypes.c_int64(x) for i, x in enumerate(static, 6)]
         result = type(ex.cuda_result)() if ex.cuda_result is not None else ctypes.c_int32()
         base = ctypes.addressof(head)
-        ptrs = [base + 8 * i for i in range(5)] + [ctypes.addressof(v) for v in values] + [base + 40]
+        ptrs = [base + 8 * i for i in range(6)] + [ctypes.addressof(v) for v in values] + [base + 48]
         if ex.cuda_result is not None:
             ptrs.append(ctypes.addressof(result))
         if ex.exec_context is not None:
@@ -1156,7 +1264,7 @@ def compile_gemv(k, blocked_scales, arch, options=None, tvm_ffi=None, **tuning):
     (default: where apache-tvm-ffi is installed and ``NVFP4_GEMV_LAUNCH`` does not say otherwise) builds
     the TVM-FFI launcher."""
     i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
-    return dsl_compile(make_op(k, blocked_scales, **tuning), (*[i64] * 5, i32, *[i64] * 8, i32, i32, _CUstream(0)),
+    return dsl_compile(make_op(k, blocked_scales, **tuning), (*[i64] * 6, i32, *[i64] * 8, i32, i32, _CUstream(0)),
                        options, tvm_ffi)
 
 
@@ -1201,10 +1309,29 @@ def _get_kernel(device_index, k, blocked_scales, tuning):
 # Dispatch
 # ----------------------------------------------------------------------------------------------------
 
-_HEAD = struct.Struct("<6q")  # a launch's five data pointers and its stream, as the head of its arguments
+_HEAD = struct.Struct("<7q")  # a launch's five data pointers, tile counters and stream: its arguments' head
 _get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 _current_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
                    or (lambda device_index: torch.cuda.current_stream(device_index).cuda_stream))
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+_counters = {}  # (device, stream) -> (batch indices held, address, tensor)
+
+
+def tile_counters(dev, stream, l):
+    """The address of the dynamic bulk kernel's tile counters for a launch on ``stream``: an int32 a batch
+    index, zero between launches (each launch's last claim resets it), one set a stream, so that launches
+    that may overlap never share one. 0 inside a graph capture: a graph can be replayed on any stream,
+    beside eager launches on this one, so a captured launch keeps the static schedule."""
+    if _capturing():
+        return 0
+    got = _counters.get((dev, stream))
+    if got is None or got[0] < l:
+        with _lock:
+            n = max(64, 1 << (l - 1).bit_length())
+            t = torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", dev))  # on ``stream``
+            got = _counters[(dev, stream)] = (n, t.data_ptr(), t)
+    return got[1]
+
 
 
 class _CutePlan:
@@ -1236,6 +1363,7 @@ class _CutePlan:
         else:
             strides = (sfa_p.stride(2), sfa_p.stride(5), sfb_p.stride(5))
         ctas_per_l = kern.op.grid_x(m, l, sms)
+        self.dynamic = l if getattr(kern.op, "dynamic", 0) else 0  # batch indices to count tiles of
         self.static = (m, a.stride(0), a.stride(2), b.stride(2), *strides, c.stride(0) * 2, c.stride(2) * 2,
                        ctas_per_l, l)
         self.lock = threading.Lock()
@@ -1243,7 +1371,7 @@ class _CutePlan:
         self.storage = None
 
     def hit_path(self, check):
-        return _hit_path(check, self, self.ffi, self.static, self.dev, self.sfa_mask, self.scale_idx)
+        return _hit_path(check, self, self.ffi, self.static, self.dev, self.sfa_mask, self.scale_idx, self.dynamic)
 
     def __call__(self, data):
         a, b, c = data[0], data[1], data[6]
@@ -1253,14 +1381,18 @@ class _CutePlan:
             return self._unaligned(data)
         ffi = self.ffi
         if ffi is not None and _get_device() == self.dev:
-            ffi(pa, pb, psa, psb, c.data_ptr(), *self.static, _current_stream(self.dev))
+            stream = _current_stream(self.dev)
+            ctr = tile_counters(self.dev, stream, self.dynamic) if self.dynamic else 0
+            ffi(pa, pb, psa, psb, c.data_ptr(), ctr, *self.static, stream)
             return c
         storage = self.storage
         if not storage or _get_device() != self.dev:
             return self._launch_slow(data, (pa, pb, psa, psb, c.data_ptr()))
         head, _, packed, result, capi = storage
+        stream = _current_stream(self.dev)
+        ctr = tile_counters(self.dev, stream, self.dynamic) if self.dynamic else 0
         with self.lock:  # one argument storage for all threads (the call releases the GIL)
-            _HEAD.pack_into(head, 0, pa, pb, psa, psb, c.data_ptr(), _current_stream(self.dev))
+            _HEAD.pack_into(head, 0, pa, pb, psa, psb, c.data_ptr(), ctr, stream)
             capi(packed)
             err = result.value
         if err:
@@ -1279,7 +1411,9 @@ class _CutePlan:
         with torch.cuda.device(self.dev):
             if self.ffi is not None or self.storage:
                 return self(data)
-            kern.launch_dsl(ptrs + self.static, _current_stream(self.dev))
+            stream = _current_stream(self.dev)
+            ctr = tile_counters(self.dev, stream, self.dynamic) if self.dynamic else 0
+            kern.launch_dsl(ptrs + (ctr,) + self.static, stream)
         return data[6]
 
     def _unaligned(self, data):
@@ -1407,10 +1541,11 @@ class _RecentPlans:
         self.recent = (hit,) + tuple(h for h in self.recent if h is not hit)[: self.RECENT - 1]
 
 
-def _hit_path(check, plan, ffi=None, static=(), dev=-1, sfa_mask=1, scale_idx=(2, 3)):
+def _hit_path(check, plan, ffi=None, static=(), dev=-1, sfa_mask=1, scale_idx=(2, 3), dynamic=0):
     """custom_kernel's call of ``plan`` for data with exactly its metadata: None where ``check`` (the plan's
     guard) rejects ``data`` or it is no 7 tensors. A TVM-FFI launch is inlined (about 0.5 us less host
-    time than ``plan(data)``); without ``ffi``, and for what the launch does not take, ``plan(data)``."""
+    time than ``plan(data)``); without ``ffi``, and for what the launch does not take, ``plan(data)``.
+    ``dynamic``: the batch indices of a dynamic bulk plan's tile counters, else 0."""
     get_device, stream, plain = _get_device, _current_stream, scale_idx == (2, 3)
 
     def call(data):
@@ -1431,7 +1566,11 @@ def _hit_path(check, plan, ffi=None, static=(), dev=-1, sfa_mask=1, scale_idx=(2
         pa, pb = a.data_ptr(), b.data_ptr()
         if (pa | pb) & 15 or psa & sfa_mask or psb & 1 or get_device() != dev:
             return plan(data)
-        ffi(pa, pb, psa, psb, c.data_ptr(), *static, stream(dev))
+        if dynamic:
+            st = stream(dev)
+            ffi(pa, pb, psa, psb, c.data_ptr(), tile_counters(dev, st, dynamic), *static, st)
+        else:
+            ffi(pa, pb, psa, psb, c.data_ptr(), 0, *static, stream(dev))
         return c
 
     return call
@@ -1474,7 +1613,9 @@ def pick_tuning(k, m, l, sms, blocked_scales):
     if split:
         return split
     if bulk:
-        return (("bulk", 1),)
+        # tiles claimed at run time where a tile holds several rows (K = 7168 x 8: -0.85 us); one-row tiles
+        # (K = 16384) turn too fast for a claim's round trip (+0.5 us), docs/perf-notes.md
+        return (("bulk", 1), ("dynamic", 1)) if Nvfp4GemvBulk(k, False).rows >= 2 else (("bulk", 1),)
     return Nvfp4Gemv.shape_tuning(k, m, l, sms)
 
 

@@ -50,6 +50,7 @@ def test_kernel_compiles_without_gpu(arch, k, blocked, tmp_path):
 
 @pytest.mark.parametrize("arch,k,tune", [("sm_90a", 7168, "batch=7,group=32,min_blocks=2"),
                                           ("sm_90a", 16384, "bulk=1"), ("sm_100a", 7168, "bulk=1"),
+                                          ("sm_90a", 7168, "bulk=1,dynamic=1"), ("sm_100a", 8192, "bulk=1,dynamic=1"),
                                           ("sm_90a", 7168, "split=7,min_blocks=6"),
                                           ("sm_100a", 4096, "split=2,rows=2,min_blocks=4")])
 def test_latency_split_and_bulk_configs_compile_without_gpu(arch, k, tune, tmp_path):
@@ -112,7 +113,7 @@ def _nvdisasm():
 
 
 @pytest.mark.parametrize("arch,k,extra", [("sm_90a", 16384, ("--tune", "bulk=1")),
-                                          ("sm_100a", 7168, ("--tune", "bulk=1")),
+                                          ("sm_100a", 7168, ("--tune", "bulk=1,dynamic=1")),
                                           ("sm_90a", 16384, ("--tokens", "4", "--tune", "bulk=1,ctas=1,rt=4")),
                                           ("sm_90a", 16384, ("--tokens", "1", "--tune", "bulk=1"))])
 def test_bulk_loops_keep_the_decode_table_in_one_register(arch, k, extra, tmp_path):

@@ -36,8 +36,17 @@ def test_long_rows_beyond_one_wave_take_the_bulk_kernel(m, k, l, seed):
 def test_one_wave_long_rows_too_many_to_split_take_the_bulk_kernel(m, k, l):
     """Measured on H200: the bulk kernel 0.8-2.1 us faster than the latency config on these."""
     assert dict(G.shape_tuning(k, m, l, H200_SMS)).get("batch") == k // 32 // 32, "latency config possible"
-    assert submission.pick_tuning(k, m, l, H200_SMS, False) == (("bulk", 1),)
+    assert dict(submission.pick_tuning(k, m, l, H200_SMS, False)).get("bulk") == 1
     assert submission.pick_tuning(k, m, l, H200_SMS, True) == G.shape_tuning(k, m, l, H200_SMS), "blocked scales"
+
+
+@pytest.mark.parametrize("m,k,l,dynamic", [(4096, 7168, 8, True), (2048, 11264, 1, True), (1024, 8192, 4, True),
+                                           (7168, 16384, 1, False), (1024, 12288, 2, False)])
+def test_bulk_tiles_of_several_rows_are_claimed_at_run_time(m, k, l, dynamic):
+    """Dynamic tiles measured faster on 4-row tiles (K = 7168) and slower on one-row tiles (K = 16384)."""
+    tuning = submission.pick_tuning(k, m, l, H200_SMS, False)
+    assert (tuning == (("bulk", 1), ("dynamic", 1))) == dynamic, tuning
+    assert (submission.make_op(k, False, **dict(tuning)).rows >= 2) == dynamic
 
 
 @pytest.mark.parametrize("m,k,l,split", [(1024, 7168, 1, 4), (512, 7168, 2, 4), (1536, 7168, 1, 2),

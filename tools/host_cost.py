@@ -38,7 +38,7 @@ def main():
              ("plan(data): pointers, stream, launch", lambda: plan(data))]
     if plan.ffi is not None:
         args = (data[0].data_ptr(), data[1].data_ptr(), data[2].data_ptr(), data[3].data_ptr(),
-                data[6].data_ptr(), *plan.static, submission._current_stream(plan.dev))
+                data[6].data_ptr(), 0, *plan.static, submission._current_stream(plan.dev))
         cases.append(("compiled launcher alone (TVM-FFI)", lambda: plan.ffi(*args)))
     elif plan.storage:
         _, _, packed, _, capi = plan.storage
