@@ -30,7 +30,10 @@ Algorithm (CuTe DSL kernel, both architectures):
   the TMA engine without a tensor map), three stages deep on mbarriers, with an L2 evict-first hint;
   consumer warps keep their share of ``b`` in registers. On H200 under the leaderboard's timing this
   streams the benchmark shapes about as fast as the same copies with no arithmetic at all
-  (``pick_tuning`` chooses the kernel).
+  (``pick_tuning`` chooses the kernel). Where a tile holds several rows, a CTA's tiles after its first
+  three are claimed at run time from a counter a batch index (SMs are served unequally); the counters
+  live in a small buffer a stream, zeroed again by each launch's last claim, and a launch inside a CUDA
+  graph capture keeps the static schedule.
 * ``K`` and the configuration are compile-time constants; ``M``, ``L`` and all strides are run-time
   values. Scales are read from the plain ``[M, K/16, L]`` tensors, or, when those are not on the GPU
   (older official generators kept them on the CPU), from the permuted cuBLAS-blocked tensors.
@@ -870,7 +873,8 @@ class Nvfp4GemvBulk(_GemvLaunch):
     threads a row, ``n`` chunks a thread), so their part of ``b`` stays in registers for the whole
     kernel. A consumer writes its row's partial (fp64) to shared memory and
     arrives on the stage's ``empty`` barrier; the producer adds the parts, writes ``c`` and refills the
-    stage. Needs the plain scales and ``K % 256 == 0`` (16-byte aligned rows of ``sfa``)."""
+    stage. Needs the plain scales and ``K % 256 == 0`` (16-byte aligned rows of ``sfa``). ``dynamic``: tiles
+    after each CTA's first ``stages`` are claimed at run time (``_produce_dynamic``)."""
 
     def __init__(self, k: int, blocked_scales: bool, bulk=1, warps=4, ctas=2, stages=3, max_n=4, evict=1,
                  probe=0, dynamic=0):

@@ -85,6 +85,7 @@ def test_a_captured_launch_keeps_the_static_schedule_and_replays_beside_eager_on
     side = torch.cuda.Stream()
     with torch.cuda.graph(graph, stream=side):
         plan(captured)
+    assert (torch.cuda.current_device(), side.cuda_stream) not in submission._counters, "no counters captured"
     captured[6].fill_(float("nan"))
     eager = [inputs.poisoned(data) for _ in range(4)]
     torch.cuda.synchronize()
