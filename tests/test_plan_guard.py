@@ -156,15 +156,18 @@ def moved_to(t, offset):
     return out
 
 
+@pytest.mark.parametrize("dynamic", [0, 3], ids=["static tiles", "dynamic tiles"])
 @pytest.mark.parametrize("plain", [True, False], ids=["plain scales", "permuted scales"])
-def test_the_inlined_launch_passes_the_checked_tensors_pointers(monkeypatch, plain):
+def test_the_inlined_launch_passes_the_checked_tensors_pointers(monkeypatch, plain, dynamic):
     """The TVM-FFI launch in the hit path, with a recorder for the launcher: the five pointers come from the
-    tensors the guard checked (the plain or the permuted scales, as the plan reads), then the plan's static
-    arguments and the stream; a pointer the kernel cannot take (a or b off 16 bytes, sfa off the plan's
-    mask, sfb odd) or another current device goes to the plan's own call, as ``_CutePlan.__call__`` does."""
+    tensors the guard checked (the plain or the permuted scales, as the plan reads), then the tile counters
+    of the current stream (0 for a plan without dynamic tiles), the plan's static arguments and the stream;
+    a pointer the kernel cannot take (a or b off 16 bytes, sfa off the plan's mask, sfb odd) or another
+    current device goes to the plan's own call, as ``_CutePlan.__call__`` does."""
     device = [0]
     monkeypatch.setattr(submission, "_get_device", lambda: device[0])
     monkeypatch.setattr(submission, "_current_stream", lambda dev: 1234)
+    monkeypatch.setattr(submission, "tile_counters", lambda dev, stream, l: (dev, stream, l))
     d = good()
     launched, slow = [], []
 
@@ -178,10 +181,11 @@ def test_the_inlined_launch_passes_the_checked_tensors_pointers(monkeypatch, pla
     sfa_mask = 15 if plain else 1  # the bulk kernel's 16-byte sfa rows, else 2-byte reads
     i_a, i_b = (2, 3) if plain else (4, 5)
     guard = submission._make_guard(d)
-    hit = submission._hit_path(guard.check, Plan(), lambda *a: launched.append(a), (7, 8), 0, sfa_mask, (i_a, i_b))
+    hit = submission._hit_path(guard.check, Plan(), lambda *a: launched.append(a), (7, 8), 0, sfa_mask, (i_a, i_b),
+                               dynamic)
     assert hit(d) is d[6] and not slow
     assert launched == [(d[0].data_ptr(), d[1].data_ptr(), d[i_a].data_ptr(), d[i_b].data_ptr(), d[6].data_ptr(),
-                         7, 8, 1234)]
+                         (0, 1234, 3) if dynamic else 0, 7, 8, 1234)]
     for idx, offset in ((0, 8), (1, 4), (i_a, 2 if plain else 1), (i_b, 1)):
         moved = data_replaced(d, idx, moved_to(d[idx], offset))
         assert guard.check(*moved), idx
