@@ -162,8 +162,10 @@ MUTANTS = [
     ("dynamic tiles: the last claim leaves the counter set", K,
      "                            stg_u32(ctr_l, cutlass.Int32(0))\n", "                            pass\n",
      ["tests/test_gpu_dynamic_tiles.py::test_every_tile_is_done_once_and_the_counters_end_at_zero"], True),
-    ("dynamic tiles: claims numbered from the first tile", K, "                            base = dyn\n",
-     "                            base = cutlass.Int32(1)\n", ["tests/test_gpu_dynamic_tiles.py"], True),
+    # (a count of claims off by one hangs instead: the reset then comes before the last claim, and the claims
+    # start again from zero)
+    ("dynamic tiles: claims skip a round of tiles", K, "                            base = dyn\n",
+     "                            base = dyn + gdimx\n", ["tests/test_gpu_dynamic_tiles.py"], True),
     ("dynamic tiles: one counter set for every stream", K, "    got = _counters.get((dev, stream))\n",
      "    stream = 0\n    got = _counters.get((dev, stream))\n", ["tests/test_gpu_dynamic_tiles.py"], True),
     ("dynamic tiles: counters inside a graph capture", K, "    if _capturing():\n        return 0\n", "",
