@@ -473,6 +473,11 @@ def stg_u32(addr, v, *, loc=None, ip=None):
     _asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "st.global.u32 [$0], $1;", "l,r", loc, ip)
 
 
+@dsl_user_op
+def trap(*, loc=None, ip=None):
+    _asm_store([], "trap;", "", loc, ip)
+
+
 @cute.jit
 def stage_buffers(tidx, stages: cutlass.Constexpr, stage_bytes: cutlass.Constexpr, part_bytes: cutlass.Constexpr,
                   smem_bytes: cutlass.Constexpr, consumers: cutlass.Constexpr):
@@ -927,6 +932,13 @@ class Nvfp4GemvBulk(_GemvLaunch):
             return False
 
     @staticmethod
+    def claim_count(n_tiles, gdimx, stages, vmax=max, vmin=min):
+        """The claims a dynamic launch makes on a batch index's counter: one a tile past the static ones,
+        plus, for each CTA whose last static step has a tile, the one claim past the last tile that ends it."""
+        dyn = stages * gdimx
+        return vmax(n_tiles - dyn, 0) + vmin(vmax(n_tiles - dyn + gdimx, 0), gdimx)
+
+    @staticmethod
     def strides_ok(a, sfa, l):
         """Bulk copies need 16-byte aligned rows of ``a`` and ``sfa`` (their base addresses are checked
         on every call)."""
@@ -998,14 +1010,13 @@ class Nvfp4GemvBulk(_GemvLaunch):
         tile ends the CTA: the stage gets tile index -1, which stops the consumers. Every CTA that claims
         makes exactly one such claim, so a launch makes a known number of claims; the CTA that gets the
         last one zeroes the counter (the same word: ordered after every claim), and the next launch on the
-        stream starts from zero. ``ctr == 0`` (a launch inside a graph capture) keeps the static schedule."""
+        stream starts from zero. A claim past the last (a counter found past this launch's claims) traps:
+        the launch fails with a CUDA error, not silently from then on. ``ctr == 0`` (a launch inside a graph
+        capture) keeps the static schedule."""
         S = self.stages
         R = self.rows
         dyn = S * gdimx  # tiles of the static steps
-        # claims: one a tile past the static ones, plus the one past the last tile of each CTA whose last
-        # static step has a tile
-        last_claim = (cutlass.max(n_tiles - dyn, 0) + cutlass.min(cutlass.max(n_tiles - dyn + gdimx, 0), gdimx)
-                      - 1)
+        last_claim = self.claim_count(n_tiles, gdimx, S, cutlass.max, cutlass.min) - 1
         n_t = cutlass.Int32(1 << 30)  # steps that copy a tile: known once a tile index is past the last
         nxt = bidx  # lane 0's tile index for the next step, less ``base``
         base = cutlass.Int32(0)
@@ -1028,6 +1039,11 @@ class Nvfp4GemvBulk(_GemvLaunch):
                     if lane == 0:
                         if nxt == last_claim:
                             stg_u32(ctr_l, cutlass.Int32(0))
+                        if nxt > last_claim:
+                            # the counter was past this launch's claims at launch (only another launch
+                            # sharing it could leave it so): no claim would reset it, and every later
+                            # launch on the stream would skip its tiles; fail loudly instead
+                            trap()
                 if tile < n_tiles:
                     nxt = bidx + (j + 1) * gdimx
                     base = cutlass.Int32(0)

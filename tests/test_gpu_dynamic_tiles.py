@@ -3,6 +3,11 @@ the counters back at zero after each launch, one counter set a stream so that la
 once stay right, and the static schedule inside a CUDA graph capture. Outputs are poisoned with NaN (a
 tile that no CTA took stays NaN) and compared with the float64 reference on random signed inputs."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -107,3 +112,30 @@ def test_static_tuning_runs_without_counters():
     out = plan(inputs.poisoned(data))
     torch.cuda.synchronize()
     assert_exact(data, out)
+
+
+def test_a_counter_left_past_the_claims_makes_the_launch_fail_loudly():
+    """A counter found past all of a launch's claims (only another launch sharing it could leave one so)
+    would never be reset, and every later launch on the stream would skip its claimed tiles: the kernel
+    traps and the caller gets a CUDA error. In a child process: a trap ends the CUDA context."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{os.path.dirname(here)!r}, {here!r}]
+        import torch, inputs, submission
+        data = inputs.random_inputs(4096, 7168, 2, seed=8)
+        plan = submission._CutePlan(data, *submission.check_inputs(data), tuning=(("bulk", 1), ("dynamic", 1)))
+        plan(data)
+        torch.cuda.synchronize()
+        print("first launch ok", flush=True)
+        submission._counters[(torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)][2][1] = 1 << 20
+        try:
+            plan(inputs.poisoned(data))
+            torch.cuda.synchronize()
+        except Exception as e:
+            print("raised", type(e).__name__, str(e).splitlines()[0])
+            sys.exit(0)
+        sys.exit(1)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "first launch ok" in r.stdout and "raised" in r.stdout, r.stdout + r.stderr
