@@ -1011,9 +1011,11 @@ class Nvfp4GemvBulk(_GemvLaunch):
         tile ends the CTA: the stage gets tile index -1, which stops the consumers. Every CTA that claims
         makes exactly one such claim, so a launch makes a known number of claims; the CTA that gets the
         last one zeroes the counter (the same word: ordered after every claim), and the next launch on the
-        stream starts from zero. A claim past the last (a counter found past this launch's claims) traps:
-        the launch fails with a CUDA error, not silently from then on. ``ctr == 0`` (a launch inside a graph
-        capture) keeps the static schedule."""
+        stream starts from zero. A claim past the last (a counter found past this launch's claims) traps,
+        so such a counter fails the launch with a CUDA error rather than every launch after it; a smaller
+        leftover would skip that many tiles once, then reset (neither can arise without two running launches
+        sharing a counter, which ``tile_counters`` rules out). ``ctr == 0`` (a launch inside a graph capture)
+        keeps the static schedule."""
         S = self.stages
         R = self.rows
         dyn = S * gdimx  # tiles of the static steps
@@ -1043,7 +1045,7 @@ class Nvfp4GemvBulk(_GemvLaunch):
                         if nxt > last_claim:
                             # the counter was past this launch's claims at launch (only another launch
                             # sharing it could leave it so): no claim would reset it, and every later
-                            # launch on the stream would skip its tiles; fail loudly instead
+                            # launch on the stream would skip its claimed tiles; fail loudly instead
                             trap()
                 if tile < n_tiles:
                     nxt = bidx + (j + 1) * gdimx
@@ -1334,24 +1336,47 @@ _get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_d
 _current_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
                    or (lambda device_index: torch.cuda.current_stream(device_index).cuda_stream))
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
-_counters = {}  # (device, stream) -> (batch indices held, address, tensor)
+_counters = {}  # (device, stream[, thread]) -> (batch indices held, address, tensor)
+_counters_kept = []  # counters replaced by larger ones: another thread may be launching with their address
+CUDA_STREAM_PER_THREAD = 2  # cudaStreamPerThread: one handle, another stream in each thread
+_thread = threading.local()
+_threads_numbered = [0]
+
+
+def _thread_number():
+    # not threading.get_ident(): a new thread may get an ended one's, while the ended thread's launches run
+    n = getattr(_thread, "n", None)
+    if n is None:
+        with _lock:
+            _threads_numbered[0] += 1
+            n = _thread.n = _threads_numbered[0]
+    return n
+
+
+def _new_counters(dev, n):
+    return torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", dev))
 
 
 def tile_counters(dev, stream, l):
     """The address of the dynamic bulk kernel's tile counters for a launch on ``stream``: an int32 a batch
-    index, zero between launches (each launch's last claim resets it), one set a stream, so that launches
-    that may overlap never share one. 0 inside a graph capture: a graph can be replayed on any stream,
-    beside eager launches on this one, so a captured launch keeps the static schedule."""
+    index, zero between launches (each launch's last claim resets it), one set a stream (and thread, for the
+    per-thread default stream), so that launches that may overlap never share one. 0 inside a graph capture:
+    a graph can be replayed on any stream, beside eager launches on this one, so a captured launch keeps the
+    static schedule. A set is allocated on its stream and never freed."""
     if _capturing():
         return 0
-    got = _counters.get((dev, stream))
+    key = (dev, stream) if stream != CUDA_STREAM_PER_THREAD else (dev, stream, _thread_number())
+    got = _counters.get(key)
     if got is None or got[0] < l:
         with _lock:
-            n = max(64, 1 << (l - 1).bit_length())
-            t = torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", dev))  # on ``stream``
-            got = _counters[(dev, stream)] = (n, t.data_ptr(), t)
+            got = _counters.get(key)
+            if got is None or got[0] < l:
+                if got is not None:
+                    _counters_kept.append(got[2])
+                n = max(64, 1 << (l - 1).bit_length())
+                t = _new_counters(dev, n)  # zeroed on the current stream, ``stream``
+                got = _counters[key] = (n, t.data_ptr(), t)
     return got[1]
-
 
 
 class _CutePlan:

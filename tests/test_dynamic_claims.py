@@ -44,7 +44,8 @@ def test_every_tile_once_and_the_claim_count_exact(seed):
         assert claims == submission.Nvfp4GemvBulk.claim_count(n_tiles, gdimx, stages), (n_tiles, gdimx, stages)
 
 
-@pytest.mark.parametrize("m,k,l", [(4096, 7168, 8), (128, 7168, 200), (640, 7168, 1), (4096, 10240, 3)])
+@pytest.mark.parametrize("m,k,l", [(4096, 7168, 8), (128, 7168, 200), (640, 7168, 1), (4096, 10240, 3),
+                                   (320, 7168, 8)])
 def test_routed_grids_claim_as_simulated(m, k, l):
     op = submission.Nvfp4GemvBulk(k, False, dynamic=1)
     n_tiles, gdimx = m // op.rows, op.grid_x(m, l, 132)

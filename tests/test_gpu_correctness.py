@@ -177,6 +177,13 @@ def test_launch_paths_without_tvm_ffi_match_float64(path, monkeypatch):
         d = inputs.random_inputs(256, 2048, 2, seed=seed)
         ok, msg = inputs.check_exact(d, plan(inputs.poisoned(d)))
         assert ok, msg
+    # the bulk kernel's dynamic tiles: the tile counters' address in the launch's head
+    d = inputs.random_inputs(2048, 7168, 4, seed=36)
+    plan = submission._CutePlan(d, *submission.check_inputs(d))
+    assert plan.kernel.op.dynamic and plan.kernel.kind == ("direct" if path == "direct" and dsl43 else "dsl")
+    for _ in range(2):
+        ok, msg = inputs.check_exact(d, plan(inputs.poisoned(d)))
+        assert ok, msg
 
 
 def test_scaled_mm_route_compiles_the_cute_kernel_only_when_forced(monkeypatch):
