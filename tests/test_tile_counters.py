@@ -46,19 +46,39 @@ def test_more_batch_indices_get_a_larger_set_and_the_old_one_stays_alive(made):
     assert submission._counters_kept == [old] and old.data_ptr() == small
 
 
-def test_threads_racing_to_the_first_call_share_one_set(made):
-    start = threading.Barrier(8)
+class Watched(dict):
+    """The counters' dict, which sets ``all_in`` once ``n`` threads have looked up a set."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.seen, self.all_in = n, set(), threading.Event()
+
+    def get(self, key, default=None):
+        self.seen.add(threading.get_ident())
+        if len(self.seen) >= self.n:
+            self.all_in.set()
+        return super().get(key, default)
+
+
+def test_threads_racing_to_the_first_call_share_one_set(made, monkeypatch):
+    """Every thread has looked (and found nothing) before the first allocation ends: only a second look
+    under the lock keeps the others from allocating sets of their own."""
+    watched = Watched(8)
+    monkeypatch.setattr(submission, "_counters", watched)
+    new = submission._new_counters
+
+    def slow(dev, n):
+        watched.all_in.wait(10)
+        return new(dev, n)
+
+    monkeypatch.setattr(submission, "_new_counters", slow)
     got = []
-
-    def call():
-        start.wait()
-        got.append(submission.tile_counters(0, 1234, 4))
-
-    threads = [threading.Thread(target=call) for _ in range(8)]
+    threads = [threading.Thread(target=lambda: got.append(submission.tile_counters(0, 1234, 4))) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert watched.all_in.is_set() and len(got) == 8
     assert len(set(got)) == 1 and len(made) == 1
 
 
