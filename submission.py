@@ -991,15 +991,21 @@ class Nvfp4GemvBulk(_GemvLaunch):
             if j >= S:
                 mbar_wait(s_empty + 8 * s, (j // S - 1) & 1)
                 if lane < R:
-                    p = s_part + (s * R + lane) * (8 * self.parts)
-                    acc = lds_stage_f64(p)
-                    for q in cutlass.range_constexpr(1, self.parts):
-                        acc = acc + lds_stage_f64(p + 8 * q)
-                    row = (bidx + (j - S) * gdimx) * R + lane
-                    stg_f16(c_base + cutlass.Int64(row) * c_rs, cutlass.Float32(acc))
+                    self._store_row(s, lane, lambda: bidx + (j - S) * gdimx, s_part, c_base, c_rs)
             if j < n_t:
                 copy_tile(lane, (bidx + j * gdimx) * R, s_a + s * self.stage_bytes, s_full + 8 * s, a_base, a_rs,
                           sfa_base, sfa_rs, R, self.row_a, self.row_sf, self.evict)
+
+    @cute.jit
+    def _store_row(self, s, lane, tile_of, s_part, c_base, c_rs):
+        """Producer lane ``lane`` adds its row's partials in stage ``s`` and writes the row of ``c``; the
+        stage's tile index, ``tile_of()``, is read after the partials."""
+        p = s_part + (s * self.rows + lane) * (8 * self.parts)
+        acc = lds_stage_f64(p)
+        for q in cutlass.range_constexpr(1, self.parts):
+            acc = acc + lds_stage_f64(p + 8 * q)
+        row = tile_of() * self.rows + lane
+        stg_f16(c_base + cutlass.Int64(row) * c_rs, cutlass.Float32(acc))
 
     @cute.jit
     def _produce_dynamic(self, n_tiles, bidx, gdimx, lane, s_a, s_part, s_full, s_empty, s_tile, a_base, a_rs,
@@ -1029,12 +1035,7 @@ class Nvfp4GemvBulk(_GemvLaunch):
             if j >= S:
                 mbar_wait(s_empty + 8 * s, (j // S - 1) & 1)
                 if lane < R:
-                    p = s_part + (s * R + lane) * (8 * self.parts)
-                    acc = lds_stage_f64(p)
-                    for q in cutlass.range_constexpr(1, self.parts):
-                        acc = acc + lds_stage_f64(p + 8 * q)
-                    row = lds_stage_u32(s_tile + 4 * s) * R + lane
-                    stg_f16(c_base + cutlass.Int64(row) * c_rs, cutlass.Float32(acc))
+                    self._store_row(s, lane, lambda: lds_stage_u32(s_tile + 4 * s), s_part, c_base, c_rs)
             if j < n_t:
                 # the claim's result is read here, a step after its issue (also the warp's sync point)
                 tile = cute.arch.shuffle_sync(nxt, 0) + base
@@ -1379,6 +1380,13 @@ def tile_counters(dev, stream, l):
     return got[1]
 
 
+def _stream_and_counters(dev, dynamic):
+    """A launch's stream (torch's current one) and tile counters (``dynamic``: the plan's batch indices; 0:
+    a plan without dynamic tiles, which passes 0)."""
+    stream = _current_stream(dev)
+    return stream, (tile_counters(dev, stream, dynamic) if dynamic else 0)
+
+
 class _CutePlan:
     """Everything about a CuTe launch that the tensors' metadata fixes (kernel, grid, strides), so
     that a call only reads the five data pointers and the stream."""
@@ -1426,16 +1434,14 @@ class _CutePlan:
             return self._unaligned(data)
         ffi = self.ffi
         if ffi is not None and _get_device() == self.dev:
-            stream = _current_stream(self.dev)
-            ctr = tile_counters(self.dev, stream, self.dynamic) if self.dynamic else 0
+            stream, ctr = _stream_and_counters(self.dev, self.dynamic)
             ffi(pa, pb, psa, psb, c.data_ptr(), ctr, *self.static, stream)
             return c
         storage = self.storage
         if not storage or _get_device() != self.dev:
             return self._launch_slow(data, (pa, pb, psa, psb, c.data_ptr()))
         head, _, packed, result, capi = storage
-        stream = _current_stream(self.dev)
-        ctr = tile_counters(self.dev, stream, self.dynamic) if self.dynamic else 0
+        stream, ctr = _stream_and_counters(self.dev, self.dynamic)
         with self.lock:  # one argument storage for all threads (the call releases the GIL)
             _HEAD.pack_into(head, 0, pa, pb, psa, psb, c.data_ptr(), ctr, stream)
             capi(packed)
@@ -1456,8 +1462,7 @@ class _CutePlan:
         with torch.cuda.device(self.dev):
             if self.ffi is not None or self.storage:
                 return self(data)
-            stream = _current_stream(self.dev)
-            ctr = tile_counters(self.dev, stream, self.dynamic) if self.dynamic else 0
+            stream, ctr = _stream_and_counters(self.dev, self.dynamic)
             kern.launch_dsl(ptrs + (ctr,) + self.static, stream)
         return data[6]
 
@@ -1612,8 +1617,8 @@ def _hit_path(check, plan, ffi=None, static=(), dev=-1, sfa_mask=1, scale_idx=(2
         if (pa | pb) & 15 or psa & sfa_mask or psb & 1 or get_device() != dev:
             return plan(data)
         if dynamic:
-            st = stream(dev)
-            ffi(pa, pb, psa, psb, c.data_ptr(), tile_counters(dev, st, dynamic), *static, st)
+            st, ctr = _stream_and_counters(dev, dynamic)
+            ffi(pa, pb, psa, psb, c.data_ptr(), ctr, *static, st)
         else:
             ffi(pa, pb, psa, psb, c.data_ptr(), 0, *static, stream(dev))
         return c

@@ -4,6 +4,7 @@ TensorGuards, reuses that plan without computing the key; anything the key tells
 Runs on the CPU (plans are faked where a GPU would build them)."""
 
 import collections
+import threading
 
 import pytest
 import torch
@@ -198,6 +199,41 @@ def test_the_inlined_launch_passes_the_checked_tensors_pointers(monkeypatch, pla
     device[0] = 1
     launched.clear(), slow.clear()
     assert hit(d) is d[6] and slow == [1] and not launched
+
+
+@pytest.mark.parametrize("dynamic", [0, 3], ids=["static tiles", "dynamic tiles"])
+@pytest.mark.parametrize("path", ["tvm-ffi", "direct", "dsl"])
+def test_a_plans_own_call_passes_the_streams_tile_counters_on_every_launch_path(monkeypatch, path, dynamic):
+    """``_CutePlan.__call__`` with a recorder in place of each launcher: the five pointers, the tile counters
+    of the current stream (0 for a plan without dynamic tiles), the plan's static arguments, the stream."""
+    import contextlib
+    import ctypes
+
+    monkeypatch.setattr(submission, "_get_device", lambda: 0)
+    monkeypatch.setattr(submission, "_current_stream", lambda dev: 1234)
+    monkeypatch.setattr(submission, "tile_counters", lambda dev, stream, l: 5000 + 100 * stream // 1234 + l)
+    monkeypatch.setattr(submission.torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    d = good()
+    launched = []
+
+    class Kernel:
+        def launch_dsl(self, values, stream):
+            launched.append((*values, stream))
+
+    plan = object.__new__(submission._CutePlan)
+    plan.dev, plan.scale_idx, plan.sfa_mask, plan.static, plan.dynamic = 0, (2, 3), 1, (7, 8), dynamic
+    plan.kernel, plan.lock, plan.ffi, plan.storage = Kernel(), threading.Lock(), None, False
+    if path == "tvm-ffi":
+        plan.ffi = lambda *a: launched.append(a)
+    elif path == "direct":
+        head = (ctypes.c_int64 * 7)()
+        plan.storage = (head, None, None, ctypes.c_int32(0),
+                        lambda packed: launched.append(tuple(submission._HEAD.unpack_from(head))))
+    assert plan(d) is d[6]
+    ptrs = (d[0].data_ptr(), d[1].data_ptr(), d[2].data_ptr(), d[3].data_ptr(), d[6].data_ptr())
+    ctr = 5103 if dynamic else 0
+    static = () if path == "direct" else (7, 8)  # the direct path's static values live in its storage
+    assert launched == [(*ptrs, ctr, *static, 1234)]
 
 
 def test_a_plan_keeps_a_few_guard_variants():
