@@ -19,10 +19,10 @@ pytestmark = pytest.mark.gpu
 DYNAMIC = (("bulk", 1), ("dynamic", 1))
 # rows a tile 4 (K = 7168, 9216, 11264) and 2 (K = 8192, 10240); claims for most tiles (4096 x 7168 x 8; 128
 # x 7168 x 200: one CTA a batch index, 3 static tiles and 29 claimed), for none (512 x 9216 x 4, 640 x 7168 x 1:
-# the static steps hold every tile), from some CTAs only (320 x 7168 x 8: 80 tiles, 33 CTAs, 14 reach the
-# last static step), and past 64 batch indices (the counters grow)
+# the static steps hold every tile), from some CTAs only (384 x 7168 x 8: 96 tiles, 33 CTAs on 132 SMs, 30
+# reach the last static step), and past 64 batch indices (the counters grow)
 SHAPES = [(4096, 7168, 8), (2048, 11264, 2), (512, 9216, 4), (1024, 8192, 4), (4096, 10240, 3), (128, 7168, 80),
-          (128, 7168, 200), (640, 7168, 1), (320, 7168, 8)]
+          (128, 7168, 200), (640, 7168, 1), (384, 7168, 8)]
 
 
 def plan_for(data, tuning=DYNAMIC):
