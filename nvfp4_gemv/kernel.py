@@ -469,8 +469,10 @@ def atom_add_one(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def stg_u32(addr, v, *, loc=None, ip=None):
-    _asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "st.global.u32 [$0], $1;", "l,r", loc, ip)
+def st_relaxed_u32(addr, v, *, loc=None, ip=None):
+    """A strong store at GPU scope: with the claims' atomics (relaxed, GPU scope) to the same word it is
+    morally strong, so the memory model orders it with them instead of calling it a data race."""
+    _asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "st.relaxed.gpu.global.u32 [$0], $1;", "l,r", loc, ip)
 
 
 @dsl_user_op
@@ -1015,12 +1017,12 @@ class Nvfp4GemvBulk(_GemvLaunch):
         static split gives 27-28), so a fixed split ends on its slowest SM. The first claim past the last
         tile ends the CTA: the stage gets tile index -1, which stops the consumers. Every CTA that claims
         makes exactly one such claim, so a launch makes a known number of claims; the CTA that gets the
-        last one zeroes the counter (the same word: ordered after every claim), and the next launch on the
-        stream starts from zero. A claim past the last (a counter found past this launch's claims) traps,
-        so such a counter fails the launch with a CUDA error rather than every launch after it; a smaller
-        leftover would skip that many tiles once, then reset (neither can arise without two running launches
-        sharing a counter, which ``tile_counters`` rules out). ``ctr == 0`` (a launch inside a graph capture)
-        keeps the static schedule."""
+        last one zeroes the counter (a strong store to the same word: ordered after every claim), and the
+        next launch on the stream starts from zero. A claim past the last (a counter found past this
+        launch's claims) traps, so such a counter fails the launch with a CUDA error rather than every
+        launch after it; a smaller leftover would skip that many tiles once, then reset (neither can arise
+        without two running launches sharing a counter, which ``tile_counters`` rules out). ``ctr == 0``
+        (a launch inside a graph capture) keeps the static schedule."""
         S = self.stages
         R = self.rows
         dyn = S * gdimx  # tiles of the static steps
@@ -1041,7 +1043,7 @@ class Nvfp4GemvBulk(_GemvLaunch):
                 if base != 0:
                     if lane == 0:
                         if nxt == last_claim:
-                            stg_u32(ctr_l, cutlass.Int32(0))
+                            st_relaxed_u32(ctr_l, cutlass.Int32(0))
                         if nxt > last_claim:
                             # the counter was past this launch's claims at launch (only another launch
                             # sharing it could leave it so): no claim would reset it, and every later
