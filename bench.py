@@ -309,9 +309,9 @@ def bench_case(m, k, l, args, ceiling, tunings):
         buf = read_floor.zero_buffer(nbytes)
         for state, clean in (("", False), ("_clean", True)):
             _, cfg = read_floor.floor_us(nbytes, max(10, args.reps // 5), time_leaderboard, clean=clean, buf=buf)
-            row["read_floor" + state + "_us"] = time_leaderboard(read_floor.reader(buf, cfg[1], cfg[2], cfg[0]),
+            row["read_floor" + state + "_us"] = time_leaderboard(read_floor.reader(buf, cfg[1], cfg[2], cfg[0], cfg[3]),
                                                                  args.reps, clean=clean)
-            row["read_floor" + state + "_config"] = dict(zip(("ctas_per_sm", "threads", "width"), cfg))
+            row["read_floor" + state + "_config"] = dict(zip(("ctas_per_sm", "threads", "width", "unroll"), cfg))
         del buf
         row["pct_of_read_floor"] = 100 * row["read_floor_us"] / row["us"]
     peers = {}

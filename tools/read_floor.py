@@ -1,10 +1,12 @@
 """The plain streaming read: the floor a GEMV of the same bytes is measured against (bench.py).
 
 A CuTe DSL kernel that reads ``nbytes`` of one buffer and nothing else: each thread loads ``width``-byte
-vectors (8 or 16) grid-strided, ``unroll`` of them in flight, with an L1 eviction hint, XORs them into one
-word and stores it only if it equals a value no buffer here holds (so the loads stay live). ``floor_us``
-times every configuration of grid (CTAs a SM), block and load width the way the leaderboard times
-(``bench.time_leaderboard``: L2 flushed before each run, CUDA events, median) and keeps the fastest.
+vectors (8 or 16) grid-strided, ``unroll`` of them in flight in every round (the last round's loads past
+the end predicated off, so no round runs with fewer in flight), with an L1 eviction hint, XORs them into
+one word and stores it only if it equals a value no buffer here holds (so the loads stay live).
+``floor_us`` times every configuration of grid (CTAs a SM), block, load width and unroll the way the
+leaderboard times (``bench.time_leaderboard``: L2 flushed before each run, CUDA events, median) and keeps
+the fastest.
 
     python tools/read_floor.py 7168x16384x1 4096x7168x8    # prints each configuration's time
 """
@@ -27,19 +29,22 @@ NEVER = 0x7E57ED01  # stored only if the XOR of the buffer equals it: the buffer
 GRIDS = (4, 8, 16)  # CTAs a SM
 BLOCKS = (128, 256, 512)
 WIDTHS = (8, 16)
+UNROLLS = (2, 4, 8)
 
 
 @dsl_user_op
-def ldg_first(addr, width, *, loc=None, ip=None):
-    """One ``width``-byte load with the L1 evict-first hint, XOR-folded to one word."""
+def ldg_first(addr, width, pred, *, loc=None, ip=None):
+    """One ``width``-byte load with the L1 evict-first hint, XOR-folded to one word; 0 and no access where
+    ``pred`` is zero."""
     if width == 16:
-        r = _asm([T.i32()], [cutlass.Int64(addr)],
-                 "{\n.reg .b32 a, b, c, d;\nld.global.nc.L1::evict_first.v4.u32 {a, b, c, d}, [$1];\n"
-                 "xor.b32 a, a, b;\nxor.b32 c, c, d;\nxor.b32 $0, a, c;\n}", "=r,l", loc, ip)
+        r = _asm([T.i32()], [cutlass.Int64(addr), cutlass.Int32(pred)],
+                 "{\n.reg .b32 a, b, c, d;\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 a, 0;\nmov.b32 b, 0;\n"
+                 "mov.b32 c, 0;\nmov.b32 d, 0;\n@p ld.global.nc.L1::evict_first.v4.u32 {a, b, c, d}, [$1];\n"
+                 "xor.b32 a, a, b;\nxor.b32 c, c, d;\nxor.b32 $0, a, c;\n}", "=r,l,r", loc, ip)
     else:
-        r = _asm([T.i32()], [cutlass.Int64(addr)],
-                 "{\n.reg .b32 a, b;\nld.global.nc.L1::evict_first.v2.u32 {a, b}, [$1];\nxor.b32 $0, a, b;\n}",
-                 "=r,l", loc, ip)
+        r = _asm([T.i32()], [cutlass.Int64(addr), cutlass.Int32(pred)],
+                 "{\n.reg .b32 a, b;\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 a, 0;\nmov.b32 b, 0;\n"
+                 "@p ld.global.nc.L1::evict_first.v2.u32 {a, b}, [$1];\nxor.b32 $0, a, b;\n}", "=r,l,r", loc, ip)
     return cutlass.Int32(r[0])
 
 
@@ -73,12 +78,10 @@ class StreamRead:
         step = gdimx * self.threads
         U = self.unroll
         acc = cutlass.Int32(0)
-        full = n_vec // (step * U) * (step * U)
-        for i in cutlass.range(bidx * self.threads + tidx, full, step * U, unroll=1):
+        for i in cutlass.range(bidx * self.threads + tidx, n_vec, step * U, unroll=1):
             for j in cutlass.range_constexpr(U):
-                acc = acc ^ ldg_first(ptr + cutlass.Int64(i + j * step) * self.width, self.width)
-        for i in cutlass.range(full + bidx * self.threads + tidx, n_vec, step, unroll=1):
-            acc = acc ^ ldg_first(ptr + cutlass.Int64(i) * self.width, self.width)
+                v = i + j * step
+                acc = acc ^ ldg_first(ptr + cutlass.Int64(v) * self.width, self.width, cutlass.Int32(v < n_vec))
         if cutlass.const_expr(self.check):
             red_xor(out_ptr, acc)
         else:
@@ -89,19 +92,19 @@ class StreamRead:
 _kernels = {}
 
 
-def _kernel(threads, width, check=False):
-    key = (threads, width, check)
+def _kernel(threads, width, unroll, check=False):
+    key = (threads, width, unroll, check)
     if key not in _kernels:
-        op = StreamRead(threads, width, check=check)
+        op = StreamRead(threads, width, unroll, check)
         fn = dsl_compile(op, (cutlass.Int64(0), cutlass.Int32(1), cutlass.Int64(0), cutlass.Int32(1), _CUstream(0)))
         _kernels[key] = _Kernel(fn, torch.cuda.current_device(), op)
     return _kernels[key]
 
 
-def reader(buf, threads, width, ctas_per_sm, check=False, out_init=0):
+def reader(buf, threads, width, ctas_per_sm, unroll=4, check=False, out_init=0):
     """A callable that reads all of ``buf`` (a uint8 CUDA tensor, zeros for timing) once with this
     configuration; ``run.out`` is the kernel's one-word output (``check``: see ``StreamRead``)."""
-    kern = _kernel(threads, width, check)
+    kern = _kernel(threads, width, unroll, check)
     n_vec = buf.numel() // width
     sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
     grid = max(1, min(sms * ctas_per_sm, -(-n_vec // threads)))
@@ -121,7 +124,7 @@ def reader(buf, threads, width, ctas_per_sm, check=False, out_init=0):
 
 
 def configs():
-    return list(itertools.product(GRIDS, BLOCKS, WIDTHS))
+    return list(itertools.product(GRIDS, BLOCKS, WIDTHS, UNROLLS))
 
 
 def zero_buffer(nbytes):
@@ -129,17 +132,17 @@ def zero_buffer(nbytes):
 
 
 def floor_us(nbytes, reps, time_fn, clean=False, verbose=False, buf=None):
-    """``(best us, (ctas_per_sm, threads, width))`` of a plain read of ``nbytes`` (rounded up to 16), in
-    ``buf`` if given (``zero_buffer(nbytes)``)."""
+    """``(best us, (ctas_per_sm, threads, width, unroll))`` of a plain read of ``nbytes`` (rounded up to 16),
+    in ``buf`` if given (``zero_buffer(nbytes)``)."""
     if buf is None:
         buf = zero_buffer(nbytes)
     best = (float("inf"), None)
-    for cps, threads, width in configs():
-        us = time_fn(reader(buf, threads, width, cps), reps, clean=clean)
+    for cps, threads, width, unroll in configs():
+        us = time_fn(reader(buf, threads, width, cps, unroll), reps, clean=clean)
         if verbose:
-            print(f"  read {nbytes} B: {cps:2d} CTAs/SM x {threads:3d} threads, {width:2d}-byte loads: {us:7.2f} us",
-                  flush=True)
-        best = min(best, (us, (cps, threads, width)))
+            print(f"  read {nbytes} B: {cps:2d} CTAs/SM x {threads:3d} threads, {width:2d}-byte loads x {unroll}: "
+                  f"{us:7.2f} us", flush=True)
+        best = min(best, (us, (cps, threads, width, unroll)))
     return best
 
 
