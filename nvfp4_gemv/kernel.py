@@ -16,8 +16,11 @@ Algorithm (CuTe DSL kernel, both architectures):
   in shared memory. Then groups of ``G`` lanes each own one row of ``a`` at a time (grid-stride over the
   rows): lane ``j`` streams the 16-byte chunks ``j, j + G, ...`` of the row with non-caching 16-byte loads
   plus the chunk's two scale bytes, so each load instruction of a group is contiguous. The loads of the
-  next work unit (``batch`` chunks of a lane) are in flight while the current one is computed. A
-  butterfly shuffle (fp64) combines the group's partials and one lane writes ``c``.
+  next work unit (``batch`` chunks of a lane) are in flight while the current one is computed. Where the
+  rows of ``sfa`` are 16-byte aligned (plain scales, ``K % 256 == 0``), a unit's scales come in 16-byte
+  loads by the group's first lanes and reach the others through shared memory: two-byte loads cost more
+  than their bytes (``sf_wide``). A butterfly shuffle (fp64) combines the group's partials and one lane
+  writes ``c``.
 * Problems that fit in one wave (small ``M * L``) are latency-bound: what counts is the time after the
   last byte lands. Where a row has more than 1024 values, ``Nvfp4GemvSplit`` splits it over whole
   warps (one 16-byte chunk a lane where the wave fits, else up to four; where the split does not divide
@@ -557,7 +560,7 @@ class Nvfp4Gemv(_GemvLaunch):
     tail = False  # Nvfp4GemvSplit: lanes whose last chunk lies past the row (K % (1024 * split) != 0)
 
     def __init__(self, k: int, blocked_scales: bool, group=None, batch=None, min_blocks=None, depth=None,
-                 probe=0):
+                 probe=0, sf_wide=0):
         self.k = k
         self.blocked_scales = blocked_scales
         self.chunks = k // 32  # 16-byte chunks of a row: 32 values, 2 scale blocks
@@ -581,6 +584,17 @@ class Nvfp4Gemv(_GemvLaunch):
         self.depth = depth or 2  # work units in registers: depth - 1 in flight while one computes
         self.probe = probe  # 1: skip the arithmetic (measures the memory side alone; wrong results)
         self.smem_bytes = 40 * self.chunks + 16  # int8 b (32 B) + two fp32 sfb (8 B) a chunk; the table
+        # sf_wide: a unit's scales (2 * batch * group bytes a row) come in 16-byte loads by its first lanes
+        # and reach the others through shared memory (two buffers a warp, by unit parity)
+        self.sf_wide = sf_wide
+        self.sf_pieces = self.batch * self.group // 8
+        self.sf_row_bytes = self.sf_warp_bytes = 0
+        if sf_wide:
+            if blocked_scales or self.group < 8 or self.sf_pieces > self.group:
+                raise ValueError(f"nvfp4_gemv: K={k}: sf_wide needs the plain scales and 8+ lanes a row")
+            self.sf_row_bytes = 2 * self.batch * self.group
+            self.sf_warp_bytes = 2 * (32 // self.group) * self.sf_row_bytes
+            self.smem_bytes += (self.threads // 32) * self.sf_warp_bytes
 
     @staticmethod
     def _group_size(chunks):
@@ -613,9 +627,31 @@ class Nvfp4Gemv(_GemvLaunch):
             return ()
         return (("batch", per_lane), ("group", group), ("min_blocks", 2))
 
+    @staticmethod
+    def wide_tuning(k, m, l, sms):
+        """The streaming default with ``sf_wide`` where the scales allow it (``()`` elsewhere): small scale
+        loads cost the streaming kernel more than their bytes (4096x4096x4: 2.0 us for its 4.2 MB of
+        ``sfa``). Where a lane's unit is its whole share of the row, the 3 or 4 CTAs a SM whose last round
+        of rows is fullest (7168x2048x4: 14.6 -> 14.2 us at 3; 16384x2048x1: 10.9 -> 10.5 at 4)."""
+        try:
+            op = Nvfp4Gemv(k, False, sf_wide=1)
+        except ValueError:
+            return ()
+        if k % 256:  # 16-byte aligned rows of sfa
+            return ()
+        if op.batch != op.per_lane or op.batch != 4:
+            return (("sf_wide", 1),)
+
+        def fill(ctas):
+            rounds = -(-m // op.rows_per_cta) / Nvfp4Gemv(k, False, min_blocks=ctas, sf_wide=1).grid_x(m, l, sms)
+            return rounds / -(-rounds // 1)
+
+        return (("min_blocks", max((4, 3), key=fill)), ("sf_wide", 1))
+
     def grid_x(self, m, l, sms):
-        # one wave of CTAs spread over the batch, each with at least one warp of rows
-        return max(1, min(-(-m // self.rows_per_cta), -(-sms * self.ctas_per_sm() // l)))
+        # one wave of CTAs spread over the batch, each with at least one warp of rows; rounded down, so that
+        # no CTA waits for a second wave (4096x2048x8 at 3 a SM: 400 CTAs for 396 slots took 2 us more)
+        return max(1, min(-(-m // self.rows_per_cta), sms * self.ctas_per_sm() // l))
 
     def ctas_per_sm(self):
         # 228 KiB of shared memory a SM on sm_90 and sm_100, 1 KiB of it reserved for each CTA
@@ -679,13 +715,23 @@ class Nvfp4Gemv(_GemvLaunch):
         tbl = lds_u32(s_tbl)
 
         acc = cutlass.Float64(0.0)
+        s_scr = s_tbl + 16 + (tidx // 32) * self.sf_warp_bytes + ((tidx % 32) // G) * self.sf_row_bytes
         for _u in cutlass.range(n_units, unroll=1):
             pipe.append(self._load_unit(irow, ibt, irow < m, lane, a_base, sfa_base, a_rs, sfa_rs))
             irow, ibt = self._next_unit(irow, ibt, step)
             cur = pipe[0]
             c0 = lane + bt * (self.batch * G)
+            if cutlass.const_expr(self.sf_wide):
+                scr = s_scr + (_u & 1) * (self.sf_warp_bytes // 2)
+                if lane < self.sf_pieces:
+                    sw = cur[4 * self.batch:4 * self.batch + 4]
+                    sts_v4(scr + lane * 16, sw[0], sw[1], sw[2], sw[3])
+                cute.arch.sync_warp()
+                s16s = [lds_stage_u16(scr + 2 * (lane + i * G)) for i in range(self.batch)]
+            else:
+                s16s = cur[4 * self.batch:5 * self.batch]
             for i in cutlass.range_constexpr(self.batch):
-                acc = self._chunk_dot(acc, cur[4 * i:4 * i + 4], cur[4 * self.batch + i], c0 + i * G, s_b0,
+                acc = self._chunk_dot(acc, cur[4 * i:4 * i + 4], s16s[i], c0 + i * G, s_b0,
                                       s_b1, s_sf, tbl)
             if bt == nb - 1:
                 acc = group_sum(acc, self.shuffle_offsets)
@@ -747,8 +793,12 @@ class Nvfp4Gemv(_GemvLaunch):
         words = []
         for i in cutlass.range_constexpr(self.batch):
             words += ldg_stream_v4_if(a_row + cutlass.Int64(c0 + i * self.row_lanes) * 16, preds[i])
-        for i in cutlass.range_constexpr(self.batch):
-            words.append(ldg_u16_if(sfa_row + self._scale_offset(c0 + i * self.row_lanes), preds[i]))
+        if cutlass.const_expr(getattr(self, "sf_wide", 0)):
+            words += ldg_stream_v4_if(sfa_row + bt * self.sf_row_bytes + lane * 16,
+                                      pred & cutlass.Int32(lane < self.sf_pieces))
+        else:
+            for i in cutlass.range_constexpr(self.batch):
+                words.append(ldg_u16_if(sfa_row + self._scale_offset(c0 + i * self.row_lanes), preds[i]))
         return words
 
 
@@ -1402,16 +1452,16 @@ class _CutePlan:
         explicit = tuning is not None
         if not explicit:
             tuning = pick_tuning(k, m, l, sms, not scales_on_gpu)
-        bulk = bool(dict(tuning).get("bulk"))
-        if bulk and not (scales_on_gpu and Nvfp4GemvBulk.strides_ok(a, sfa, l)):
+        sfa16 = bool(dict(tuning).get("bulk") or dict(tuning).get("sf_wide"))  # 16-byte aligned sfa rows
+        if sfa16 and not (scales_on_gpu and Nvfp4GemvBulk.strides_ok(a, sfa, l)):
             if explicit:
-                raise ValueError("nvfp4_gemv: the bulk-copy kernel needs the plain scales on the GPU and "
-                                 "16-byte aligned rows of a and sfa")
-            tuning, bulk = pick_tuning(k, m, l, sms, True), False  # the choice without the bulk kernel
+                raise ValueError("nvfp4_gemv: the bulk-copy kernel and sf_wide need the plain scales on the GPU "
+                                 "and 16-byte aligned rows of a and sfa")
+            tuning, sfa16 = pick_tuning(k, m, l, sms, True), False  # the choice without them
         self.kernel = kern = _get_kernel(self.dev, k, not scales_on_gpu, tuning)
         self.scale_idx = (2, 3) if scales_on_gpu else (4, 5)
-        self.sfa_mask = 15 if bulk else 1
-        self.fallback = None  # for a bulk plan called with a misaligned sfa: the choice without it
+        self.sfa_mask = 15 if sfa16 else 1
+        self.fallback = None  # where 16-byte sfa rows are needed and a call misaligns sfa: the choice without them
         if scales_on_gpu:
             strides = (sfa.stride(0), sfa.stride(2), sfb.stride(2))
         else:
@@ -1469,7 +1519,7 @@ class _CutePlan:
 
     def _unaligned(self, data):
         check_inputs(data)  # raises, naming the misaligned argument
-        if self.fallback is None:  # only the bulk kernel's 16-byte sfa alignment is missing
+        if self.fallback is None:  # only the 16-byte sfa alignment (bulk kernel, sf_wide) is missing
             m, k, l, _ = self.data_shape
             self.fallback = _CutePlan(data, *self.data_shape,
                                       tuning=pick_tuning(k, m, l, device_info(self.dev)[1], True))
@@ -1667,7 +1717,10 @@ def pick_tuning(k, m, l, sms, blocked_scales):
         # tiles claimed at run time where a tile holds several rows (K = 7168 x 8: -0.85 us); one-row tiles
         # (K = 16384) turn too fast for a claim's round trip (+0.5 us), docs/perf-notes.md
         return (("bulk", 1), ("dynamic", 1)) if Nvfp4GemvBulk(k, False).rows >= 2 else (("bulk", 1),)
-    return Nvfp4Gemv.shape_tuning(k, m, l, sms)
+    tuning = Nvfp4Gemv.shape_tuning(k, m, l, sms)
+    if not tuning and not blocked_scales:
+        tuning = Nvfp4Gemv.wide_tuning(k, m, l, sms)
+    return tuning
 
 
 def run_cute(data, m, k, l, scales_on_gpu, tuning=None):

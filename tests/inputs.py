@@ -194,3 +194,15 @@ def check_tight(data, out):
     fails it; ``check_exact``'s 1e-3 does not notice."""
     exact, terms = exact_and_terms(data)
     return rounding_violations(out[:, 0, :], exact, terms * 2.0 ** -40 + exact.abs().nan_to_num(0) * 2.0 ** -24)
+
+
+def padded(data, a_pad, sfa_pad):
+    """``data`` with rows of ``a`` and ``sfa`` padded by the given bytes (views into larger buffers)."""
+    a, b, sfa = data[0], data[1], data[2]
+    m, k2, l = a.shape
+    pa = torch.zeros(l, m, k2 + a_pad, dtype=torch.uint8, device="cuda")
+    pa[:, :, :k2] = a.view(torch.uint8).permute(2, 0, 1)
+    ps = torch.zeros(l, m, sfa.shape[1] + sfa_pad, dtype=torch.uint8, device="cuda")
+    ps[:, :, :sfa.shape[1]] = sfa.view(torch.uint8).permute(2, 0, 1)
+    return (pa[:, :, :k2].permute(1, 2, 0).view(torch.float4_e2m1fn_x2), b,
+            ps[:, :, :sfa.shape[1]].permute(1, 2, 0).view(torch.float8_e4m3fn), *data[3:])

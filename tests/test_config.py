@@ -32,6 +32,30 @@ def test_long_rows_beyond_one_wave_take_the_bulk_kernel(m, k, l, seed):
     assert submission.pick_tuning(k, m, l, H200_SMS, True) == (), "blocked scales: streaming kernel"
 
 
+@pytest.mark.parametrize("m,k,l,ctas", [(7168, 2048, 4, 3), (16384, 2048, 1, 4), (4096, 2048, 8, 4),
+                                         (3072, 2048, 5, 4), (4096, 4096, 4, None), (2432, 4608, 2, None)])
+def test_streaming_shapes_load_scales_wide_where_sfa_rows_are_16_byte_aligned(m, k, l, ctas):
+    """Measured on H200 (docs/perf-notes.md): two-byte scale loads cost the streaming kernel more than their
+    bytes; with a lane's whole share of the row in one unit, the occupancy whose last round is fullest."""
+    tuning = dict(submission.pick_tuning(k, m, l, H200_SMS, False))
+    assert tuning.get("sf_wide") == 1 and tuning.get("min_blocks") == ctas
+    assert submission.pick_tuning(k, m, l, H200_SMS, True) == (), "blocked scales: two-byte loads"
+
+
+@pytest.mark.parametrize("k", [4160, 2112, 1088])
+def test_sfa_rows_off_16_bytes_keep_two_byte_scale_loads(k):
+    assert not dict(submission.pick_tuning(k, 8192, 4, H200_SMS, False)).get("sf_wide")
+
+
+@pytest.mark.parametrize("l", range(1, 17))
+@pytest.mark.parametrize("ctas", [2, 3, 4])
+def test_streaming_grid_fits_one_wave(l, ctas):
+    """Rounded down: a CTA past the SMs' slots would run alone in a second wave (2 us at 4096x2048x8)."""
+    op = G(2048, False, min_blocks=ctas)
+    assert op.ctas_per_sm() == ctas
+    assert op.grid_x(16384, l, H200_SMS) * l <= H200_SMS * ctas
+
+
 @pytest.mark.parametrize("m,k,l", [(2048, 11264, 1), (1024, 12288, 2), (512, 9216, 4)])
 def test_one_wave_long_rows_too_many_to_split_take_the_bulk_kernel(m, k, l):
     """Measured on H200: the bulk kernel 0.8-2.1 us faster than the latency config on these."""
@@ -106,7 +130,8 @@ def test_latency_config_yields_to_streaming_where_its_tail_is_longer(m, k, l, la
     """One unit of 8+ chunks a lane on more CTAs than SMs computes everything after its last byte; the
     streaming kernel overlaps its units of 3+ chunks (measured on H200, docs/perf-notes.md)."""
     assert bool(G.shape_tuning(k, m, l, H200_SMS)) == latency
-    assert submission.pick_tuning(k, m, l, H200_SMS, False) == G.shape_tuning(k, m, l, H200_SMS)
+    streaming = G.wide_tuning(k, m, l, H200_SMS)  # K % 256 == 0 here: the scales load wide
+    assert submission.pick_tuning(k, m, l, H200_SMS, False) == (G.shape_tuning(k, m, l, H200_SMS) or streaming)
 
 
 @pytest.mark.parametrize("m,k,l,seed", ONE_WAVE)

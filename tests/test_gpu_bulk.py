@@ -44,24 +44,13 @@ def test_benchmark_shapes_take_the_bulk_kernel(m, k, l):
     check_chosen_kernel(inputs.random_inputs(m, k, l, seed=7), submission.Nvfp4GemvBulk)
 
 
-def padded(data, a_pad, sfa_pad):
-    """``data`` with rows of ``a`` and ``sfa`` padded by the given bytes (views into larger buffers)."""
-    a, b, sfa = data[0], data[1], data[2]
-    m, k2, l = a.shape
-    pa = torch.zeros(l, m, k2 + a_pad, dtype=torch.uint8, device="cuda")
-    pa[:, :, :k2] = a.view(torch.uint8).permute(2, 0, 1)
-    ps = torch.zeros(l, m, sfa.shape[1] + sfa_pad, dtype=torch.uint8, device="cuda")
-    ps[:, :, :sfa.shape[1]] = sfa.view(torch.uint8).permute(2, 0, 1)
-    return (pa[:, :, :k2].permute(1, 2, 0).view(torch.float4_e2m1fn_x2), b,
-            ps[:, :, :sfa.shape[1]].permute(1, 2, 0).view(torch.float8_e4m3fn), *data[3:])
-
-
 def test_padded_aligned_rows_stay_on_the_bulk_kernel():
-    check_chosen_kernel(padded(inputs.random_inputs(2048, 16384, 2, seed=9), 32, 16), submission.Nvfp4GemvBulk)
+    data = inputs.padded(inputs.random_inputs(2048, 16384, 2, seed=9), 32, 16)
+    check_chosen_kernel(data, submission.Nvfp4GemvBulk)
 
 
 def test_sfa_rows_off_16_bytes_take_the_streaming_kernel():
-    data = padded(inputs.random_inputs(2048, 16384, 2, seed=10), 0, 2)
+    data = inputs.padded(inputs.random_inputs(2048, 16384, 2, seed=10), 0, 2)
     check_chosen_kernel(data, submission.Nvfp4Gemv)
     with pytest.raises(ValueError, match="bulk"):
         submission.run_cute(data, *submission.check_inputs(data), tuning=BULK)
@@ -70,7 +59,7 @@ def test_sfa_rows_off_16_bytes_take_the_streaming_kernel():
 @pytest.mark.parametrize("m,k,l", [(512, 9216, 4), (2048, 11264, 1)])
 def test_one_wave_long_rows_take_the_bulk_kernel_or_without_it_the_latency_config(m, k, l):
     check_chosen_kernel(inputs.random_inputs(m, k, l, seed=13), submission.Nvfp4GemvBulk)
-    data = padded(inputs.random_inputs(m, k, l, seed=14), 0, 2)
+    data = inputs.padded(inputs.random_inputs(m, k, l, seed=14), 0, 2)
     check_chosen_kernel(data, submission.Nvfp4Gemv)
     op = submission._CutePlan(data, *submission.check_inputs(data)).kernel.op
     assert op.batch == op.per_lane, "a lane's whole share in one unit"
