@@ -16,11 +16,11 @@ Algorithm (CuTe DSL kernel, both architectures):
   in shared memory. Then groups of ``G`` lanes each own one row of ``a`` at a time (grid-stride over the
   rows): lane ``j`` streams the 16-byte chunks ``j, j + G, ...`` of the row with non-caching 16-byte loads
   plus the chunk's two scale bytes, so each load instruction of a group is contiguous. The loads of the
-  next work unit (``batch`` chunks of a lane) are in flight while the current one is computed. Where the
-  rows of ``sfa`` are 16-byte aligned (plain scales, ``K % 256 == 0``), a unit's scales come in 16-byte
-  loads by the group's first lanes and reach the others through shared memory: two-byte loads cost more
-  than their bytes (``sf_wide``). A butterfly shuffle (fp64) combines the group's partials and one lane
-  writes ``c``.
+  next work unit (``batch`` chunks of a lane) are in flight while the current one is computed. For units of
+  4 chunks, and of 2 over 16 lanes, where the rows of ``sfa`` are 16-byte aligned (plain scales), a unit's
+  scales come in 16-byte loads by the group's first lanes and reach the others through shared memory:
+  two-byte loads cost more than their bytes (``sf_wide``). A butterfly shuffle (fp64) combines the group's
+  partials and one lane writes ``c``.
 * Problems that fit in one wave (small ``M * L``) are latency-bound: what counts is the time after the
   last byte lands. Where a row has more than 1024 values, ``Nvfp4GemvSplit`` splits it over whole
   warps (one 16-byte chunk a lane where the wave fits, else up to four; where the split does not divide
@@ -591,8 +591,9 @@ class Nvfp4Gemv(_GemvLaunch):
         self.sf_row_bytes = self.sf_warp_bytes = 0
         if sf_wide:
             if blocked_scales or self.group < 8 or self.sf_pieces > self.group:
-                raise ValueError(f"nvfp4_gemv: K={k}: sf_wide needs the plain scales and 8+ lanes a row")
-            self.sf_row_bytes = 2 * self.batch * self.group
+                raise ValueError(f"nvfp4_gemv: K={k}: sf_wide needs the plain scales, 8+ lanes a row and a unit "
+                                 f"of at most 8 chunks a lane (group {self.group}, batch {self.batch})")
+            self.sf_row_bytes = 2 * self.batch * self.group  # a multiple of 16: 16-byte loads stay in the row
             self.sf_warp_bytes = 2 * (32 // self.group) * self.sf_row_bytes
             self.smem_bytes += (self.threads // 32) * self.sf_warp_bytes
 
@@ -628,25 +629,21 @@ class Nvfp4Gemv(_GemvLaunch):
         return (("batch", per_lane), ("group", group), ("min_blocks", 2))
 
     @staticmethod
-    def wide_tuning(k, m, l, sms):
-        """The streaming default with ``sf_wide`` where the scales allow it (``()`` elsewhere): small scale
-        loads cost the streaming kernel more than their bytes (4096x4096x4: 2.0 us for its 4.2 MB of
-        ``sfa``). Where a lane's unit is its whole share of the row, the 3 or 4 CTAs a SM whose last round
-        of rows is fullest (7168x2048x4: 14.6 -> 14.2 us at 3; 16384x2048x1: 10.9 -> 10.5 at 4)."""
+    def wide_tuning(k):
+        """The streaming default with ``sf_wide`` for the unit shapes where it measured faster, ``()``
+        elsewhere: small scale loads cost the streaming kernel more than their bytes (4096x4096x4: 2.0 us for
+        its 4.2 MB of ``sfa``). Units of 4 chunks (a lane's whole share of the row) then run 3 CTAs a SM:
+        7168x2048x4 14.6 -> 14.2 us, 16384x2048x1 10.9 -> 10.8; 4 were faster on some shapes (10.5 there) but
+        spill on DSL 4.8. Units of 3 chunks (K = 4608) measured no gain; units of 1 were not measured."""
         try:
-            op = Nvfp4Gemv(k, False, sf_wide=1)
+            op = Nvfp4Gemv(k, False, sf_wide=1)  # needs 8+ lanes a row: then K % 256 == 0 and sfa rows of 16 bytes
         except ValueError:
             return ()
-        if k % 256:  # 16-byte aligned rows of sfa
-            return ()
-        if op.batch != op.per_lane or op.batch != 4:
+        if op.batch == 4:
+            return (("min_blocks", 3), ("sf_wide", 1))
+        if op.batch == 2 and op.group == 16:
             return (("sf_wide", 1),)
-
-        def fill(ctas):
-            rounds = -(-m // op.rows_per_cta) / Nvfp4Gemv(k, False, min_blocks=ctas, sf_wide=1).grid_x(m, l, sms)
-            return rounds / -(-rounds // 1)
-
-        return (("min_blocks", max((4, 3), key=fill)), ("sf_wide", 1))
+        return ()
 
     def grid_x(self, m, l, sms):
         # one wave of CTAs spread over the batch, each with at least one warp of rows; rounded down, so that
@@ -1719,7 +1716,7 @@ def pick_tuning(k, m, l, sms, blocked_scales):
         return (("bulk", 1), ("dynamic", 1)) if Nvfp4GemvBulk(k, False).rows >= 2 else (("bulk", 1),)
     tuning = Nvfp4Gemv.shape_tuning(k, m, l, sms)
     if not tuning and not blocked_scales:
-        tuning = Nvfp4Gemv.wide_tuning(k, m, l, sms)
+        tuning = Nvfp4Gemv.wide_tuning(k)
     return tuning
 
 

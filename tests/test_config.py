@@ -32,19 +32,27 @@ def test_long_rows_beyond_one_wave_take_the_bulk_kernel(m, k, l, seed):
     assert submission.pick_tuning(k, m, l, H200_SMS, True) == (), "blocked scales: streaming kernel"
 
 
-@pytest.mark.parametrize("m,k,l,ctas", [(7168, 2048, 4, 3), (16384, 2048, 1, 4), (4096, 2048, 8, 4),
-                                         (3072, 2048, 5, 4), (4096, 4096, 4, None), (2432, 4608, 2, None)])
-def test_streaming_shapes_load_scales_wide_where_sfa_rows_are_16_byte_aligned(m, k, l, ctas):
+@pytest.mark.parametrize("m,k,l,ctas", [(7168, 2048, 4, 3), (16384, 2048, 1, 3), (4096, 2048, 8, 3),
+                                         (8192, 1024, 2, 3), (4096, 4096, 4, None), (2048, 6144, 2, None)])
+def test_streaming_units_of_4_or_2_chunks_load_scales_wide(m, k, l, ctas):
     """Measured on H200 (docs/perf-notes.md): two-byte scale loads cost the streaming kernel more than their
-    bytes; with a lane's whole share of the row in one unit, the occupancy whose last round is fullest."""
+    bytes; units of 4 chunks then run 3 CTAs a SM (4 spill on DSL 4.8)."""
     tuning = dict(submission.pick_tuning(k, m, l, H200_SMS, False))
     assert tuning.get("sf_wide") == 1 and tuning.get("min_blocks") == ctas
     assert submission.pick_tuning(k, m, l, H200_SMS, True) == (), "blocked scales: two-byte loads"
 
 
+@pytest.mark.parametrize("m,k,l", [(2432, 4608, 2), (2048, 2304, 3), (8192, 1280, 4), (2048, 1536, 4)])
+def test_unit_shapes_not_measured_faster_keep_two_byte_scale_loads(m, k, l):
+    """Units of 3 chunks (K = 4608: no gain measured), of 1 chunk, or of 2 chunks over 8 lanes (not measured)."""
+    assert submission.pick_tuning(k, m, l, H200_SMS, False) == ()
+
+
 @pytest.mark.parametrize("k", [4160, 2112, 1088])
-def test_sfa_rows_off_16_bytes_keep_two_byte_scale_loads(k):
-    assert not dict(submission.pick_tuning(k, 8192, 4, H200_SMS, False)).get("sf_wide")
+def test_rows_split_over_fewer_than_8_lanes_keep_two_byte_scale_loads(k):
+    """K % 256 != 0 (sfa rows not a multiple of 16 bytes) always means fewer than 8 lanes a row here."""
+    assert G(k, False).group < 8
+    assert G.wide_tuning(k) == () and submission.pick_tuning(k, 8192, 4, H200_SMS, False) == ()
 
 
 @pytest.mark.parametrize("l", range(1, 17))
@@ -130,8 +138,7 @@ def test_latency_config_yields_to_streaming_where_its_tail_is_longer(m, k, l, la
     """One unit of 8+ chunks a lane on more CTAs than SMs computes everything after its last byte; the
     streaming kernel overlaps its units of 3+ chunks (measured on H200, docs/perf-notes.md)."""
     assert bool(G.shape_tuning(k, m, l, H200_SMS)) == latency
-    streaming = G.wide_tuning(k, m, l, H200_SMS)  # K % 256 == 0 here: the scales load wide
-    assert submission.pick_tuning(k, m, l, H200_SMS, False) == (G.shape_tuning(k, m, l, H200_SMS) or streaming)
+    assert submission.pick_tuning(k, m, l, H200_SMS, False) == G.shape_tuning(k, m, l, H200_SMS)
 
 
 @pytest.mark.parametrize("m,k,l,seed", ONE_WAVE)

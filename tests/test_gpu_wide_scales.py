@@ -1,7 +1,8 @@
 """The streaming kernel's wide scale loads (``sf_wide``: a unit's scales in 16-byte loads by its first
-lanes, passed on through shared memory) on a CUDA GPU: every unit shape it takes, the occupancy rule's
-choices, odd batch counts, and the fall back to two-byte scale loads where ``sfa``'s rows are not 16-byte
-aligned. Outputs are poisoned with NaN and compared with the float64 reference on random signed inputs."""
+lanes, passed on through shared memory) on a CUDA GPU: the unit shapes the dispatcher gives them (4 chunks
+over 8 or 16 lanes, 2 over 16), every occupancy, 1-8 batch indices, padded ``sfa`` rows, and the fall back
+to two-byte scale loads where ``sfa``'s rows are not 16-byte aligned. Outputs are poisoned with NaN and
+compared with the float64 reference on random signed inputs, through the plan that was checked."""
 
 import pytest
 import torch
@@ -11,10 +12,10 @@ import submission
 
 pytestmark = pytest.mark.gpu
 
-# units of 4 chunks (K = 1024, 2048; 3 or 4 CTAs a SM), 2 (K = 4096), 3 (K = 4608); 1, 2, 5, 8 batch indices;
-# a last round that only some warps reach (M not a multiple of the grid's rows)
+# units of 4 chunks over 16 lanes (K = 2048) and 8 (K = 1024), of 2 over 16 (K = 3072, 4096, 6144: 6, 8 and 12
+# chunks a lane); 1, 2, 3, 4, 5, 8 batch indices; last rounds that only some CTAs reach
 SHAPES = [(7168, 2048, 4), (4096, 2048, 8), (3072, 2048, 5), (16384, 2048, 1), (1152, 1024, 3), (4096, 4096, 4),
-          (2432, 4608, 2), (6272, 4608, 1), (8192, 1024, 2)]
+          (8192, 1024, 2), (4096, 3072, 4), (2048, 6144, 2)]
 
 
 def plan_of(data):
@@ -31,9 +32,16 @@ def check(data, plan=None):
 @pytest.mark.parametrize("m,k,l", SHAPES)
 def test_wide_scale_loads_match_float64(m, k, l):
     data = inputs.random_inputs(m, k, l, seed=m + k + l)
-    op = plan_of(data).kernel.op
-    assert type(op) is submission.Nvfp4Gemv and op.sf_wide == 1
-    check(data)
+    plan = plan_of(data)  # the CuTe plan even where custom_kernel would take fp4 _scaled_mm (L = 1, sm_100)
+    assert type(plan.kernel.op) is submission.Nvfp4Gemv and plan.kernel.op.sf_wide == 1
+    check(data, plan)
+
+
+def test_padded_aligned_sfa_rows_keep_the_wide_loads():
+    data = inputs.padded(inputs.random_inputs(2048, 2048, 2, seed=6), 32, 16)
+    plan = plan_of(data)
+    assert plan.kernel.op.sf_wide == 1
+    check(data, plan)
 
 
 @pytest.mark.parametrize("ctas", [2, 3, 4])
@@ -48,9 +56,9 @@ def test_wide_scale_loads_at_every_occupancy_match_float64(ctas):
 
 def test_sfa_rows_off_16_bytes_load_scales_two_bytes_at_a_time():
     data = inputs.padded(inputs.random_inputs(2048, 2048, 2, seed=3), 0, 2)
-    op = plan_of(data).kernel.op
-    assert type(op) is submission.Nvfp4Gemv and op.sf_wide == 0
-    check(data)
+    plan = plan_of(data)
+    assert type(plan.kernel.op) is submission.Nvfp4Gemv and plan.kernel.op.sf_wide == 0
+    check(data, plan)
     with pytest.raises(ValueError, match="sf_wide"):
         submission.run_cute(data, *submission.check_inputs(data), tuning=(("sf_wide", 1),))
 

@@ -1,6 +1,6 @@
-"""Times the kernel configurations that ``pick_tuning`` chooses between (streaming, latency configs, the
-split-row kernel's splits, the bulk kernel), per shape, the leaderboard's way (L2 flushed, CUDA events,
-median of 50), each checked on signed random inputs.
+"""Times the kernel configurations that ``pick_tuning`` chooses between (streaming with two-byte or 16-byte
+scale loads, latency configs, the split-row kernel's splits, the bulk kernel), per shape, the leaderboard's
+way (L2 flushed, CUDA events, median of 50), each checked on signed random inputs.
 
     python tools/sweep_configs.py 256x7168x1,2432x4608x2
     python tools/sweep_configs.py 7168x16384x1 "bulk=1;bulk=1,warps=8,ctas=1"   # these tunings instead
@@ -29,6 +29,12 @@ def variants(m, k, l):
     per = G(k, False).per_lane
     if per % 3 == 0 and per > 3:
         out.append({"batch": 3, "min_blocks": 3})
+    try:  # the streaming kernel with its scales in 16-byte loads, at 2-4 CTAs a SM
+        G(k, False, sf_wide=1)
+        out += [{"sf_wide": 1}, {"sf_wide": 1, "min_blocks": 2}, {"sf_wide": 1, "min_blocks": 3},
+                {"sf_wide": 1, "min_blocks": 4}]
+    except ValueError:
+        pass
     # the split kernel: 2+ warps a row, <= 4 chunks a lane (the last one past the row where K % 1024 != 0)
     for split in (s for s in range(2, 33) if (s - 1) * 32 < chunks and -(-chunks // (32 * s)) <= 4):
         for rows in (1, 2, 4):
