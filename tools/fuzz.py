@@ -2,7 +2,8 @@
 
     python tools/fuzz.py --cases 500 --seed 0
 
-Shapes: M in 128..16384 (steps of 128), K in 64..32768 (steps of 64), L in 1..16, with the total size
+Shapes: M in 128..16384 (steps of 128), K in 64..32768 (steps of 64, always with 1024, 2048 and 4096), L in
+1..16, with the total size
 bounded so that the float64 reference stays quick; both scale layouts; a fifth of the cases with rows that
 cancel (``inputs.cancelling_inputs``); output poisoned before each call.
 Prints one line a mismatch and a summary `cases: N, mismatches: N`; exits 1 on any mismatch.
@@ -32,7 +33,8 @@ def main():
     rng = random.Random(args.seed)
     # K is a compile-time constant of the kernel: a fixed random set of K values keeps the compile count
     # (and the run time) bounded while M, L, data and scales vary freely
-    k_values = sorted({64, 32768} | {64 * rng.randint(1, 512) for _ in range(args.k_values - 2)})
+    # and always the streaming kernel's wide-scale units (K = 1024, 2048: 4 chunks a lane; 4096: 2 over 16 lanes)
+    k_values = sorted({64, 1024, 2048, 4096, 32768} | {64 * rng.randint(1, 512) for _ in range(args.k_values - 2)})
     print(f"K values: {k_values}", flush=True)
     bad = 0
     for i in range(args.cases):
