@@ -3,9 +3,8 @@
     python tools/fuzz.py --cases 500 --seed 0
 
 Shapes: M in 128..16384 (steps of 128), K in 64..32768 (steps of 64, always with 1024, 2048 and 4096), L in
-1..16, with the total size
-bounded so that the float64 reference stays quick; both scale layouts; a fifth of the cases with rows that
-cancel (``inputs.cancelling_inputs``); output poisoned before each call.
+1..16, with the total size bounded so that the float64 reference stays quick; both scale layouts; a fifth of
+the cases with rows that cancel (``inputs.cancelling_inputs``); output poisoned before each call.
 Prints one line a mismatch and a summary `cases: N, mismatches: N`; exits 1 on any mismatch.
 """
 
