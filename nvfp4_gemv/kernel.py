@@ -558,6 +558,7 @@ class Nvfp4Gemv(_GemvLaunch):
     threads = 256
     min_blocks = 4  # caps registers at 64: 1024 threads a SM
     tail = False  # Nvfp4GemvSplit: lanes whose last chunk lies past the row (K % (1024 * split) != 0)
+    sf_wide = 0  # the scales in 16-byte loads (streaming kernel only; __init__)
 
     def __init__(self, k: int, blocked_scales: bool, group=None, batch=None, min_blocks=None, depth=None,
                  probe=0, sf_wide=0):
@@ -790,7 +791,7 @@ class Nvfp4Gemv(_GemvLaunch):
         words = []
         for i in cutlass.range_constexpr(self.batch):
             words += ldg_stream_v4_if(a_row + cutlass.Int64(c0 + i * self.row_lanes) * 16, preds[i])
-        if cutlass.const_expr(getattr(self, "sf_wide", 0)):
+        if cutlass.const_expr(self.sf_wide):
             words += ldg_stream_v4_if(sfa_row + bt * self.sf_row_bytes + lane * 16,
                                       pred & cutlass.Int32(lane < self.sf_pieces))
         else:
