@@ -1,6 +1,7 @@
-"""Cases for tools/sanitize.sh: `task` = every task.yml shape (benchmarks included), each named with the
-kernel class and configuration ``pick_tuning`` gives it; `all` = those plus fuzz shapes. Both add four
-cases of the op's two kernels (``nvfp4_gemv.gemv``)."""
+"""Cases for tools/sanitize.sh: `task` = every task.yml shape (benchmarks included) and three shapes of the
+streaming kernel's wide scale loads, each named with the kernel class and configuration ``pick_tuning`` gives
+it; `all` = those plus fuzz shapes; `wide` = the three alone. All add the cases of the op's kernels
+(``nvfp4_gemv.gemv``)."""
 
 import os
 import sys
@@ -18,10 +19,13 @@ with open(os.path.join(ROOT, "task.yml")) as f:
     spec = yaml.safe_load(f)
 task = sorted({(c["m"], c["k"], c["l"]) for c in spec["tests"] + spec["benchmarks"]})
 fuzz = [(128, 64, 1), (1152, 960, 5), (640, 2752, 3), (128, 32768, 2), (3968, 1600, 1)]
+# the streaming kernel's 16-byte scale loads through the per-warp scratch (sf_wide) on its other unit shapes:
+# 4 chunks over 8 lanes (K = 1024), 2 over 16 (K = 3072, 4096); task.yml has only K = 2048
+wide = [(4096, 1024, 2), (2048, 3072, 2), (1024, 4096, 4)]
 # `task` = every task.yml shape (benchmarks included) with the configuration pick_tuning gives it
-shapes = {"all": task + fuzz, "task": task}.get(sys.argv[1] if sys.argv[1:] else "", None)
+shapes = {"all": task + wide + fuzz, "task": task + wide, "wide": wide}.get(sys.argv[1] if sys.argv[1:] else "", None)
 if shapes is None:
-    raise SystemExit("usage: sanitize_cases.py all|task")
+    raise SystemExit("usage: sanitize_cases.py all|task|wide")
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 for m, k, l in shapes:
     for cpu_scales in (False, True):
