@@ -82,6 +82,18 @@ MAX_K = 32768
 BULK_MIN_K = 7168  # shorter rows: the register-streaming kernel is as fast (docs/perf-notes.md)
 STAGE_EXTRA_BYTES = 128  # a bulk pipeline's shared memory after its stages: the decode table, a copy a lane
 
+
+def _dsl_version():
+    import importlib.metadata as md
+
+    try:
+        return tuple(int(v) for v in md.version("nvidia-cutlass-dsl").split(".")[:2])
+    except (md.PackageNotFoundError, ValueError):
+        return (0, 0)
+
+
+DSL_VERSION = _dsl_version()  # (major, minor): one tuning rule differs by the code the DSL generates
+
 # ----------------------------------------------------------------------------------------------------
 # Checks
 # ----------------------------------------------------------------------------------------------------
@@ -630,16 +642,20 @@ class Nvfp4Gemv(_GemvLaunch):
         return (("batch", per_lane), ("group", group), ("min_blocks", 2))
 
     @staticmethod
-    def wide_tuning(k):
+    def wide_tuning(k, dsl=None):
         """The streaming default with ``sf_wide`` for the unit shapes where it measured faster, ``()``
         elsewhere: small scale loads cost the streaming kernel more than their bytes (4096x4096x4: 2.0 us for
         its 4.2 MB of ``sfa``). Units of 4 chunks (a lane's whole share of the row) then run 3 CTAs a SM:
         7168x2048x4 14.6 -> 14.2 us, 16384x2048x1 10.9 -> 10.8; 4 were faster on some shapes (10.5 there) but
-        spill on DSL 4.8. Units of 3 chunks (K = 4608) measured no gain; units of 1 were not measured."""
+        spill on DSL 4.8. Except over 8 lanes (K = 1024) on DSL 4.4+ (``dsl``, default the installed one):
+        there 3 CTAs measured 0.4-1.4 us slower than 2 on 4.8.1 (7168x1024x4 10.8 against 10.2), faster on
+        4.3.5 (9.9 against 10.2). Units of 3 chunks (K = 4608) measured no gain; units of 1 were not measured."""
         try:
             op = Nvfp4Gemv(k, False, sf_wide=1)  # needs 8+ lanes a row: then K % 256 == 0 and sfa rows of 16 bytes
         except ValueError:
             return ()
+        if op.batch == 4 and op.group == 8 and (dsl or DSL_VERSION) >= (4, 4):
+            return (("sf_wide", 1),)  # the default for a lane's whole row share: 2 CTAs a SM
         if op.batch == 4:
             return (("min_blocks", 3), ("sf_wide", 1))
         if op.batch == 2 and op.group == 16:

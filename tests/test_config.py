@@ -33,13 +33,22 @@ def test_long_rows_beyond_one_wave_take_the_bulk_kernel(m, k, l, seed):
 
 
 @pytest.mark.parametrize("m,k,l,ctas", [(7168, 2048, 4, 3), (16384, 2048, 1, 3), (4096, 2048, 8, 3),
-                                         (8192, 1024, 2, 3), (4096, 4096, 4, None), (2048, 6144, 2, None)])
+                                         (8192, 1024, 2, 3 if submission.DSL_VERSION < (4, 4) else None),
+                                         (4096, 4096, 4, None), (2048, 6144, 2, None)])
 def test_streaming_units_of_4_or_2_chunks_load_scales_wide(m, k, l, ctas):
     """Measured on H200 (docs/perf-notes.md): two-byte scale loads cost the streaming kernel more than their
-    bytes; units of 4 chunks then run 3 CTAs a SM (4 spill on DSL 4.8)."""
+    bytes; units of 4 chunks then run 3 CTAs a SM (4 spill on DSL 4.8), but for K = 1024 on DSL 4.4+."""
     tuning = dict(submission.pick_tuning(k, m, l, H200_SMS, False))
     assert tuning.get("sf_wide") == 1 and tuning.get("min_blocks") == ctas
     assert submission.pick_tuning(k, m, l, H200_SMS, True) == (), "blocked scales: two-byte loads"
+
+
+@pytest.mark.parametrize("dsl,ctas", [((4, 3), 3), ((4, 4), 2), ((4, 8), 2), ((5, 0), 2)])
+def test_units_of_4_chunks_over_8_lanes_run_2_ctas_from_dsl_4_4(dsl, ctas):
+    """K = 1024 with wide scale loads on H200: 3 CTAs a SM 0.4 us faster than 2 on DSL 4.3.5, 0.4-1.4 us
+    slower on 4.8.1 (the same SASS but for its order); K = 2048 (16 lanes) keeps 3 on both."""
+    assert G(1024, False, **dict(G.wide_tuning(1024, dsl=dsl))).ctas_per_sm() == ctas
+    assert G(2048, False, **dict(G.wide_tuning(2048, dsl=dsl))).ctas_per_sm() == 3
 
 
 @pytest.mark.parametrize("m,k,l", [(2432, 4608, 2), (2048, 2304, 3), (8192, 1280, 4), (2048, 1536, 4)])

@@ -133,6 +133,8 @@ MUTANTS = [
      ["tests/test_config.py"], False),
     ("routing: a tail at several chunks for any split", K, "(not long_tails or split & (split - 1)",
      "(not long_tails", ["tests/test_config.py"], False),
+    ("routing: K = 1024's wide units at 3 CTAs on every DSL", K, "and (dsl or DSL_VERSION) >= (4, 4):",
+     "and False:", ["tests/test_config.py"], False),
     ("routing: wide scales for every unit shape", K, "        if op.batch == 2 and op.group == 16:\n",
      "        if True:\n", ["tests/test_config.py"], False),
     ("routing: streaming grid rounded up past one wave", K, "sms * self.ctas_per_sm() // l))",
