@@ -46,7 +46,7 @@ def test_streaming_units_of_4_or_2_chunks_load_scales_wide(m, k, l, ctas):
 @pytest.mark.parametrize("dsl,ctas", [((4, 3), 3), ((4, 4), 2), ((4, 8), 2), ((5, 0), 2)])
 def test_units_of_4_chunks_over_8_lanes_run_2_ctas_from_dsl_4_4(dsl, ctas):
     """K = 1024 with wide scale loads on H200: 3 CTAs a SM 0.4 us faster than 2 on DSL 4.3.5, 0.4-1.4 us
-    slower on 4.8.1 (the same SASS but for its order); K = 2048 (16 lanes) keeps 3 on both."""
+    slower on 4.8.1 (nearly the same SASS, ordered differently); K = 2048 (16 lanes) keeps 3 on both."""
     assert G(1024, False, **dict(G.wide_tuning(1024, dsl=dsl))).ctas_per_sm() == ctas
     assert G(2048, False, **dict(G.wide_tuning(2048, dsl=dsl))).ctas_per_sm() == 3
 

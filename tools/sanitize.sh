@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # compute-sanitizer over the configuration pick_tuning chooses for every task.yml shape (benchmarks
-# included; each case names its kernel class): memcheck (plus fuzz shapes), racecheck (shared memory:
-# CTA barriers, the bulk kernel's mbarriers) and synccheck.
+# included) and three shapes of the streaming kernel's wide scale loads (each case names its kernel class):
+# memcheck (plus fuzz shapes), racecheck (shared memory: CTA barriers, the bulk kernel's mbarriers, the wide
+# loads' per-warp scratch) and synccheck.
 # Usage: tools/sanitize.sh   (needs a GPU and compute-sanitizer on PATH)
 set -euo pipefail
 cd "$(dirname "$0")/.."
