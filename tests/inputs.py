@@ -206,3 +206,17 @@ def padded(data, a_pad, sfa_pad):
     ps[:, :, :sfa.shape[1]] = sfa.view(torch.uint8).permute(2, 0, 1)
     return (pa[:, :, :k2].permute(1, 2, 0).view(torch.float4_e2m1fn_x2), b,
             ps[:, :, :sfa.shape[1]].permute(1, 2, 0).view(torch.float8_e4m3fn), *data[3:])
+
+
+def interleaved(data):
+    """``data`` with each row's scales stored right after its row of ``a`` in one buffer ([L, M, K/2 + K/16]
+    bytes; ``a`` and ``sfa`` are views into it with row stride K/2 + K/16): the layout where a row and its
+    scales share DRAM pages. Same values, so the same result."""
+    a, b, sfa = data[0], data[1], data[2]
+    m, k2, l = a.shape
+    sfk = sfa.shape[1]
+    buf = torch.zeros(l, m, k2 + sfk, dtype=torch.uint8, device=a.device)
+    buf[:, :, :k2] = a.view(torch.uint8).permute(2, 0, 1)
+    buf[:, :, k2:] = sfa.view(torch.uint8).permute(2, 0, 1)
+    return (buf[:, :, :k2].permute(1, 2, 0).view(torch.float4_e2m1fn_x2), b,
+            buf[:, :, k2:].permute(1, 2, 0).view(torch.float8_e4m3fn), *data[3:])

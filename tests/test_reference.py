@@ -140,6 +140,19 @@ def test_property_layouts_agree(mb, kb, l, seed):
                        reference.to_blocked(data[2][:, :, li]).view(torch.uint8))
 
 
+@pytest.mark.parametrize("m,k,l", [(128, 256, 1), (256, 2048, 3), (128, 7168, 2)])
+def test_interleaved_layout_holds_the_same_values_with_scales_beside_their_rows(m, k, l):
+    data = inputs.random_inputs(m, k, l, seed=m + k + l, device="cpu")
+    inter = inputs.interleaved(data)
+    a, sfa = inter[0], inter[2]
+    row = k // 2 + k // 16
+    assert a.stride() == (row, 1, m * row) and sfa.stride() == (row, 1, m * row)
+    assert sfa.data_ptr() - a.data_ptr() == k // 2 and a.data_ptr() % 16 == 0
+    for t, u in ((a, data[0]), (sfa, data[2])):
+        assert torch.equal(t.view(torch.uint8), u.view(torch.uint8))
+    assert all(torch.equal(x, y) for x, y in zip(inputs.exact_and_terms(inter), inputs.exact_and_terms(data)))
+
+
 @settings(max_examples=15, deadline=None)
 @given(kb=st.integers(1, 4), l=st.integers(1, 2), seed=st.integers(0, 2**31 - 1))
 def test_property_reference_matches_brute_force(kb, l, seed):

@@ -1,0 +1,44 @@
+"""Is the streaming kernel's scale cost where ``sfa`` lies in memory? Times ``custom_kernel`` on the same
+values in two layouts: the generator's (``a`` and ``sfa`` in separate buffers) and ``inputs.interleaved``
+(each row's scales right after its row of ``a``, one buffer). Both are checked against float64 on signed
+inputs first. If the interleaved layout runs near the read floor of the same bytes, the cost is the two
+separate regions, which the op for model code could avoid by repacking its constant weights once.
+
+    python tools/scales_beside_rows.py 7168x2048x4,4096x4096x4,4096x7168x8
+
+Prints ``shape layout: us`` lines (median of 50 runs the leaderboard's way, three passes alternating the
+layouts) and ``shape layout check: ok``. Written on 2026-12-01 after that session's device time was spent;
+its layout helper is CPU-tested (tests/test_reference.py), the script has not yet run on a GPU.
+"""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+import inputs  # noqa: E402
+import reference  # noqa: E402
+import submission  # noqa: E402
+from bench import time_leaderboard  # noqa: E402
+
+LAYOUTS = {"separate": lambda d: d, "interleaved": inputs.interleaved}
+
+
+def main():
+    shapes = sys.argv[1] if len(sys.argv) > 1 else "7168x2048x4,4096x4096x4,7168x16384x1,4096x7168x8"
+    for m, k, l in (tuple(int(v) for v in s.split("x")) for s in shapes.split(",")):
+        data = {n: f(reference.generate_input(m, k, l, 1111)) for n, f in LAYOUTS.items()}
+        for name, make in LAYOUTS.items():
+            signed = make(inputs.random_inputs(m, k, l, seed=5))
+            ok, msg = inputs.check_exact(signed, submission.custom_kernel(inputs.poisoned(signed)))
+            print(f"{m}x{k}x{l} {name} check: {'ok' if ok else 'WRONG ' + msg}", flush=True)
+        times = {n: [] for n in LAYOUTS}
+        for _ in range(3):
+            for name, d in data.items():
+                times[name].append(time_leaderboard(lambda d=d: submission.custom_kernel(d), 50))
+        for name, ts in times.items():
+            print(f"{m}x{k}x{l} {name}: {min(ts):.2f} us (passes {' / '.join(f'{t:.2f}' for t in ts)})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
