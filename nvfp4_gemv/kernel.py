@@ -1661,7 +1661,7 @@ def _hit_path(check, plan, ffi=None, static=(), dev=-1, sfa_mask=1, scale_idx=(2
     guard) rejects ``data`` or it is no 7 tensors. A TVM-FFI launch is inlined (about 0.5 us less host
     time than ``plan(data)``); without ``ffi``, and for what the launch does not take, ``plan(data)``.
     ``dynamic``: the batch indices of a dynamic bulk plan's tile counters, else 0."""
-    get_device, stream, plain = _get_device, _current_stream, scale_idx == (2, 3)
+    get_device, stream, counters, plain = _get_device, _current_stream, tile_counters, scale_idx == (2, 3)
 
     def call(data):
         try:
@@ -1681,11 +1681,8 @@ def _hit_path(check, plan, ffi=None, static=(), dev=-1, sfa_mask=1, scale_idx=(2
         pa, pb = a.data_ptr(), b.data_ptr()
         if (pa | pb) & 15 or psa & sfa_mask or psb & 1 or get_device() != dev:
             return plan(data)
-        if dynamic:
-            st, ctr = _stream_and_counters(dev, dynamic)
-            ffi(pa, pb, psa, psb, c.data_ptr(), ctr, *static, st)
-        else:
-            ffi(pa, pb, psa, psb, c.data_ptr(), 0, *static, stream(dev))
+        st = stream(dev)  # the helper _stream_and_counters, inlined: this is every call's path
+        ffi(pa, pb, psa, psb, c.data_ptr(), counters(dev, st, dynamic) if dynamic else 0, *static, st)
         return c
 
     return call
