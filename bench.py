@@ -44,9 +44,10 @@ def bytes_moved(m, k, l):
 _clean = None
 
 
-def time_leaderboard(fn, reps, clean=False):
+def time_leaderboard(fn, reps, clean=False, after_flush=None):
     """Median us of ``fn`` between CUDA events, the L2 flushed before each run. ``clean``: after the
-    flush, read a 1 GiB buffer, so that L2 holds clean lines instead of the flush's dirty ones."""
+    flush, read a 1 GiB buffer, so that L2 holds clean lines instead of the flush's dirty ones.
+    ``after_flush``: called between the flush and the start event (untimed)."""
     global _clean
     times = []
     for _ in range(reps):
@@ -55,6 +56,8 @@ def time_leaderboard(fn, reps, clean=False):
             if _clean is None:
                 _clean = torch.ones(256 * 1024 * 1024, device="cuda")
             _clean.sum()
+        if after_flush is not None:
+            after_flush()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
