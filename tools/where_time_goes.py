@@ -8,7 +8,8 @@ dropped, wrong results); and both again with ``sfa`` read into L2 between the fl
 Differences read off the lines: probe with ``sfa`` in L2 - floor of ``a`` = the kernel's way of streaming ``a``;
 probe - probe with ``sfa`` in L2 = what fetching ``sfa`` costs the kernel, against floor of all - floor of ``a``
 for a plain read; kernel - probe = arithmetic not hidden behind the loads. Three passes, alternating the cases;
-prints each case's best and its passes.
+prints each case's best and its passes. The floors here are the best of three reader configurations (``READERS``),
+not ``read_floor.floor_us``'s full search, so they can sit a little above bench.py's.
 """
 
 import os
