@@ -2,6 +2,9 @@
 kernel, and that every configuration the heuristic can pick is a valid kernel (chunks split evenly or,
 in the split-row kernel, with the last chunk of some lanes past the row; shared memory within the SM's)."""
 
+import importlib.metadata
+
+import cutlass
 import pytest
 
 import submission
@@ -41,6 +44,13 @@ def test_streaming_units_of_4_or_2_chunks_load_scales_wide(m, k, l, ctas):
     tuning = dict(submission.pick_tuning(k, m, l, H200_SMS, False))
     assert tuning.get("sf_wide") == 1 and tuning.get("min_blocks") == ctas
     assert submission.pick_tuning(k, m, l, H200_SMS, True) == (), "blocked scales: two-byte loads"
+
+
+def test_dsl_version_names_the_installed_dsl():
+    """The K = 1024 rule below keys on it; a version not read ((0, 0)) would route DSL 4.4+ like 4.3."""
+    installed = getattr(cutlass, "__version__", None) or importlib.metadata.version("nvidia-cutlass-dsl")
+    assert submission.DSL_VERSION == tuple(int(v) for v in installed.split(".")[:2])
+    assert submission.DSL_VERSION >= (4, 3)
 
 
 @pytest.mark.parametrize("dsl,ctas", [((4, 3), 3), ((4, 4), 2), ((4, 8), 2), ((5, 0), 2)])
