@@ -55,7 +55,8 @@ def test_kernel_compiles_without_gpu(arch, k, blocked, tmp_path):
                                           ("sm_100a", 4096, "split=2,rows=2,min_blocks=4"),
                                           ("sm_90a", 2048, "min_blocks=3,sf_wide=1"),
                                           ("sm_100a", 1024, "min_blocks=3,sf_wide=1"),
-                                          ("sm_90a", 4096, "sf_wide=1"), ("sm_100a", 6144, "sf_wide=1")])
+                                          ("sm_90a", 3072, "sf_wide=1"), ("sm_90a", 4096, "batch=4,min_blocks=3,sf_wide=1"),
+                                          ("sm_100a", 6144, "batch=4,min_blocks=3,sf_wide=1")])
 def test_latency_split_bulk_and_wide_scale_configs_compile_without_gpu(arch, k, tune, tmp_path):
     info = compile_check(arch, k, tmp_path, "--tune", tune)
     assert info["elf"] and info["launch"] == "tvm-ffi", info

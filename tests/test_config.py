@@ -35,14 +35,20 @@ def test_long_rows_beyond_one_wave_take_the_bulk_kernel(m, k, l, seed):
     assert submission.pick_tuning(k, m, l, H200_SMS, True) == (), "blocked scales: streaming kernel"
 
 
-@pytest.mark.parametrize("m,k,l,ctas", [(7168, 2048, 4, 3), (16384, 2048, 1, 3), (4096, 2048, 8, 3),
-                                         (8192, 1024, 2, 3 if submission.DSL_VERSION < (4, 4) else None),
-                                         (4096, 4096, 4, None), (2048, 6144, 2, None)])
-def test_streaming_units_of_4_or_2_chunks_load_scales_wide(m, k, l, ctas):
+@pytest.mark.parametrize("m,k,l,batch,ctas", [(7168, 2048, 4, 4, 3), (16384, 2048, 1, 4, 3), (4096, 2048, 8, 4, 3),
+                                               (8192, 1024, 2, 4, 3 if submission.DSL_VERSION < (4, 4) else None),
+                                               (4096, 4096, 4, 4, 3), (16384, 4096, 1, 4, 3), (2048, 6144, 2, 4, 3),
+                                               (8192, 6144, 2, 4, 3), (4096, 5120, 4, 2, None),
+                                               (4096, 3072, 4, 2, None)])
+def test_streaming_units_of_4_or_2_chunks_load_scales_wide(m, k, l, batch, ctas):
     """Measured on H200 (docs/perf-notes.md): two-byte scale loads cost the streaming kernel more than their
-    bytes; units of 4 chunks then run 3 CTAs a SM (4 spill on DSL 4.8), but for K = 1024 on DSL 4.4+."""
+    bytes; units of 4 chunks then run 3 CTAs a SM (4 spill on DSL 4.8), but for K = 1024 on DSL 4.4+. Where a
+    lane's share of the row divides in fours (K = 4096, 6144) its units hold 4 chunks (a row's scales in 128-byte
+    pieces, not 64: 0.4-0.9 us faster); elsewhere (K = 3072, 5120) 2."""
     tuning = dict(submission.pick_tuning(k, m, l, H200_SMS, False))
     assert tuning.get("sf_wide") == 1 and tuning.get("min_blocks") == ctas
+    op = submission.make_op(k, False, **tuning)
+    assert op.batch == batch and op.sf_pieces * 16 == 2 * op.batch * op.group
     assert submission.pick_tuning(k, m, l, H200_SMS, True) == (), "blocked scales: two-byte loads"
 
 

@@ -12,10 +12,11 @@ import submission
 
 pytestmark = pytest.mark.gpu
 
-# units of 4 chunks over 16 lanes (K = 2048) and 8 (K = 1024), of 2 over 16 (K = 3072, 4096, 6144: 6, 8 and 12
-# chunks a lane); 1, 2, 3, 4, 5, 8 batch indices; last rounds that only some CTAs reach
+# units of 4 chunks over 16 lanes: a lane's whole share (K = 2048) or half and a third of it (K = 4096, 6144);
+# of 4 over 8 lanes (K = 1024); of 2 over 16 (K = 3072: 6 chunks a lane); 1, 2, 3, 4, 5, 8, 16 batch indices;
+# last rounds that only some CTAs reach
 SHAPES = [(7168, 2048, 4), (4096, 2048, 8), (3072, 2048, 5), (16384, 2048, 1), (1152, 1024, 3), (4096, 4096, 4),
-          (8192, 1024, 2), (4096, 3072, 4), (2048, 6144, 2)]
+          (16384, 4096, 1), (1024, 4096, 16), (8192, 1024, 2), (4096, 3072, 4), (2048, 6144, 2), (8192, 6144, 2)]
 
 
 def plan_of(data):

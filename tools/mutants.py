@@ -137,6 +137,8 @@ MUTANTS = [
      "and False:", ["tests/test_config.py"], False),
     ("routing: wide scales for every unit shape", K, "        if op.batch == 2 and op.group == 16:\n",
      "        if True:\n", ["tests/test_config.py"], False),
+    ("routing: K = 4096 and 6144 keep units of 2 chunks", K, "            if op.per_lane % 4 == 0:\n",
+     "            if False:\n", ["tests/test_config.py"], False),
     ("routing: streaming grid rounded up past one wave", K, "sms * self.ctas_per_sm() // l))",
      "-(-sms * self.ctas_per_sm() // l)))", ["tests/test_config.py"], False),
     ("routing: split CTAs always up to 512 threads", K, "            for cap in (512, 256):", "            for cap in (512,):",

@@ -20,7 +20,8 @@ with open(os.path.join(ROOT, "task.yml")) as f:
 task = sorted({(c["m"], c["k"], c["l"]) for c in spec["tests"] + spec["benchmarks"]})
 fuzz = [(128, 64, 1), (1152, 960, 5), (640, 2752, 3), (128, 32768, 2), (3968, 1600, 1)]
 # the streaming kernel's 16-byte scale loads through the per-warp scratch (sf_wide) on its other unit shapes:
-# 4 chunks over 8 lanes (K = 1024), 2 over 16 (K = 3072, 4096); task.yml has only K = 2048
+# 4 chunks over 8 lanes (K = 1024), 2 over 16 (K = 3072), 4 over 16 in two units a row (K = 4096); task.yml has
+# only K = 2048 (4 over 16, one unit a row)
 wide = [(4096, 1024, 2), (2048, 3072, 2), (1024, 4096, 4)]
 # `task` = every task.yml shape (benchmarks included) and the wide ones, with the configuration pick_tuning gives it
 shapes = {"all": task + wide + fuzz, "task": task + wide, "wide": wide}.get(sys.argv[1] if sys.argv[1:] else "", None)
