@@ -17,7 +17,7 @@ Algorithm (CuTe DSL kernel, both architectures):
   rows): lane ``j`` streams the 16-byte chunks ``j, j + G, ...`` of the row with non-caching 16-byte loads
   plus the chunk's two scale bytes, so each load instruction of a group is contiguous. The loads of the
   next work unit (``batch`` chunks of a lane) are in flight while the current one is computed. For units of
-  4 chunks (also where a lane's share is 8 or 12 chunks), and of 2 over 16 lanes, where the rows of ``sfa``
+  4 chunks (also out of 8 or 12 a lane: K = 4096, 6144), and of 2 over 16 lanes, where the rows of ``sfa``
   are 16-byte aligned (plain scales), a unit's scales come in 16-byte loads by the group's first lanes and
   reach the others through shared memory: two-byte loads cost more than their bytes (``sf_wide``). A
   butterfly shuffle (fp64) combines the group's partials and one lane writes ``c``.
@@ -649,10 +649,12 @@ class Nvfp4Gemv(_GemvLaunch):
         7168x2048x4 14.6 -> 14.2 us, 16384x2048x1 10.9 -> 10.8; 4 were faster on some shapes (10.5 there) but
         spill on DSL 4.8. Except over 8 lanes (K = 1024) on DSL 4.4+ (``dsl``, default the installed one):
         there 3 CTAs measured 0.4-1.4 us slower than 2 on 4.8.1 (7168x1024x4 10.8 against 10.2), faster on
-        4.3.5 (9.9 against 10.2). Where a lane's share divides in fours over 16 lanes (K = 4096, 6144), units of
-        4 chunks (each row's scales in 128-byte pieces, not 64) at 3 CTAs: 4096x4096x4 16.0 -> 15.4-15.5 us,
-        2048x6144x2 10.3 -> 9.4 (16384x4096x1 alone measured 0.15-0.25 slower, 2 CTAs there 0.45 faster). Units
-        of 3 chunks (K = 4608) measured no gain; units of 1 were not measured."""
+        4.3.5 (9.9 against 10.2). Where a lane's share divides in fours over 16 lanes below the bulk kernel's K
+        (K = 4096, 6144), units of 4 chunks (each row's scales in 128-byte pieces, not 64) at 3 CTAs: 4096x4096x4
+        16.0 -> 15.4-15.5 us, 2048x6144x2 10.3 -> 9.4; 16384x4096x1 alone mixed (0.13-0.28 slower in one sweep,
+        0.4 faster in another call; 2 CTAs there 0.45-0.7 faster than 3). Longer rows where the bulk kernel does not
+        apply keep units of 2 (not measured). Units of 3 chunks (K = 4608) measured no gain; units of 1 were not
+        measured."""
         try:
             op = Nvfp4Gemv(k, False, sf_wide=1)  # needs 8+ lanes a row: then K % 256 == 0 and sfa rows of 16 bytes
         except ValueError:
@@ -662,7 +664,7 @@ class Nvfp4Gemv(_GemvLaunch):
         if op.batch == 4:
             return (("min_blocks", 3), ("sf_wide", 1))
         if op.batch == 2 and op.group == 16:
-            if op.per_lane % 4 == 0:
+            if op.per_lane % 4 == 0 and k < BULK_MIN_K:
                 return (("batch", 4), ("min_blocks", 3), ("sf_wide", 1))
             return (("sf_wide", 1),)
         return ()

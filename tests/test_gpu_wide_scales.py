@@ -35,6 +35,7 @@ def test_wide_scale_loads_match_float64(m, k, l):
     data = inputs.random_inputs(m, k, l, seed=m + k + l)
     plan = plan_of(data)  # the CuTe plan even where custom_kernel would take fp4 _scaled_mm (L = 1, sm_100)
     assert type(plan.kernel.op) is submission.Nvfp4Gemv and plan.kernel.op.sf_wide == 1
+    assert plan.kernel.op.batch == (2 if k == 3072 else 4)
     check(data, plan)
 
 
