@@ -44,8 +44,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .kernel import SmemAllocator, _asm, _asm_store, blocked_row, ldg_u16, lds_stage_v4, scale_offset
-from .mma import cp_async_commit, cp_async_wait, lds_stage_f32, scaled_f16x8, sts_f32x4
+from .kernel import SmemAllocator, _asm, blocked_row, ldg_u16, ldg_v4, lds_stage_v4, scale_offset, sts_v4
+from .mma import lds_stage_f32, scaled_f16x8, sts_f32x4
 from .tokens import _OpLaunch, compile_op, ldg_f32, stg_as
 
 MAX_TOKENS = 32  # tokens a launch takes: two A tiles of 16
@@ -56,11 +56,32 @@ F16_SUM_SCALE = 16384.0  # 2^14: undoes the 2^-14 of the f16 weights
 
 
 @dsl_user_op
-def cp_async_16(dst, src, nbytes, *, loc=None, ip=None):
-    """``cp.async.cg``: an asynchronous 16-byte copy global -> shared through L2 only (no L1 line), of
-    ``nbytes`` (16, or 0: zeros and no read). No ``cute.arch`` form takes a run-time source size."""
-    _asm_store([cutlass.Int32(dst), cutlass.Int64(src), cutlass.Int32(nbytes)],
-               "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", loc, ip)
+def ldg_v4_if(addr, pred, *, loc=None, ip=None):
+    """16-byte load through the caches (``x``, read by every CTA: kept in L2) where ``pred`` is non-zero,
+    else zeros and no memory access."""
+    r = _asm([T.i32()] * 4, [cutlass.Int64(addr), cutlass.Int32(pred)],
+             "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
+             "mov.b32 $3, 0;\n@p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];\n}", "=r,=r,=r,=r,l,r", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def lds_v4_if(addr, pred, *, loc=None, ip=None):
+    """16-byte shared load where ``pred`` is non-zero, else zeros (``x`` rows past N are not stored);
+    ordered after the barrier that follows the copy of ``x`` (side effects)."""
+    r = _asm([T.i32()] * 4, [cutlass.Int32(addr), cutlass.Int32(pred)],
+             "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
+             "mov.b32 $3, 0;\n@p ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];\n}", "=r,=r,=r,=r,r,r", loc, ip,
+             volatile=True)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def ldg_w_v4(addr, *, loc=None, ip=None):
+    """16-byte load of ``w`` that does not allocate in L1 (each byte is read once)."""
+    r = _asm([T.i32()] * 4, [cutlass.Int64(addr)], "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
+             "=r,=r,=r,=r,l", loc, ip)
+    return [cutlass.Int32(v) for v in r]
 
 
 @dsl_user_op
@@ -116,8 +137,10 @@ def mma_16816(a, b, c, bf16, *, loc=None, ip=None):
 
 def pick_groups(n_tok, m, sms):
     """Groups of 8 rows a CTA owns at a time: as many as fill the SMs evenly (up to ``MAX_GROUPS``), fewer
-    for more tokens, whose accumulators (4 a group and A tile) and ``x`` stages share the budget."""
-    cap = MAX_GROUPS if n_tok <= 16 else 4
+    for more tokens, whose ``x`` and accumulators take the registers (a lane holds ``5 * groups`` words of
+    ``w`` and 16 of ``x`` per 8 tokens, twice: the slice computed and the next in flight; with 8 warps
+    ptxas spills from 8 / 6 / 4 / 2 groups on at 8 / 16 / 24 / 32 tokens)."""
+    cap = MAX_GROUPS if n_tok <= 8 else 6 if n_tok <= 16 else 4 if n_tok <= 24 else 2
     total = m // 8
 
     def cost(gr):
@@ -131,7 +154,7 @@ class Nvfp4GemvW4A16(_OpLaunch):
     """The W4A16 kernel; one instance per (K, tokens, groups, x dtype, scale layout, epilogue, tuning)."""
 
     def __init__(self, k: int, n_tok: int, groups: int, x_bf16: bool, w_blocked: bool, has_alpha: bool,
-                 out_bf16: bool, threads=None, stages=None):
+                 out_bf16: bool, threads=None, depth=None, ctas=None, x_smem=None):
         if not 1 <= n_tok <= MAX_TOKENS:
             raise ValueError(f"nvfp4_gemv: the W4A16 kernel takes 1..{MAX_TOKENS} tokens, not {n_tok}")
         if k % 64 or k <= 0:
@@ -146,49 +169,40 @@ class Nvfp4GemvW4A16(_OpLaunch):
         self.has_alpha = bool(has_alpha)
         self.out_bf16 = bool(out_bf16)
         self.n_slices = -(-k // 128)
-        warps = min(8, self.n_slices)  # no warp without a slice
+        warps = min(16, self.n_slices)  # no warp without a slice
         if threads is not None:
             if threads % 32 or not 32 <= threads <= 1024:
                 raise ValueError(f"nvfp4_gemv: threads={threads}: expected whole warps, at most 1024")
             warps = threads // 32
         self.warps = warps
         self.threads = 32 * warps
+        self.depth = depth or 1
         self.halves = -(-n_tok // 8)  # 8-token halves of the A tiles
         self.a_tiles = -(-self.halves // 2)
-        # a warp's stage: per group its lanes' 16-byte chunks of w, then per token half its lanes' 64 bytes of x
-        self.stage_bytes = (groups + 4 * self.halves) * 512
         self.red_bytes = self.warps * groups * self.a_tiles * 512
-        fit = (SMEM_CTA - self.red_bytes) // (self.warps * self.stage_bytes)
-        self.stages = int(stages or min(8, fit))
-        if not 2 <= self.stages <= fit:
-            raise ValueError(f"nvfp4_gemv: {self.stages} stages of {self.stage_bytes} bytes for each of {self.warps} "
-                             f"warps: expected 2..{fit} (the stages and the partials' {self.red_bytes} bytes in "
-                             f"{SMEM_CTA} bytes of shared memory)")
-        self.smem_bytes = self.warps * self.stages * self.stage_bytes + self.red_bytes
-        self.min_blocks = 1
-
-    @staticmethod
-    def suits(k, n_tok, groups, threads=None, stages=None):
-        """Whether two stages of the configuration fit in shared memory."""
-        try:
-            Nvfp4GemvW4A16(k, n_tok, groups, True, False, False, True, threads, stages)
-        except ValueError:
-            return False
-        return True
+        # x copied once into shared memory (rows of K values, 16 bytes apart more than K * 2 so that the rows
+        # of a warp's lanes fall in other banks) where it fits: a slice then holds only w in registers
+        self.x_row_bytes = 2 * k + 16
+        fits = self.red_bytes + n_tok * self.x_row_bytes <= SMEM_CTA
+        self.x_smem = fits if x_smem is None else bool(x_smem)
+        if self.x_smem and not fits:
+            raise ValueError(f"nvfp4_gemv: {n_tok} rows of x (K={k}) do not fit in shared memory")
+        self.smem_bytes = self.red_bytes + (n_tok * self.x_row_bytes if self.x_smem else 0)
+        self.min_blocks = int(ctas or 1)  # CTAs a SM (launch bound: registers a thread <= 64K / (ctas * threads))
 
     def grid_x(self, m, sms):
         tiles = -(-(m // 8) // self.groups)
         return max(1, min(tiles, sms * self.min_blocks))
 
-    def _issue_slice(self, stage, lane, sl, g, t, row0, w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs):
-        """Copies a lane's part of slice ``sl`` into its warp's ``stage`` (one cp.async group): per group its
-        16-byte chunk ``4 * slice + t`` of row ``g`` (32 values, two scale blocks), then per 8-token half ``h``
-        its 32 values of ``x`` (token ``g + 8h``; zeros past N). Returns the chunks' scale pairs (register
-        loads, one u16 a group). Slices past the end read the last one (their results are never used);
-        chunks past a ``K % 128 == 64`` row read the row's last chunk, and ``x`` there is zeros."""
+    def _load_slice(self, sl, g, t, row0, w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs):
+        """What a lane reads for slice ``sl``: per group its 16-byte chunk of ``w`` (4 words) and the chunk's
+        two scale bytes (one u16), then per 8-token half ``h`` its 32 values of ``x`` (token ``g + 8h``;
+        16 words). Slices past the end read the last one (their results are never used); chunks past a
+        ``K % 128 == 64`` row read the row's last chunk, and ``x`` there reads zeros."""
         NT = self.n_tok
         sl = cutlass.min(sl, self.n_slices - 1)
         chunk = sl * 4 + t
+        vals = []
         if cutlass.const_expr(self.k % 128 == 0):
             c_w = chunk
             live = cutlass.Int32(1)
@@ -198,39 +212,47 @@ class Nvfp4GemvW4A16(_OpLaunch):
         row64 = cutlass.Int64(row0 + g)
         kb = cutlass.Int64(c_w) * 16
         ks = scale_offset(c_w, self.w_blocked)
-        scales = []
         for gr in range(self.groups):
             r = row64 + 8 * gr
-            cp_async_16(stage + (gr * 32 + lane) * 16, w_ptr + r * w_rs + kb, cutlass.Int32(16))
+            vals += ldg_w_v4(w_ptr + r * w_rs + kb)
             if cutlass.const_expr(self.w_blocked):
-                scales.append(ldg_u16(blocked_row(ws_ptr, r, ws_rs) + ks))
+                vals.append(ldg_u16(blocked_row(ws_ptr, r, ws_rs) + ks))
             else:
-                scales.append(ldg_u16(ws_ptr + r * ws_rs + ks))
+                vals.append(ldg_u16(ws_ptr + r * ws_rs + ks))
         kx = cutlass.Int64(chunk) * 64  # 32 values of 2 bytes
-        for h in range(self.halves):
+        for h in range(0 if self.x_smem else self.halves):
             tok = g + 8 * h
-            nbytes = cutlass.Int32(tok < NT) * live * 16
+            p = cutlass.Int32(tok < NT) * live
             base = x_ptr + cutlass.Int64(cutlass.min(tok, NT - 1)) * x_rs + kx
             for j in range(4):
-                cp_async_16(stage + ((self.groups + 4 * h + j) * 32 + lane) * 16, base + 16 * j, nbytes)
-        cp_async_commit()
-        return scales
+                vals += ldg_v4_if(base + 16 * j, p)
+        return vals
 
-    def _read_stage(self, stage, lane):
-        """A lane's words of a stage, in the order ``_issue_slice`` copied them (its own copies: no barrier)."""
+    def _x_words(self, s_x, sl, g, t):
+        """A lane's 32 values of ``x`` for slice ``sl`` from shared memory (16 words a token half; zeros for
+        tokens past N and for chunks past a ``K % 128 == 64`` row)."""
+        chunk = sl * 4 + t
+        live = cutlass.Int32(1) if cutlass.const_expr(self.k % 128 == 0) else cutlass.Int32(chunk < self.k // 32)
         words = []
-        for j in range(self.groups + 4 * self.halves):
-            words += lds_stage_v4(stage + (j * 32 + lane) * 16)
+        for h in range(self.halves):
+            tok = g + 8 * h
+            p = cutlass.Int32(tok < self.n_tok) * live
+            base = s_x + cutlass.min(tok, self.n_tok - 1) * self.x_row_bytes + cutlass.min(chunk, self.k // 32 - 1) * 64
+            for j in range(4):
+                words += lds_v4_if(base + 16 * j, p)
         return words
 
-    def _slice_products(self, acc, words, scales, zero):
-        """Adds one slice's products to the accumulators ``acc[gr][a]`` (group, A tile)."""
+    def _slice_products(self, acc, cur, zero, xw=None):
+        """Adds one slice's products to the accumulators ``acc[gr][a]`` (group, A tile); ``xw``: x's words
+        where they come from shared memory, else they follow w's in ``cur``."""
         GR, H = self.groups, self.halves
-        xo = 4 * GR
+        xo = 5 * GR
+        if xw is not None:
+            cur = list(cur[:xo]) + list(xw)
         # x pairs: xa[h][blk][p], the A operand's order for block blk (its 16 values) of token half h
         xa = []
         for h in range(H):
-            xs = words[xo + 16 * h: xo + 16 * h + 16]
+            xs = cur[xo + 16 * h: xo + 16 * h + 16]
             per_blk = []
             for blk in range(2):
                 r = xs[8 * blk: 8 * blk + 8]
@@ -243,8 +265,8 @@ class Nvfp4GemvW4A16(_OpLaunch):
             xa.append(per_blk)
         new_acc = []
         for gr in range(GR):
-            q = words[4 * gr: 4 * gr + 4]
-            s16 = scales[gr]
+            q = cur[5 * gr: 5 * gr + 4]
+            s16 = cur[5 * gr + 4]
             acc_g = list(acc[gr])
             for blk in range(2):
                 s8 = (s16 >> (8 * blk)) & 0xFF
@@ -274,19 +296,26 @@ class Nvfp4GemvW4A16(_OpLaunch):
         GR = self.groups
         AT = self.a_tiles
         W = self.warps
-        S = self.stages
-        SB = self.stage_bytes
+        D = self.depth
 
         smem = SmemAllocator()
         s_buf = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.smem_bytes // 4), byte_alignment=16)
-        s_base = s_buf.iterator.toint()
-        s_red = s_base + W * S * SB
+        s_red = s_buf.iterator.toint()
+        s_x = s_red + self.red_bytes
+        if cutlass.const_expr(self.x_smem):
+            # x [N, K] into shared memory once, 16 bytes a thread at a time (rows x_row_bytes apart)
+            per_row = self.k // 8
+            for c in cutlass.range(tidx, NT * per_row, self.threads, unroll=1):
+                tok = c // per_row
+                j = c % per_row
+                v = ldg_v4(x_ptr + cutlass.Int64(tok) * x_rs + cutlass.Int64(j) * 16)
+                sts_v4(s_x + tok * self.x_row_bytes + j * 16, v[0], v[1], v[2], v[3])
+            cute.arch.sync_threads()
 
         wid = tidx // 32
         lane = tidx % 32
         g = lane // 4
         t = lane % 4
-        s_warp = s_base + wid * (S * SB)
         my_slices = (self.n_slices - wid + W - 1) // W
         n_tiles = (m // 8 + GR - 1) // GR
         scale = cutlass.Float32(BF16_SUM_SCALE if self.x_bf16 else F16_SUM_SCALE)
@@ -301,17 +330,17 @@ class Nvfp4GemvW4A16(_OpLaunch):
             ptrs = (w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs)
             acc = [[[cutlass.Float32(0.0)] * 4 for _ in range(AT)] for _ in range(GR)]
             pipe = []
-            for d in cutlass.range_constexpr(S):
-                pipe.append(self._issue_slice(s_warp + d * SB, lane, wid + d * W, g, t, row0, *ptrs))
+            for d in cutlass.range_constexpr(D):
+                pipe.append(self._load_slice(wid + d * W, g, t, row0, *ptrs))
             for i in cutlass.range(my_slices, unroll=1):
-                cp_async_wait(S - 1)  # this lane's copies of slice i (groups complete in order)
-                st = s_warp + (i % S) * SB
-                words = self._read_stage(st, lane)
-                acc = self._slice_products(acc, words, pipe[0], zero)
-                # the words are in registers and used: the stage takes slice i + S
+                cur = pipe[0]
                 pipe = pipe[1:]
-                pipe.append(self._issue_slice(st, lane, wid + (i + S) * W, g, t, row0, *ptrs))
-            cp_async_wait(0)  # the extra slices' copies land before the stages are written again
+                pipe.append(self._load_slice(wid + (i + D) * W, g, t, row0, *ptrs))
+                if cutlass.const_expr(self.x_smem):
+                    xw = self._x_words(s_x, cutlass.min(wid + i * W, self.n_slices - 1), g, t)
+                    acc = self._slice_products(acc, cur, zero, xw)
+                else:
+                    acc = self._slice_products(acc, cur, zero)
 
             for gr in cutlass.range_constexpr(GR):
                 for a in cutlass.range_constexpr(AT):
@@ -383,8 +412,9 @@ def _sm_count(dev):
 
 
 def default_tuning(n_tok):
-    """No tuning beyond the kernel's defaults (8 warps, as many stages as fit, ``pick_groups``)."""
-    return {}
+    """Threads a CTA: 8 warps, so that a lane's two slices of loads fit its registers (with 16 warps, 128
+    registers a thread, ptxas spills them)."""
+    return {"threads": 256}
 
 
 def _get_kernel(dev, key):

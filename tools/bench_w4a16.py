@@ -32,7 +32,7 @@ def w_bytes(m, k):
     return m * k // 2 + m * k // 16
 
 
-def bench_shape(m, k, ns, reps, tuning, floors):
+def bench_shape(m, k, ns, reps, tuning, floors, peers=True):
     rows = []
     w_bf16 = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     w_fp8 = (torch.randn(m, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
@@ -64,6 +64,11 @@ def bench_shape(m, k, ns, reps, tuning, floors):
             bad, msg = 0, "not checked"
         ours = time_leaderboard(lambda: gemv(x, None, w, ws, a, out=out), reps)
         graph = time_graph(lambda: gemv(x, None, w, ws, a, out=out), reps)
+        if not peers:
+            base = base or ours
+            print(f"{m}x{k} N={n:2d}: ours {ours:6.2f} us (graph {graph:6.2f}, x{ours / base:4.2f} of N=1, "
+                  f"{100 * floor / ours:5.1f}% of floor) | {'ok' if bad == 0 else msg}", flush=True)
+            continue
         xb = x.to(torch.bfloat16)
         lin_out = torch.empty(n, m, dtype=torch.bfloat16, device="cuda")
         lin = time_leaderboard(lambda: torch.mm(xb, w_bf16.t(), out=lin_out), reps)
@@ -93,6 +98,7 @@ def main():
     p.add_argument("--shapes", default=SHAPES)
     p.add_argument("--tune", default="", help="kernel tuning for every launch, e.g. threads=512,groups=4")
     p.add_argument("--no-floor", action="store_true", help="skip the plain-read floors (faster)")
+    p.add_argument("--no-peers", action="store_true", help="time ours only (tuning sweeps)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     ns = [int(v) for v in args.n.split(",")]
@@ -100,7 +106,7 @@ def main():
     rows = []
     for shape in args.shapes.split(","):
         m, k = (int(v) for v in shape.split("x"))
-        rows += bench_shape(m, k, ns, args.reps, tuning, not args.no_floor)
+        rows += bench_shape(m, k, ns, args.reps, tuning, not args.no_floor, not args.no_peers)
     import importlib.metadata as md
 
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
