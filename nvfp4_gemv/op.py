@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from . import kernel as _k
+from . import w4a16 as _w4a16
 from .mma import compile_mma, pick_groups
 from .tokens import Nvfp4GemvTokens, compile_tokens
 from .tokens_bulk import Nvfp4GemvTokensBulk, compile_tokens_bulk
@@ -73,34 +74,47 @@ def check_args(x, x_scale, w, w_scale, alpha, out_dtype, out=None):
 
     :return: ``(n, m, k, x_blocked, w_blocked)``; raises ``TypeError``/``ValueError`` naming the argument.
     """
+    act = _w4a16.is_w4a16(x)
     for t, name in ((x, "x"), (w, "w")):
         if not isinstance(t, torch.Tensor):
             _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
         _strided(t, name)
-        if t.dtype not in _FP4:
-            _fail(TypeError, name, "dtype torch.float4_e2m1fn_x2 or torch.uint8 (two e2m1 values a byte)", t.dtype)
+        if t.dtype not in _FP4 and not (t is x and act):
+            _fail(TypeError, name, "dtype torch.float4_e2m1fn_x2 or torch.uint8 (two e2m1 values a byte)"
+                  + (", or torch.bfloat16 / torch.float16 activations" if t is x else ""), t.dtype)
         if t.dim() != 2:
-            _fail(ValueError, name, "a 2-d tensor [rows, K/2]", f"{t.dim()}-d")
+            _fail(ValueError, name, "a 2-d tensor [rows, K]" if t is x and act else "a 2-d tensor [rows, K/2]",
+                  f"{t.dim()}-d")
     n, k2 = x.shape
     m = w.shape[0]
+    if act:  # W4A16: x [N, K] as it is, no scales
+        if x_scale is not None:
+            _fail(TypeError, "x_scale", f"None for {x.dtype} x (only NVFP4 x has scales)", type(x_scale).__name__)
+        if k2 % 2:
+            _fail(ValueError, "x", "K (dim 1) a positive multiple of 64", k2)
+        k2 //= 2
+    elif x_scale is None:
+        _fail(TypeError, "x_scale", "[N, K/16] float8_e4m3fn scales for NVFP4 x (None only with bf16/fp16 x)",
+              "None")
     k = 2 * k2
     if n == 0:
         _fail(ValueError, "x", "N (dim 0) >= 1", n)
     if w.shape[1] != k2:
-        _fail(ValueError, "w", f"K/2 = {k2} bytes a row, as x has", w.shape[1])
+        _fail(ValueError, "w", f"K/2 = {k2} bytes a row, as x has" + (f" ({2 * k2} values)" if act else ""),
+              w.shape[1])
     if m == 0 or m % 128:
         _fail(ValueError, "w", "M (dim 0) a positive multiple of 128", m)
     if k == 0 or k % 64:
         _fail(ValueError, "x", "K = 2 * dim 1 a positive multiple of 64", k)
     if k > _k.MAX_K:
         _fail(ValueError, "x", f"K <= {_k.MAX_K}", k)
-    x_blocked = _scale_layout(x_scale, "x_scale", n, k)
+    x_blocked = False if act else _scale_layout(x_scale, "x_scale", n, k)
     w_blocked = _scale_layout(w_scale, "w_scale", m, k)
     if out_dtype not in _OUT:
         _fail(TypeError, "out_dtype", "torch.bfloat16 or torch.float16", out_dtype)
     dev = w.device
     for t, name in ((x, "x"), (x_scale, "x_scale"), (w_scale, "w_scale")):
-        if t.device != dev:
+        if t is not None and t.device != dev:
             _fail(ValueError, name, f"a tensor on {dev} (where 'w' is)", f"a tensor on {t.device}")
     if alpha is not None:
         if not isinstance(alpha, torch.Tensor):
@@ -166,8 +180,10 @@ def gemv_reference(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16)
     """The result from float64 sums of the decoded, scaled values (each product is exact; a sum rounds
     at most by 2^-53 of its running value), times ``alpha``, rounded once to ``out_dtype``."""
     n, m, k, xb, wb = check_args(x, x_scale, w, w_scale, alpha, out_dtype)
-    xv = _decode(x) * _scales64(x_scale, n, k, xb)
     wv = _decode(w) * _scales64(w_scale, m, k, wb)
+    if x_scale is None:  # W4A16
+        return _w4a16.reference(x, wv, alpha, out_dtype, round_to)
+    xv = _decode(x) * _scales64(x_scale, n, k, xb)
     res = xv @ wv.T
     if alpha is not None:
         res = res * alpha.reshape(()).to(torch.float64)
@@ -446,6 +462,8 @@ def _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype, key=None):
 
 
 def _run(x, x_scale, w, w_scale, alpha, out, out_dtype):
+    if w.is_cuda and x_scale is None:
+        return _w4a16.run_cuda(x, w, w_scale, alpha, out, out_dtype, check_args)
     if w.is_cuda:
         return _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype)
     res = gemv_reference(x, x_scale, w, w_scale, alpha, out_dtype)
@@ -461,7 +479,7 @@ def _run(x, x_scale, w, w_scale, alpha, out, out_dtype):
 
 
 @torch.library.custom_op("nvfp4::gemv", mutates_args=())
-def _gemv_op(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+def _gemv_op(x: torch.Tensor, x_scale: Optional[torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
              alpha: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     return _run(x, x_scale, w, w_scale, alpha, None, out_dtype)
 
@@ -473,7 +491,7 @@ def _gemv_fake(x, x_scale, w, w_scale, alpha, out_dtype):
 
 
 @torch.library.custom_op("nvfp4::gemv_out", mutates_args=("out",))
-def _gemv_out_op(x: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+def _gemv_out_op(x: torch.Tensor, x_scale: Optional[torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
                  alpha: Optional[torch.Tensor], out: torch.Tensor) -> None:
     check_args(x, x_scale, w, w_scale, alpha, out.dtype, out)
     _run(x, x_scale, w, w_scale, alpha, out, out.dtype)
@@ -485,13 +503,15 @@ def _gemv_out_fake(x, x_scale, w, w_scale, alpha, out):
 
 
 def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None):
-    """NVFP4 x NVFP4 matrix-vector product for decode: ``(dequant(x) @ dequant(w).T) * alpha``.
+    """NVFP4 linear layer in decode: ``(x @ dequant(w).T) * alpha`` (W4A16) or ``(dequant(x) @ dequant(w).T)
+    * alpha`` (W4A4).
 
-    :param x: activations [N, K/2], ``torch.float4_e2m1fn_x2`` or ``torch.uint8`` (two e2m1 values a
-        byte, the first in the low nibble). ``w`` is read once per group of tokens (up to 16 from N = 5
-        on); on H200 N = 16 takes 1.40-1.60x the time of N = 1 (docs/bench-op-h200*.md).
-    :param x_scale: [N, K/16] ``torch.float8_e4m3fn`` (or its uint8 bytes), one scale per 16 values; or
-        the 128x4 blocked layout (see ``w_scale``).
+    :param x: activations: [N, K] ``torch.bfloat16`` or ``torch.float16`` as they are (W4A16, the
+        weight-only path: ``x_scale`` must be None; ``nvfp4_gemv.w4a16``), or NVFP4 [N, K/2]
+        ``torch.float4_e2m1fn_x2`` / ``torch.uint8`` (two e2m1 values a byte, the first in the low nibble).
+        ``w`` is read once per group of tokens (up to 32 for W4A16, 16 for NVFP4 x from N = 5 on).
+    :param x_scale: None for bf16/fp16 ``x``; for NVFP4 ``x`` its [N, K/16] ``torch.float8_e4m3fn`` (or
+        uint8 bytes) scales, one per 16 values, or the 128x4 blocked layout (see ``w_scale``).
     :param w: weights [M, K/2], the same dtypes; M % 128 == 0, K % 64 == 0, K <= 32768.
     :param w_scale: [M, K/16] plain scales, or the 128x4 blocked ("swizzled") layout of cuBLAS, torchao
         and flashinfer (``to_blocked``): shape ``(ceil(M/128)*32, ceil(K/64)*16)`` as torchao's
@@ -501,13 +521,16 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
     :param out_dtype: ``torch.bfloat16`` (default) or ``torch.float16``.
     :param out: optional preallocated [N, M] bf16 or fp16 tensor (unit stride along M on CUDA), written
         and returned; its dtype is the result's (``out_dtype`` is then ignored).
-    :return: [N, M] ``out_dtype``: ``out[n, m] = alpha * sum_k x[n,k] xs[n,k//16] w[m,k] ws[m,k//16]``.
+    :return: [N, M] ``out_dtype``: ``out[n, m] = alpha * sum_k x[n,k] xs[n,k//16] w[m,k] ws[m,k//16]``
+        (``xs`` = 1 for W4A16).
     :raises TypeError, ValueError: naming the argument, for inputs the op cannot take.
     """
     # the eager fast path: plain tensors, no tracing and no torch dispatch mode (a FakeTensor has no data
     # to launch on; modes such as flop counters must see the op), and a plan made for exactly this metadata
     direct = (type(w) in _PLAIN and type(x) in _PLAIN and not torch.compiler.is_compiling()
               and not torch._C._len_torch_dispatch_stack())
+    if direct and x_scale is None and w.is_cuda:  # W4A16 (check_args names a missing x_scale for fp4 x)
+        return _w4a16.run_cuda(x, w, w_scale, alpha, out, getattr(out, "dtype", out_dtype), check_args)
     if direct:
         hit = _recent.hits.get(id(w))
         res = hit(x, x_scale, w, w_scale, alpha, out, out_dtype) if hit is not None else None

@@ -1,0 +1,557 @@
+"""W4A16: bf16 or fp16 activations times NVFP4 weights, ``out[n, m] = alpha * sum_k x[n, k] w[m, k] ws[m, k // 16]``.
+
+This is the product Hopper serving runs for NVFP4 checkpoints (weight-only): ``x`` is taken as it is, no
+quantization. One kernel (``Nvfp4GemvW4A16``) serves 1..32 tokens a launch with ``w`` read once; more
+tokens launch once per group of at most 32.
+
+Exact operands for the tensor cores (``mma.sync.m16n8k16``, fp32 accumulation):
+
+* fp16 ``x``: an e2m1 nibble placed as the f16 of ``v * 2^-14`` (``mma.scaled_f16x8``), times the block's
+  e4m3 scale in one ``HMUL2``: ``v * s * 2^-14`` has at most 6 significant bits and is at least 2^-24
+  (f16's least subnormal), so it is exact; ``2^14`` scales the sum back.
+* bf16 ``x``: the nibble's three magnitude bits go to bf16 bits 6..8 and its sign to bit 15, which is the
+  bf16 of ``v * 2^-126`` (0.5 lands on the subnormal 2^-127); one ``HMUL2`` by the bf16 of ``s * 2^119``
+  gives ``v * s * 2^-7``, in [2^-17, 21]: normal and exact. ``2^7`` scales the sum back.
+
+The products ``x * w'`` are then exact in fp32 (8 + 6 or 11 + 6 significant bits), for bf16 ``x`` as long as
+they stay in fp32's normal range (``|x| >= 2^-109``, far below any activation; ``|x| < 2^123``).
+
+Error bound: the only roundings are the fp32 sums and the final store. A warp adds its ``K / (16 W)``
+MMA results for an output in order, then the ``W`` warps' partials are added in a fixed order
+(deterministic), times ``2^7`` or ``2^14`` (exact) and ``alpha`` (one fp32 rounding), rounded once to the
+output dtype. With the tensor core's fp32 accumulation rounding (truncating) each MMA by at most 2^-22 of
+its running sum, the result differs from the exact one by at most half an ulp of the output plus
+``(K / (16 W) + W + 2) * 2^-22`` of ``sum |terms|``: under 2^-14 for K <= 32768 (the op's bound is 2^-12).
+
+Tiles: ``x`` is the A operand (16 token rows; a launch of more than 16 tokens has a second A tile), ``w``
+the B operand (8 rows of ``w``, "a group"). A slice is 128 values of K: lane ``t = lane % 4`` of row
+``g = lane // 4`` loads the row's 16-byte chunk ``4 * slice + t`` (32 values, two scale blocks) and its two
+scale bytes. Within a block the four MMA k-steps take, in the slots ``2t, 2t+1, 2t+8, 2t+9``, the value
+pairs ``(i, i + 4)`` of its two 8-value words: the dot product does not depend on the order of k, and the A
+operand (``x`` pairs built by ``prmt`` from its natural order) uses the same order.
+
+Work: a CTA owns ``groups`` groups (8 rows each) at a time; its ``W`` warps split K into slices (warp ``i``
+takes slices ``i, i + W, ...``), the loads of the next slice in flight while one computes. At the end the
+warps' partials meet in shared memory and are added in a fixed order. Where ``K % 128 == 64`` the last
+slice's lanes 2 and 3 read lane 1's chunk again and take zeros for ``x``.
+
+Layouts: ``w`` [M, K/2] uint8 and ``x`` [N, K] K-contiguous with 16-byte aligned rows; ``ws`` plain [M, K/16]
+K-contiguous with even row strides, or 128x4 blocked; ``out`` [N, M] unit stride along M; ``alpha`` one fp32
+on the device, or none.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .kernel import SmemAllocator, _asm, blocked_row, ldg_u16, ldg_v4, lds_stage_v4, scale_offset, sts_v4
+from .mma import lds_stage_f32, scaled_f16x8, sts_f32x4
+from .tokens import _OpLaunch, compile_op, ldg_f32, stg_as
+
+MAX_TOKENS = 32  # tokens a launch takes: two A tiles of 16
+MAX_GROUPS = 8
+SMEM_CTA = 232448  # 227 KiB: the most a CTA may use on sm_90 and sm_100 (228 KiB a SM, 1 KiB reserved)
+BF16_SUM_SCALE = 128.0  # 2^7: undoes the 2^-7 of the bf16 weights
+F16_SUM_SCALE = 16384.0  # 2^14: undoes the 2^-14 of the f16 weights
+
+
+@dsl_user_op
+def ldg_v4_if(addr, pred, *, loc=None, ip=None):
+    """16-byte load through the caches (``x``, read by every CTA: kept in L2) where ``pred`` is non-zero,
+    else zeros and no memory access."""
+    r = _asm([T.i32()] * 4, [cutlass.Int64(addr), cutlass.Int32(pred)],
+             "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
+             "mov.b32 $3, 0;\n@p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];\n}", "=r,=r,=r,=r,l,r", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def lds_v4_if(addr, pred, *, loc=None, ip=None):
+    """16-byte shared load where ``pred`` is non-zero, else zeros (``x`` rows past N are not stored);
+    ordered after the barrier that follows the copy of ``x`` (side effects)."""
+    r = _asm([T.i32()] * 4, [cutlass.Int32(addr), cutlass.Int32(pred)],
+             "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
+             "mov.b32 $3, 0;\n@p ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];\n}", "=r,=r,=r,=r,r,r", loc, ip,
+             volatile=True)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def ldg_w_v4(addr, *, loc=None, ip=None):
+    """16-byte load of ``w`` that does not allocate in L1 (each byte is read once)."""
+    r = _asm([T.i32()] * 4, [cutlass.Int64(addr)], "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
+             "=r,=r,=r,=r,l", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def pair_halves(a, b, *, loc=None, ip=None):
+    """``prmt``: from ``a = (x0, x1)`` and ``b = (x4, x5)`` (16-bit halves) the pairs ``(x0, x4)`` and
+    ``(x1, x5)``: the A operand's value order."""
+    r = _asm([T.i32()] * 2, [cutlass.Int32(a), cutlass.Int32(b)],
+             "prmt.b32 $0, $2, $3, 0x5410;\nprmt.b32 $1, $2, $3, 0x7632;", "=r,=r,r,r", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def scaled_bf16x8(q0, q1, s8, *, loc=None, ip=None):
+    """16 e2m1 nibbles (two words, value order) times their block's e4m3 scale byte ``s8``: eight bf16x2
+    ``v * s * 2^-7``, in the order of ``mma.scaled_f16x8`` (word 0's pairs (0,4), (1,5), (2,6), (3,7), then
+    word 1's).
+
+    Pair ``(i, i + 4)`` of a word: shifting by ``6 - 4i`` puts both magnitudes at bf16 bits 6..8 of their
+    halves, shifting by ``12 - 4i`` both signs at bit 15; that is ``v * 2^-126``. The scale: the byte's bits
+    shifted so that e4m3's exponent and mantissa sit at fp32's lowest exponent bits (fp32 of ``s * 2^-120``,
+    subnormal scales included), times 2^120 and 2^119 (no flush: plain ``mul.rn.f32``), packed to bf16x2
+    (exact: 4 significant bits); one ``mul.rn.bf16x2`` a pair (bf16 subnormals are kept)."""
+    body = ["{", ".reg .b32 a, b, p;", ".reg .f32 f;",
+            "shl.b32 a, $9, 24;", "shr.s32 a, a, 4;", "and.b32 a, a, 0x87F00000;", "mov.b32 f, a;",
+            "mul.rn.f32 f, f, 0f7B800000;", "mul.rn.f32 f, f, 0f7B000000;", "cvt.rn.bf16x2.f32 p, f, f;"]
+    for w, q in enumerate(("$8", "$10")):
+        for i in range(4):
+            o = f"${4 * w + i}"
+            ms, ss = 6 - 4 * i, 12 - 4 * i
+            body.append(f"shl.b32 a, {q}, {ms};" if ms >= 0 else f"shr.b32 a, {q}, {-ms};")
+            body.append("and.b32 a, a, 0x01C001C0;")
+            if ss:
+                body.append(f"shl.b32 b, {q}, {ss};")
+                body.append(f"lop3.b32 {o}, a, b, 0x80008000, 0xF8;")  # a | (b & c)
+            else:
+                body.append(f"lop3.b32 {o}, a, {q}, 0x80008000, 0xF8;")
+            body.append(f"mul.rn.bf16x2 {o}, {o}, p;")
+    body.append("}")
+    r = _asm([T.i32()] * 8, [cutlass.Int32(q0), cutlass.Int32(s8), cutlass.Int32(q1)], "\n".join(body),
+             "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def mma_16816(a, b, c, bf16, *, loc=None, ip=None):
+    """``mma.sync.m16n8k16`` row.col with bf16 or f16 operands (``a`` four registers, ``b`` two), fp32 ``c``."""
+    kind = "bf16.bf16" if bf16 else "f16.f16"
+    r = _asm([T.f32()] * 4, [*[cutlass.Int32(v) for v in (*a, *b)], *[cutlass.Float32(v) for v in c]],
+             f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.f32 {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, "
+             "{$8, $9}, {$10, $11, $12, $13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip)
+    return [cutlass.Float32(v) for v in r]
+
+
+def pick_groups(n_tok, m, sms):
+    """Groups of 8 rows a CTA owns at a time: as many as fill the SMs evenly (up to ``MAX_GROUPS``), fewer
+    for more tokens, whose ``x`` and accumulators take the registers (a lane holds ``5 * groups`` words of
+    ``w`` and 16 of ``x`` per 8 tokens, twice: the slice computed and the next in flight; with 8 warps
+    ptxas spills from 8 / 6 / 4 / 2 groups on at 8 / 16 / 24 / 32 tokens)."""
+    cap = MAX_GROUPS if n_tok <= 8 else 6 if n_tok <= 16 else 4 if n_tok <= 24 else 2
+    total = m // 8
+
+    def cost(gr):
+        tiles = -(-total // gr)
+        return -(-tiles // sms) * (gr + 2), -gr
+
+    return min(range(1, cap + 1), key=cost)
+
+
+class Nvfp4GemvW4A16(_OpLaunch):
+    """The W4A16 kernel; one instance per (K, tokens, groups, x dtype, scale layout, epilogue, tuning)."""
+
+    def __init__(self, k: int, n_tok: int, groups: int, x_bf16: bool, w_blocked: bool, has_alpha: bool,
+                 out_bf16: bool, threads=None, depth=None, ctas=None, x_smem=None):
+        if not 1 <= n_tok <= MAX_TOKENS:
+            raise ValueError(f"nvfp4_gemv: the W4A16 kernel takes 1..{MAX_TOKENS} tokens, not {n_tok}")
+        if k % 64 or k <= 0:
+            raise ValueError(f"nvfp4_gemv: K={k} is not a positive multiple of 64")
+        if not 1 <= groups <= MAX_GROUPS:
+            raise ValueError(f"nvfp4_gemv: groups={groups}: expected 1..{MAX_GROUPS} groups of 8 rows a CTA")
+        self.k = k
+        self.n_tok = n_tok
+        self.groups = groups
+        self.x_bf16 = bool(x_bf16)
+        self.w_blocked = bool(w_blocked)
+        self.has_alpha = bool(has_alpha)
+        self.out_bf16 = bool(out_bf16)
+        self.n_slices = -(-k // 128)
+        warps = min(16, self.n_slices)  # no warp without a slice
+        if threads is not None:
+            if threads % 32 or not 32 <= threads <= 1024:
+                raise ValueError(f"nvfp4_gemv: threads={threads}: expected whole warps, at most 1024")
+            warps = threads // 32
+        self.warps = warps
+        self.threads = 32 * warps
+        self.depth = depth or 1
+        self.halves = -(-n_tok // 8)  # 8-token halves of the A tiles
+        self.a_tiles = -(-self.halves // 2)
+        self.red_bytes = self.warps * groups * self.a_tiles * 512
+        # x copied once into shared memory (rows of K values, 16 bytes apart more than K * 2 so that the rows
+        # of a warp's lanes fall in other banks) where it fits: a slice then holds only w in registers
+        self.x_row_bytes = 2 * k + 16
+        fits = self.red_bytes + n_tok * self.x_row_bytes <= SMEM_CTA
+        self.x_smem = fits if x_smem is None else bool(x_smem)
+        if self.x_smem and not fits:
+            raise ValueError(f"nvfp4_gemv: {n_tok} rows of x (K={k}) do not fit in shared memory")
+        self.smem_bytes = self.red_bytes + (n_tok * self.x_row_bytes if self.x_smem else 0)
+        self.min_blocks = int(ctas or 1)  # CTAs a SM (launch bound: registers a thread <= 64K / (ctas * threads))
+
+    def grid_x(self, m, sms):
+        tiles = -(-(m // 8) // self.groups)
+        return max(1, min(tiles, sms * self.min_blocks))
+
+    def _load_slice(self, sl, g, t, row0, w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs):
+        """What a lane reads for slice ``sl``: per group its 16-byte chunk of ``w`` (4 words) and the chunk's
+        two scale bytes (one u16), then per 8-token half ``h`` its 32 values of ``x`` (token ``g + 8h``;
+        16 words). Slices past the end read the last one (their results are never used); chunks past a
+        ``K % 128 == 64`` row read the row's last chunk, and ``x`` there reads zeros."""
+        NT = self.n_tok
+        sl = cutlass.min(sl, self.n_slices - 1)
+        chunk = sl * 4 + t
+        vals = []
+        if cutlass.const_expr(self.k % 128 == 0):
+            c_w = chunk
+            live = cutlass.Int32(1)
+        else:
+            c_w = cutlass.min(chunk, self.k // 32 - 1)
+            live = cutlass.Int32(chunk < self.k // 32)
+        row64 = cutlass.Int64(row0 + g)
+        kb = cutlass.Int64(c_w) * 16
+        ks = scale_offset(c_w, self.w_blocked)
+        for gr in range(self.groups):
+            r = row64 + 8 * gr
+            vals += ldg_w_v4(w_ptr + r * w_rs + kb)
+            if cutlass.const_expr(self.w_blocked):
+                vals.append(ldg_u16(blocked_row(ws_ptr, r, ws_rs) + ks))
+            else:
+                vals.append(ldg_u16(ws_ptr + r * ws_rs + ks))
+        kx = cutlass.Int64(chunk) * 64  # 32 values of 2 bytes
+        for h in range(0 if self.x_smem else self.halves):
+            tok = g + 8 * h
+            p = cutlass.Int32(tok < NT) * live
+            base = x_ptr + cutlass.Int64(cutlass.min(tok, NT - 1)) * x_rs + kx
+            for j in range(4):
+                vals += ldg_v4_if(base + 16 * j, p)
+        return vals
+
+    def _x_words(self, s_x, sl, g, t):
+        """A lane's 32 values of ``x`` for slice ``sl`` from shared memory (16 words a token half; zeros for
+        tokens past N and for chunks past a ``K % 128 == 64`` row)."""
+        chunk = sl * 4 + t
+        live = cutlass.Int32(1) if cutlass.const_expr(self.k % 128 == 0) else cutlass.Int32(chunk < self.k // 32)
+        words = []
+        for h in range(self.halves):
+            tok = g + 8 * h
+            p = cutlass.Int32(tok < self.n_tok) * live
+            base = s_x + cutlass.min(tok, self.n_tok - 1) * self.x_row_bytes + cutlass.min(chunk, self.k // 32 - 1) * 64
+            for j in range(4):
+                words += lds_v4_if(base + 16 * j, p)
+        return words
+
+    def _slice_products(self, acc, cur, zero, xw=None):
+        """Adds one slice's products to the accumulators ``acc[gr][a]`` (group, A tile); ``xw``: x's words
+        where they come from shared memory, else they follow w's in ``cur``."""
+        GR, H = self.groups, self.halves
+        xo = 5 * GR
+        if xw is not None:
+            cur = list(cur[:xo]) + list(xw)
+        # x pairs: xa[h][blk][p], the A operand's order for block blk (its 16 values) of token half h
+        xa = []
+        for h in range(H):
+            xs = cur[xo + 16 * h: xo + 16 * h + 16]
+            per_blk = []
+            for blk in range(2):
+                r = xs[8 * blk: 8 * blk + 8]
+                pairs = []
+                for w in range(2):  # word w: values 8w .. 8w + 7 of the block, regs r[4w .. 4w + 3]
+                    p04, p15 = pair_halves(r[4 * w], r[4 * w + 2])
+                    p26, p37 = pair_halves(r[4 * w + 1], r[4 * w + 3])
+                    pairs += [p04, p15, p26, p37]
+                per_blk.append(pairs)
+            xa.append(per_blk)
+        new_acc = []
+        for gr in range(GR):
+            q = cur[5 * gr: 5 * gr + 4]
+            s16 = cur[5 * gr + 4]
+            acc_g = list(acc[gr])
+            for blk in range(2):
+                s8 = (s16 >> (8 * blk)) & 0xFF
+                if cutlass.const_expr(self.x_bf16):
+                    wb = scaled_bf16x8(q[2 * blk], q[2 * blk + 1], s8)
+                else:
+                    wb = scaled_f16x8(q[2 * blk], q[2 * blk + 1], s8)
+                for a in range(self.a_tiles):
+                    h0, h1 = 2 * a, 2 * a + 1
+                    c = acc_g[a]
+                    for s in range(4):
+                        a0 = xa[h0][blk][2 * s]
+                        a2 = xa[h0][blk][2 * s + 1]
+                        a1 = xa[h1][blk][2 * s] if h1 < H else zero
+                        a3 = xa[h1][blk][2 * s + 1] if h1 < H else zero
+                        c = mma_16816((a0, a1, a2, a3), (wb[2 * s], wb[2 * s + 1]), c, self.x_bf16)
+                    acc_g[a] = c
+            new_acc.append(acc_g)
+        return new_acc
+
+    @cute.jit
+    def op_body(self, w_ptr, x_ptr, ws_ptr, xs_ptr, out_ptr, alpha_ptr, m, w_rs, ws_rs, x_rs, xs_rs, out_rs):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdimx, _, _ = cute.arch.grid_dim()
+        NT = self.n_tok
+        GR = self.groups
+        AT = self.a_tiles
+        W = self.warps
+        D = self.depth
+
+        smem = SmemAllocator()
+        s_buf = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.smem_bytes // 4), byte_alignment=16)
+        s_red = s_buf.iterator.toint()
+        s_x = s_red + self.red_bytes
+        if cutlass.const_expr(self.x_smem):
+            # x [N, K] into shared memory once, 16 bytes a thread at a time (rows x_row_bytes apart)
+            per_row = self.k // 8
+            for c in cutlass.range(tidx, NT * per_row, self.threads, unroll=1):
+                tok = c // per_row
+                j = c % per_row
+                v = ldg_v4(x_ptr + cutlass.Int64(tok) * x_rs + cutlass.Int64(j) * 16)
+                sts_v4(s_x + tok * self.x_row_bytes + j * 16, v[0], v[1], v[2], v[3])
+            cute.arch.sync_threads()
+
+        wid = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        t = lane % 4
+        my_slices = (self.n_slices - wid + W - 1) // W
+        n_tiles = (m // 8 + GR - 1) // GR
+        scale = cutlass.Float32(BF16_SUM_SCALE if self.x_bf16 else F16_SUM_SCALE)
+        if cutlass.const_expr(self.has_alpha):
+            scale = scale * ldg_f32(alpha_ptr)
+        zero = cutlass.Int32(0)
+
+        for tile in cutlass.range(bidx, n_tiles, gdimx, unroll=1):
+            # a last tile that would pass M starts lower instead: its first rows are the previous tile's again
+            # (the same sums, stored twice)
+            row0 = cutlass.min(tile * (GR * 8), m - GR * 8)
+            ptrs = (w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs)
+            acc = [[[cutlass.Float32(0.0)] * 4 for _ in range(AT)] for _ in range(GR)]
+            pipe = []
+            for d in cutlass.range_constexpr(D):
+                pipe.append(self._load_slice(wid + d * W, g, t, row0, *ptrs))
+            for i in cutlass.range(my_slices, unroll=1):
+                cur = pipe[0]
+                pipe = pipe[1:]
+                pipe.append(self._load_slice(wid + (i + D) * W, g, t, row0, *ptrs))
+                if cutlass.const_expr(self.x_smem):
+                    xw = self._x_words(s_x, cutlass.min(wid + i * W, self.n_slices - 1), g, t)
+                    acc = self._slice_products(acc, cur, zero, xw)
+                else:
+                    acc = self._slice_products(acc, cur, zero)
+
+            for gr in cutlass.range_constexpr(GR):
+                for a in cutlass.range_constexpr(AT):
+                    sts_f32x4(s_red + (((wid * GR + gr) * AT + a) * 32 + lane) * 16, acc[gr][a])
+            cute.arch.sync_threads()
+            per_warp = GR * AT * 128
+            for e in cutlass.range(tidx, per_warp, self.threads, unroll=1):
+                total = lds_stage_f32(s_red + e * 4)
+                for w in cutlass.range_constexpr(1, W):
+                    total = total + lds_stage_f32(s_red + (w * per_warp + e) * 4)
+                gr = e // (AT * 128)
+                a = (e // 128) % AT
+                ln = (e // 4) % 32
+                r = e % 4
+                tok = a * 16 + ln // 4 + 8 * (r // 2)
+                row = row0 + gr * 8 + 2 * (ln % 4) + r % 2
+                if tok < NT:
+                    stg_as(out_ptr + cutlass.Int64(tok) * out_rs + cutlass.Int64(row) * 2, total * scale,
+                           self.out_bf16)
+            cute.arch.sync_threads()
+
+
+def compile_w4a16(k, n_tok, groups, x_bf16, w_blocked, has_alpha, out_bf16, options=None, tvm_ffi=None, **tuning):
+    """Compiles the kernel (no GPU needed when ``options`` names ``--gpu-arch``)."""
+    return compile_op(Nvfp4GemvW4A16(k, n_tok, groups, x_bf16, w_blocked, has_alpha, out_bf16, **tuning),
+                      options, tvm_ffi)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host side: validation, exact reference, launch plans
+# ----------------------------------------------------------------------------------------------------
+
+import threading  # noqa: E402
+
+import torch  # noqa: E402
+
+from .kernel import MAX_PLANS, _current_stream, _get_device, _Kernel  # noqa: E402
+
+ACT_DTYPES = (torch.bfloat16, torch.float16)
+# from this many tokens on, w is dequantized into x's dtype and multiplied by torch.mm (cuBLAS, tensor cores):
+# the kernel reads w once a group of 32 tokens, so prefill-sized N would read it N / 32 times
+DEQUANT_MIN_TOKENS = 129
+
+_compiled = {}
+_plans = {}
+_sms = {}
+_lock = threading.RLock()
+
+
+def is_w4a16(x):
+    """Whether ``x`` is an unquantized activation (bf16 or fp16 tensor): the op's W4A16 form."""
+    return isinstance(x, torch.Tensor) and x.dtype in ACT_DTYPES
+
+
+def reference(x, w64, alpha, out_dtype, round_to):
+    """float64 sums of the exact products ``x * w64`` (``w64``: the dequantized weights, float64), times
+    ``alpha``, rounded once to ``out_dtype``."""
+    res = x.to(torch.float64) @ w64.T
+    if alpha is not None:
+        res = res * alpha.reshape(()).to(torch.float64)
+    return round_to(res, out_dtype)
+
+
+def _sm_count(dev):
+    sms = _sms.get(dev)
+    if sms is None:
+        sms = _sms[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return sms
+
+
+def default_tuning(n_tok):
+    """Threads a CTA: 8 warps, so that a lane's two slices of loads fit its registers (with 16 warps, 128
+    registers a thread, ptxas spills them)."""
+    return {"threads": 256}
+
+
+def _get_kernel(dev, key):
+    kern = _compiled.get(key)
+    if kern is None:
+        with _lock:
+            kern = _compiled.get(key)
+            if kern is None:
+                _, k, nt, groups, x_bf16, wb, has_alpha, out_bf16, tuning = key[1:]
+                op, fn = compile_w4a16(k, nt, groups, x_bf16, wb, has_alpha, out_bf16, **dict(tuning))
+                kern = _Kernel(fn, dev, op)
+                kern.check_fast()
+                _compiled[key] = kern
+    return kern
+
+
+def _fail(exc, name, expected, got):
+    raise exc(f"nvfp4_gemv.gemv: argument '{name}': expected {expected}, got {got}")
+
+
+class W4A16Plan:
+    """What the tensors' metadata fixes for the W4A16 launches (kernels, grid, strides, token groups), so
+    that a call only reads the data pointers and the stream. ``dims`` comes from ``op.check_args``."""
+
+    def __init__(self, x, w, w_scale, alpha, out, out_dtype, dims, tuning=()):
+        n, m, k, _, wb = dims
+        self.dev = w.device.index
+        self.out_shape = (n, m)
+        self.out_template = torch.empty((1, 1), dtype=out_dtype, device=w.device).expand(n, m)
+        for t, name, es in ((x, "x", 2), (w, "w", 1)):
+            if t.stride(1) != 1 or (t.stride(0) * es) % 16 or t.data_ptr() % 16:
+                _fail(ValueError, name, "K-contiguous rows (stride(1) == 1) at 16-byte aligned addresses",
+                      f"strides {t.stride()} at address {t.data_ptr():#x}")
+        if not wb and (w_scale.stride(1) != 1 or w_scale.stride(0) % 2 or w_scale.data_ptr() % 2):
+            _fail(ValueError, "w_scale", "K-contiguous scales (stride(1) == 1) with even row strides at even "
+                  "addresses", f"strides {w_scale.stride()} at address {w_scale.data_ptr():#x}")
+        out_rs = m
+        if out is not None:
+            if out.stride(1) != 1 and m > 1:
+                _fail(ValueError, "out", "unit stride along M", f"strides {out.stride()}")
+            out_rs = out.stride(0)
+        self.dequant = n >= DEQUANT_MIN_TOKENS
+        self.k = k
+        self.wb = wb
+        self.launches = []
+        if self.dequant:
+            return
+        sms = _sm_count(self.dev)
+        tuning = dict(tuning)
+        g = -(-n // -(-n // MAX_TOKENS))
+        tile = 512 * (-(-(k // 16) // 4))  # bytes of a 128-row tile of blocked scales
+        ws_rs = tile if wb else w_scale.stride(0)
+        x_rs = x.stride(0) * 2
+        for t0 in range(0, n, g):
+            nt = min(g, n - t0)
+            tune = {**default_tuning(nt), **tuning}
+            groups = tune.pop("groups", None) or pick_groups(nt, m, sms)
+            key = ("w4a16", self.dev, k, nt, groups, x.dtype == torch.bfloat16, wb, alpha is not None,
+                   out_dtype == torch.bfloat16, tuple(sorted(tune.items())))
+            kern = _get_kernel(self.dev, key)
+            self.launches.append((kern, (t0 * x_rs, t0 * out_rs * 2),
+                                  (m, w.stride(0), ws_rs, x_rs, 0, out_rs * 2, kern.op.grid_x(m, sms))))
+
+    def __call__(self, x, w, w_scale, alpha, out, out_dtype):
+        # addresses are not in the plan's key: checked on every call (the kernel reads 16-byte rows of x and
+        # w and 2-byte scale pairs; a misaligned read would fault and break the CUDA context)
+        px, pw, pws = x.data_ptr(), w.data_ptr(), w_scale.data_ptr()
+        if (px | pw) & 15 or pws & 1:
+            bad = [nm for nm, p, mask in (("x", px, 15), ("w", pw, 15), ("w_scale", pws, 1)) if p & mask][0]
+            _fail(ValueError, bad, "16-byte aligned rows of x and w, an even address of w_scale",
+                  f"address {dict(x=px, w=pw, w_scale=pws)[bad]:#x}")
+        if self.dequant:
+            return dequant_mm(x, w, w_scale, alpha, out, out_dtype, self.k, self.wb)
+        if out is None:
+            out = torch.empty_like(self.out_template)
+        pout = out.data_ptr()
+        pa = alpha.data_ptr() if alpha is not None else 0
+        dev_ok = _get_device() == self.dev
+        stream = _current_stream(self.dev)
+        for kern, (dx, dout), static in self.launches:
+            if kern.ffi is not None and dev_ok:
+                kern.ffi(pw, px + dx, pws, 0, pout + dout, pa, *static, stream)
+            else:
+                with torch.cuda.device(self.dev):
+                    kern.launch_dsl((pw, px + dx, pws, 0, pout + dout, pa, *static), stream)
+        return out
+
+
+def dequantized(w, w_scale, k, blocked, dtype):
+    """``w * w_scale`` in ``dtype`` (bf16 or fp16: exact, e2m1 x e4m3 has at most 6 significant bits), by
+    torch ops on w's device."""
+    from .op import E2M1_VALUES, unswizzle_scales
+
+    m = w.shape[0]
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
+    u = w.view(torch.uint8)
+    v = torch.stack((table[(u & 0xF).long()], table[(u >> 4).long()]), dim=-1).reshape(m, k)
+    s = w_scale.view(torch.float8_e4m3fn)
+    if blocked:
+        s = unswizzle_scales(s, m, k)
+    return (v * s.to(torch.float32).repeat_interleave(16, dim=1)).to(dtype)
+
+
+def dequant_mm(x, w, w_scale, alpha, out, out_dtype, k, blocked):
+    """Many tokens (prefill): ``w`` dequantized into x's dtype, then one fp32-output ``torch.mm`` (cuBLAS
+    tensor cores, fp32 accumulation), ``alpha`` and a single rounding to the output dtype. Costs the
+    dequantization (reads w, writes 2 bytes a value) besides the GEMM."""
+    wd = dequantized(w, w_scale, k, blocked, x.dtype)
+    res = torch.mm(x, wd.T, out_dtype=torch.float32)
+    if alpha is not None:
+        res = res * alpha.reshape(())
+    res = res.to(out_dtype)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+def _key(x, w, w_scale, alpha, out, out_dtype):
+    return (x.shape, x.stride(), x.dtype, x.get_device(), w.shape, w.stride(), w.dtype, w.get_device(),
+            w_scale.shape, w_scale.stride(), w_scale.dtype, w_scale.get_device(),
+            None if alpha is None else (alpha.shape, alpha.dtype, alpha.get_device()),
+            None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()), out_dtype)
+
+
+def run_cuda(x, w, w_scale, alpha, out, out_dtype, check_args):
+    """The W4A16 product on CUDA through a cached plan (``check_args``: the op's validation)."""
+    try:
+        key = _key(x, w, w_scale, alpha, out, out_dtype)
+    except (AttributeError, TypeError, RuntimeError, NotImplementedError):
+        key = None
+    plan = _plans.get(key) if key is not None else None
+    if plan is None:
+        dims = check_args(x, None, w, w_scale, alpha, out_dtype, out)
+        plan = W4A16Plan(x, w, w_scale, alpha, out, out_dtype, dims)
+        if key is not None:
+            if len(_plans) >= MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+    return plan(x, w, w_scale, alpha, out, out_dtype)

@@ -1,0 +1,95 @@
+"""The W4A16 kernel (``nvfp4_gemv.w4a16``: bf16/fp16 x times NVFP4 w) against float64, within its stated
+bound (half an ulp of the output plus 2^-14 of the sum of |terms|), over token counts (each 8-token half
+and both A tiles), K (one slice, fewer slices than warps, ``K % 128 == 64``), M (a last tile that passes M),
+scale layouts, x and output dtypes, alpha, cancelling sums and subnormal scales. Outputs are poisoned first."""
+
+import pytest
+import torch
+
+from nvfp4_gemv import gemv, w4a16
+from w4a16_inputs import w4a16_exact, w4a16_inputs, w4a16_violations
+
+pytestmark = pytest.mark.gpu
+
+
+def check(n, m, k, seed, dtype=torch.bfloat16, out_dtype=torch.bfloat16, blocked=False, alpha=True, cancel=False,
+          slack=2.0 ** -14, **kw):
+    x, _, w, ws, a = w4a16_inputs(n, m, k, seed, dtype, blocked=blocked, alpha=alpha, cancel=cancel, **kw)
+    out = torch.full((n, m), float("nan"), dtype=out_dtype, device="cuda")
+    res = gemv(x, None, w, ws, a, out=out)
+    torch.cuda.synchronize()
+    assert res is out
+    exact, terms = w4a16_exact(x, w, ws, a, blocked)
+    bad, msg = w4a16_violations(out, exact, terms, slack)
+    assert bad == 0, msg
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 9, 15, 16, 17, 24, 25, 31, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_token_count_of_a_launch_matches_float64(n, dtype):
+    check(n, 512, 1024, seed=n, dtype=dtype)
+
+
+@pytest.mark.parametrize("m,k", [(128, 64), (128, 128), (256, 192), (384, 4160), (1152, 2048), (7168, 16384),
+                                 (4096, 14336), (128, 32768)])
+@pytest.mark.parametrize("n", [1, 4, 16, 32])
+def test_shapes_match_float64(m, k, n):
+    check(n, m, k, seed=m + k + n)
+
+
+@pytest.mark.parametrize("n", [1, 13, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_blocked_scales_match_float64(n, dtype):
+    check(n, 640, 2112, seed=5 + n, dtype=dtype, blocked=True)
+
+
+@pytest.mark.parametrize("dtype,out_dtype,alpha", [(torch.bfloat16, torch.float16, False),
+                                                   (torch.float16, torch.bfloat16, True),
+                                                   (torch.float16, torch.float16, False)])
+def test_epilogues_match_float64(dtype, out_dtype, alpha):
+    check(5, 256, 512, seed=3, dtype=dtype, out_dtype=out_dtype, alpha=alpha)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 20])
+def test_cancelling_sums_stay_within_the_bound(dtype, n):
+    check(n, 256, 8192, seed=11, dtype=dtype, cancel=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_subnormal_scales_and_half_values_are_exact(dtype):
+    """Scales of exponent field 0 and 1 (e4m3 subnormals, 2^-9 .. 2^-6), the weights' 0.5 (bf16's subnormal
+    2^-127 before scaling): a wrong decode shows as an error far above the bound."""
+    check(16, 256, 1024, seed=7, dtype=dtype, min_exp=0, max_exp=1, alpha=False)
+
+
+def test_many_tokens_take_launches_of_32_then_the_dequantized_product():
+    check(70, 256, 1024, seed=21)  # three launches of 24 (a group of at most 32)
+    check(w4a16.DEQUANT_MIN_TOKENS, 256, 1024, seed=22, slack=2.0 ** -12)  # dequantize + torch.mm
+
+
+def test_results_do_not_depend_on_the_run():
+    x, _, w, ws, a = w4a16_inputs(9, 1024, 4096, 1)
+    first = gemv(x, None, w, ws, a)
+    assert all(torch.equal(first, gemv(x, None, w, ws, a)) for _ in range(3))
+
+
+def test_a_cuda_graph_replays_the_kernel():
+    x, _, w, ws, a = w4a16_inputs(4, 512, 2048, 2)
+    out = torch.empty(4, 512, dtype=torch.bfloat16, device="cuda")
+    gemv(x, None, w, ws, a, out=out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gemv(x, None, w, ws, a, out=out)
+    x.copy_(torch.randn_like(x))
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    exact, terms = w4a16_exact(x, w, ws, a)
+    assert w4a16_violations(out, exact, terms)[0] == 0
+
+
+def test_compiled_fullgraph_runs_the_op():
+    x, _, w, ws, a = w4a16_inputs(3, 256, 512, 4)
+    f = torch.compile(lambda x: gemv(x, None, w, ws, a), fullgraph=True)
+    assert torch.equal(f(x), gemv(x, None, w, ws, a))

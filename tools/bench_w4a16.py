@@ -1,0 +1,132 @@
+"""Per-N benchmark of the W4A16 op (``nvfp4_gemv.gemv`` with bf16 x and NVFP4 weights) on the GPU, timed
+the leaderboard's way (L2 flushed before each run, CUDA events, median) and as CUDA-graph replays, next to
+its peers in the same run: bf16 ``F.linear`` on bf16 weights of the same shape, fp8 ``torch._scaled_mm``
+(per-tensor scales, N padded to a multiple of 16), our W4A4 ``gemv`` (NVFP4 x), and the plain read of w's
+bytes (``tools/read_floor.py``). Each W4A16 result is checked against float64 first.
+
+    python tools/bench_w4a16.py --out docs/bench-w4a16-h200      # writes .md and .json
+    python tools/bench_w4a16.py --shapes 4096x4096 --n 1,16 --tune threads=512   # one configuration
+"""
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import inputs  # noqa: E402
+from bench import time_graph, time_leaderboard  # noqa: E402
+from nvfp4_gemv import gemv, w4a16  # noqa: E402
+from w4a16_inputs import w4a16_exact, w4a16_inputs, w4a16_violations  # noqa: E402
+
+SHAPES = "6144x4096,4096x4096,28672x4096,4096x14336,8192x28672,7168x16384,4096x7168"
+
+
+def w_bytes(m, k):
+    return m * k // 2 + m * k // 16
+
+
+def bench_shape(m, k, ns, reps, tuning, floors, peers=True):
+    rows = []
+    w_bf16 = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    w_fp8 = (torch.randn(m, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    if floors:
+        from read_floor import floor_us
+
+        floor, _ = floor_us(w_bytes(m, k), reps // 2, time_leaderboard)
+    else:
+        floor = float("nan")
+    base = None
+    for n in ns:
+        x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n, min_exp=1, max_exp=12)
+        out = torch.empty(n, m, dtype=torch.bfloat16, device="cuda")
+        key = w4a16._key(x, w, w_scale=ws, alpha=a, out=out, out_dtype=torch.bfloat16)
+        if tuning:
+            from nvfp4_gemv.op import check_args
+
+            w4a16._plans[key] = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16,
+                                                check_args(x, None, w, ws, a, torch.bfloat16, out),
+                                                tuning=tuple(sorted(tuning.items())))
+        out.fill_(float("nan"))
+        gemv(x, None, w, ws, a, out=out)
+        torch.cuda.synchronize()
+        if m * k <= 8192 * 28672 and n <= 32:
+            exact, terms = w4a16_exact(x, w, ws, a)
+            bad, msg = w4a16_violations(out, exact, terms)
+        else:
+            bad, msg = 0, "not checked"
+        ours = time_leaderboard(lambda: gemv(x, None, w, ws, a, out=out), reps)
+        graph = time_graph(lambda: gemv(x, None, w, ws, a, out=out), reps)
+        if not peers:
+            base = base or ours
+            print(f"{m}x{k} N={n:2d}: ours {ours:6.2f} us (graph {graph:6.2f}, x{ours / base:4.2f} of N=1, "
+                  f"{100 * floor / ours:5.1f}% of floor) | {'ok' if bad == 0 else msg}", flush=True)
+            continue
+        xb = x.to(torch.bfloat16)
+        lin_out = torch.empty(n, m, dtype=torch.bfloat16, device="cuda")
+        lin = time_leaderboard(lambda: torch.mm(xb, w_bf16.t(), out=lin_out), reps)
+        n16 = -(-n // 16) * 16
+        x_fp8 = (torch.randn(n16, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+        fp8_out = torch.empty(m, n16, dtype=torch.bfloat16, device="cuda")
+        fp8 = time_leaderboard(lambda: torch._scaled_mm(w_fp8, x_fp8.t(), one, one, out_dtype=torch.bfloat16,
+                                                        out=fp8_out), reps)
+        a4 = inputs.op_inputs(n, m, k, seed=n)
+        a4_out = torch.empty(n, m, dtype=torch.bfloat16, device="cuda")
+        w4a4 = time_leaderboard(lambda: gemv(*a4, out=a4_out), reps)
+        base = base or ours
+        row = {"m": m, "k": k, "n": n, "ours_us": ours, "graph_us": graph, "vs_n1": ours / base,
+               "floor_us": floor, "pct_floor": 100 * floor / ours, "w_TBps": w_bytes(m, k) / ours / 1e6,
+               "bf16_linear_us": lin, "fp8_scaled_mm_us": fp8, "w4a4_us": w4a4, "ok": bad == 0, "check": msg}
+        rows.append(row)
+        print(f"{m}x{k} N={n:2d}: ours {ours:6.2f} us (graph {graph:6.2f}, x{ours / base:4.2f} of N=1, "
+              f"{row['pct_floor']:5.1f}% of floor {floor:6.2f}, {row['w_TBps']:4.2f} TB/s of w) | bf16 {lin:6.2f} "
+              f"| fp8 {fp8:6.2f} | w4a4 {w4a4:6.2f} | {'ok' if bad == 0 else msg}", flush=True)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--n", default="1,2,4,8,16,32")
+    p.add_argument("--shapes", default=SHAPES)
+    p.add_argument("--tune", default="", help="kernel tuning for every launch, e.g. threads=512,groups=4")
+    p.add_argument("--no-floor", action="store_true", help="skip the plain-read floors (faster)")
+    p.add_argument("--no-peers", action="store_true", help="time ours only (tuning sweeps)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    ns = [int(v) for v in args.n.split(",")]
+    tuning = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.tune.split(",") if kv}
+    rows = []
+    for shape in args.shapes.split(","):
+        m, k = (int(v) for v in shape.split("x"))
+        rows += bench_shape(m, k, ns, args.reps, tuning, not args.no_floor, not args.no_peers)
+    import importlib.metadata as md
+
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "cutlass_dsl": md.version("nvidia-cutlass-dsl"), "tuning": tuning, "reps": args.reps}
+    if args.out:
+        with open(args.out + ".json", "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        lines = [f"GPU: {meta['gpu']}; torch {meta['torch']}; CuTe DSL {meta['cutlass_dsl']}. Leaderboard timing "
+                 f"(L2 flushed, CUDA events, median of {args.reps}); graph: back-to-back CUDA-graph replays of one "
+                 "call, same timing. Floor: the plain read of w's bytes. bf16: torch.mm on bf16 weights; fp8: "
+                 "_scaled_mm with N padded to 16; W4A4: our gemv on NVFP4 x.", "",
+                 "| w (M x K) | N | ours us | graph us | x N=1 | % of floor | TB/s of w | bf16 us | fp8 us | "
+                 "W4A4 us | check |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['m']} x {r['k']} | {r['n']} | {r['ours_us']:.2f} | {r['graph_us']:.2f} | "
+                         f"{r['vs_n1']:.2f} | {r['pct_floor']:.1f} | {r['w_TBps']:.2f} | {r['bf16_linear_us']:.2f} | "
+                         f"{r['fp8_scaled_mm_us']:.2f} | {r['w4a4_us']:.2f} | {'ok' if r['ok'] else r['check']} |")
+        with open(args.out + ".md", "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
