@@ -23,17 +23,20 @@ _X_DTYPES = (torch.bfloat16, torch.float16)
 _FORMAT_BUFFERS = ("weight", "weight_scale", "weight_scale_2", "input_scale", "_alpha", "_inv_input_scale")
 
 
-def kernel_takes(in_features, out_features):
-    """Whether ``gemv`` takes a weight of this shape: its own validation (``op.check_args``) run on meta
-    tensors, so the rule is the op's (today M % 128 == 0, K % 64 == 0, K <= 32768). The W4A4 form is asked;
-    the W4A16 op takes the same weight shapes."""
+def kernel_takes(in_features, out_features, mode="w4a16"):
+    """Whether ``gemv`` takes a weight of this shape in ``mode``: the op's own validation
+    (``op.check_args``) run on meta tensors of the mode's form, so the rule is the op's (today M % 128 == 0,
+    K % 64 == 0, K <= 32768 in both modes)."""
     if in_features <= 0 or out_features <= 0 or in_features % BLOCK:
         return False
     meta = dict(device="meta")
+    if mode == "w4a16":
+        x, xs = torch.empty(1, in_features, dtype=torch.bfloat16, **meta), None
+    else:
+        x = torch.empty(1, in_features // 2, dtype=torch.uint8, **meta)
+        xs = torch.empty(1, in_features // BLOCK, dtype=torch.float8_e4m3fn, **meta)
     try:
-        check_args(torch.empty(1, in_features // 2, dtype=torch.uint8, **meta),
-                   torch.empty(1, in_features // BLOCK, dtype=torch.float8_e4m3fn, **meta),
-                   torch.empty(out_features, in_features // 2, dtype=torch.uint8, **meta),
+        check_args(x, xs, torch.empty(out_features, in_features // 2, dtype=torch.uint8, **meta),
                    torch.empty(out_features, in_features // BLOCK, dtype=torch.float8_e4m3fn, **meta),
                    None, torch.bfloat16)
     except (TypeError, ValueError):
@@ -116,7 +119,7 @@ class NVFP4Linear(torch.nn.Module):
             raise ValueError("NVFP4Linear.from_linear: 'input_scale' is required for mode 'w4a4' (the global scale "
                              "x is quantized with: input_scale_from(sample activations) or calibrate_input_scales)")
         out_f, in_f = linear.weight.shape
-        if not kernel_takes(in_f, out_f):
+        if not kernel_takes(in_f, out_f, mode):
             raise ValueError(f"NVFP4Linear.from_linear: 'linear': a weight of {out_f}x{in_f} (out x in) that the "
                              "kernels do not take (out_features % 128 == 0, in_features % 64 == 0, in_features <= 32768)")
         w = linear.weight.detach()
@@ -190,7 +193,7 @@ class NVFP4Linear(torch.nn.Module):
             if t is not None and t.device != w.device:
                 raise ValueError(f"{fn}: tensor '{name}': expected a tensor on {w.device} (where 'weight' is), "
                                  f"got one on {t.device}")
-        if not kernel_takes(in_f, out_f):
+        if not kernel_takes(in_f, out_f, mode):
             raise ValueError(f"{fn}: tensor 'weight': a {out_f}x{in_f} (out x in) weight that the kernels do not "
                              "take (out_features % 128 == 0, in_features % 64 == 0, in_features <= 32768)")
         mod = cls(in_f, out_f, mode=mode, device="meta")  # buffers replaced below, nothing allocated
@@ -277,12 +280,12 @@ def name_matches(name, patterns):
     return any(name == p or name.endswith("." + p) or fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def _quantizable(model, skip):
-    """(qualified name, nn.Linear) of the linears ``quantize_model`` replaces."""
+def _quantizable(model, skip, mode):
+    """(qualified name, nn.Linear) of the linears ``quantize_model`` replaces in ``mode``."""
     out = []
     for name, m in model.named_modules(remove_duplicate=False):
         if isinstance(m, torch.nn.Linear) and not name_matches(name, skip) \
-                and kernel_takes(m.in_features, m.out_features):
+                and kernel_takes(m.in_features, m.out_features, mode):
             out.append((name, m))
     return out
 
@@ -305,7 +308,7 @@ def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None):
         raise ValueError(f"quantize_model: 'mode': expected one of {MODES}, got {mode!r}")
     if isinstance(skip, str):
         skip = (skip,)
-    targets = _quantizable(model, skip)
+    targets = _quantizable(model, skip, mode)
     scales = dict(input_scales or {})
     if mode == "w4a4":
         missing = [n for n, _ in targets if n not in scales]
@@ -337,7 +340,7 @@ def calibrate_input_scales(model, forward_loop, skip=("lm_head",)):
             amax[name] = a if name not in amax else torch.maximum(amax[name], a)
         return record
 
-    for name, m in _quantizable(model, skip):
+    for name, m in _quantizable(model, skip, "w4a4"):
         hooks.append(m.register_forward_pre_hook(hook(name)))
     try:
         with torch.no_grad():

@@ -121,8 +121,9 @@ def test_from_linear_bad_arguments_name_the_argument(bad, exc, match):
 
 @pytest.mark.parametrize("in_f, out_f, ok", [(64, 128, True), (4096, 6144, True), (32768, 128, True),
                                              (32832, 128, False), (64, 100, False), (80, 128, False)])
-def test_kernel_takes_follows_the_ops_validation(in_f, out_f, ok):
-    assert kernel_takes(in_f, out_f) is ok
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_kernel_takes_follows_the_ops_validation(in_f, out_f, ok, mode):
+    assert kernel_takes(in_f, out_f, mode) is ok
 
 
 # ----------------------------------------------------------------------------------------------------
