@@ -410,3 +410,22 @@ def test_bad_mode_and_models_without_nvfp4_layers(tmp_path):
 def test_read_quant_config_prefers_hf_quant_config_json(export):
     _, path, _, _ = export
     assert read_quant_config(path).source == "hf_quant_config.json"
+
+
+# ----------------------------------------------------------------------------------------------------
+# On the GPU (the lead's machine): the tiny Llama on the kernels
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_loaded_model_matches_the_cpu_one_in_logits_and_greedy_tokens(export):
+    mode, path, _, _ = export
+    cpu = load_modelopt(fresh(path), path, mode=mode)
+    gpu = load_modelopt(fresh(path).cuda(), path, mode=mode)
+    assert all(m.weight.is_cuda for m in gpu.modules() if isinstance(m, NVFP4Linear))
+    with torch.no_grad():
+        want, got = cpu(PROMPT).logits.float(), gpu(PROMPT.cuda()).logits.float().cpu()
+    # the kernels' fp32 sums against exact ones: bf16 rounding of each linear's output
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    kw = dict(max_new_tokens=8, do_sample=False, cache_implementation="static")
+    assert torch.equal(gpu.generate(PROMPT.cuda(), **kw).cpu(), cpu.generate(PROMPT, **kw))
