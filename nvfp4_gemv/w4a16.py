@@ -19,9 +19,10 @@ they stay in fp32's normal range (``|x| >= 2^-109``, far below any activation; `
 Error bound: the only roundings are the fp32 sums and the final store. A warp adds its ``K / (16 W)``
 MMA results for an output in order, then the ``W`` warps' partials are added in a fixed order
 (deterministic), times ``2^7`` or ``2^14`` (exact) and ``alpha`` (one fp32 rounding), rounded once to the
-output dtype. With the tensor core's fp32 accumulation rounding (truncating) each MMA by at most 2^-22 of
-its running sum, the result differs from the exact one by at most half an ulp of the output plus
-``(K / (16 W) + W + 2) * 2^-22`` of ``sum |terms|``: under 2^-14 for K <= 32768 (the op's bound is 2^-12).
+output dtype. Taking each MMA's fp32 accumulation (which truncates) to be within 2^-22 of the sum of |terms|
+so far, the result differs from the exact one by at most half an ulp of the output plus
+``(K / (16 W) + W + 2) * 2^-22`` of ``sum |terms|``: 2^-13.9 at K = 32768 with 8 warps, under the op's
+2^-12. The tests hold it to 2^-13 (random, cancelling and subnormal-scale inputs).
 
 Tiles: ``x`` is the A operand (16 token rows; a launch of more than 16 tokens has a second A tile), ``w``
 the B operand (8 rows of ``w``, "a group"). A slice is 128 values of K: lane ``t = lane % 4`` of row
@@ -31,9 +32,12 @@ pairs ``(i, i + 4)`` of its two 8-value words: the dot product does not depend o
 operand (``x`` pairs built by ``prmt`` from its natural order) uses the same order.
 
 Work: a CTA owns ``groups`` groups (8 rows each) at a time; its ``W`` warps split K into slices (warp ``i``
-takes slices ``i, i + W, ...``), the loads of the next slice in flight while one computes. At the end the
-warps' partials meet in shared memory and are added in a fixed order. Where ``K % 128 == 64`` the last
-slice's lanes 2 and 3 read lane 1's chunk again and take zeros for ``x``.
+takes slices ``i, i + W, ...``), the loads of the next ``depth`` slices in flight in registers while one
+computes. ``x`` comes with ``w`` (registers), or, with ``x_smem`` where its N rows fit, from shared
+memory, copied there once per CTA. At the end the warps' partials meet in shared memory and are added in a
+fixed order. Where ``K % 128 == 64`` the last slice's lanes 2 and 3 read lane 1's chunk again and take
+zeros for ``x``. The decode is the bound at 1 token (about 940 instructions a warp per slice of 8 groups,
+against 20 loads): see docs/design.md.
 
 Layouts: ``w`` [M, K/2] uint8 and ``x`` [N, K] K-contiguous with 16-byte aligned rows; ``ws`` plain [M, K/16]
 K-contiguous with even row strides, or 128x4 blocked; ``out`` [N, M] unit stride along M; ``alpha`` one fp32
@@ -412,9 +416,12 @@ def _sm_count(dev):
 
 
 def default_tuning(n_tok):
-    """Threads a CTA: 8 warps, so that a lane's two slices of loads fit its registers (with 16 warps, 128
-    registers a thread, ptxas spills them)."""
-    return {"threads": 256}
+    """8 warps a CTA (with 16, at most 128 registers a thread, ptxas spills a lane's two slices of loads). One
+    token: two CTAs a SM of 4 groups each, x in shared memory where it fits; more tokens: one CTA a SM, x in
+    registers with w (H200 sweep, docs/results.md: shared-memory x was slower from 4 tokens on)."""
+    if n_tok == 1:
+        return {"threads": 256, "ctas": 2, "groups": 4}
+    return {"threads": 256, "x_smem": 0}
 
 
 def _get_kernel(dev, key):

@@ -1,0 +1,129 @@
+"""The W4A16 form of nvfp4_gemv.gemv (bf16/fp16 x as it is, NVFP4 w), on the CPU (its exact path): the result,
+the x_scale rule, validation, scale layouts, out=, the torch op (opcheck, fake tensors, torch.compile)."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import inputs
+import reference
+from nvfp4_gemv import gemv, gemv_reference, w4a16
+from w4a16_inputs import w4a16_exact, w4a16_inputs
+
+
+def brute_force(x, w, ws, alpha):
+    """One float64 sum per output element, value by value."""
+    wu, wsv = w.view(torch.uint8), ws.view(torch.float8_e4m3fn).double()
+    n, m, k = x.shape[0], wu.shape[0], x.shape[1]
+    val = lambda r, j: reference.E2M1_VALUES[(int(wu[r, j // 2]) >> (4 * (j % 2))) & 0xF]  # noqa: E731
+    out = torch.empty(n, m, dtype=torch.float64)
+    for i in range(n):
+        for r in range(m):
+            out[i, r] = sum(float(x[i, j]) * val(r, j) * float(wsv[r, j // 16]) for j in range(k))
+    return out * (1.0 if alpha is None else float(alpha))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,m,k", [(1, 128, 64), (3, 128, 128)])
+def test_exact_path_matches_a_value_by_value_sum(dtype, n, m, k):
+    x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n + k, dtype=dtype, device="cpu")
+    ref = brute_force(x, w, ws, a)
+    _, terms = w4a16_exact(x, w, ws, a)
+    for out_dtype in (torch.bfloat16, torch.float16):
+        got = gemv(x, None, w, ws, a, out_dtype=out_dtype)
+        assert got.dtype == out_dtype and got.shape == (n, m)
+        assert inputs.rounding_violations(got, ref, terms * 2.0 ** -50) == (0, "ok")
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_blocked_scales_give_the_plain_result(flat):
+    x, _, w, ws, a = w4a16_inputs(2, 256, 192, seed=3, device="cpu")
+    blocked = inputs.blocked_scales(ws, 256, 192, flat=flat)
+    assert torch.equal(gemv(x, None, w, blocked, a), gemv(x, None, w, ws, a))
+
+
+def test_cancelling_sums_keep_their_remainder():
+    x, _, w, ws, a = w4a16_inputs(2, 128, 512, seed=4, device="cpu", cancel=True)
+    exact, terms = w4a16_exact(x, w, ws, a)
+    assert (exact.abs() < terms * 2.0 ** -6).all()  # the inputs cancel
+    assert inputs.rounding_violations(gemv(x, None, w, ws, a), exact, terms * 2.0 ** -50) == (0, "ok")
+
+
+def test_out_is_written_and_returned_in_its_dtype():
+    x, _, w, ws, a = w4a16_inputs(3, 128, 128, seed=5, device="cpu")
+    out = torch.full((3, 128), float("nan"), dtype=torch.float16)
+    assert gemv(x, None, w, ws, a, out=out) is out
+    assert torch.equal(out, gemv_reference(x, None, w, ws, a, torch.float16))
+
+
+def test_x_scale_must_be_none_for_bf16_x():
+    x, _, w, ws, _ = w4a16_inputs(1, 128, 64, seed=6, device="cpu")
+    with pytest.raises(TypeError, match=r"argument 'x_scale': expected None for torch.bfloat16 x"):
+        gemv(x, torch.ones(1, 4, dtype=torch.float8_e4m3fn), w, ws)
+
+
+def test_x_scale_must_be_given_for_nvfp4_x():
+    x, _, w, ws, _ = inputs.op_inputs(1, 128, 64, seed=6, device="cpu")
+    with pytest.raises(TypeError, match=r"argument 'x_scale': expected \[N, K/16\] float8_e4m3fn scales"):
+        gemv(x, None, w, ws)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda x, w, ws: (x[:, :96], w, ws), r"argument 'w': expected K/2 = 48 bytes a row, as x has \(96 values\)"),
+    (lambda x, w, ws: (x.float(), w, ws), r"argument 'x': expected dtype .*torch.bfloat16 / torch.float16"),
+    (lambda x, w, ws: (x[0], w, ws), r"argument 'x': expected a 2-d tensor \[rows, K\]"),
+    (lambda x, w, ws: (x[:, :63], w, ws), r"argument 'x': expected K \(dim 1\) a positive multiple of 64"),
+    (lambda x, w, ws: (x, w, ws[:, :3]), r"argument 'w_scale'"),
+])
+def test_bad_inputs_name_the_argument(bad, match):
+    x, _, w, ws, _ = w4a16_inputs(2, 128, 128, seed=8, device="cpu")
+    x, w, ws = bad(x, w, ws)
+    with pytest.raises((TypeError, ValueError), match=match):
+        gemv(x, None, w, ws)
+
+
+def test_opcheck_gemv_with_bf16_x():
+    x, _, w, ws, a = w4a16_inputs(3, 128, 128, seed=9, device="cpu")
+    torch.library.opcheck(torch.ops.nvfp4.gemv.default, (x, None, w, ws.view(torch.uint8), a, torch.bfloat16))
+
+
+def test_fake_tensor_gives_shape_and_dtype_without_computing():
+    with FakeTensorMode():
+        x = torch.empty(5, 1024, dtype=torch.float16)
+        w = torch.empty(384, 512, dtype=torch.uint8)
+        ws = torch.empty(384, 64, dtype=torch.float8_e4m3fn)
+        out = torch.ops.nvfp4.gemv(x, None, w, ws, None, torch.float16)
+        assert out.shape == (5, 384) and out.dtype == torch.float16
+
+
+def test_compiles_fullgraph_with_the_same_result():
+    x, _, w, ws, a = w4a16_inputs(4, 128, 256, seed=2, device="cpu")
+    torch._dynamo.reset()
+
+    def layer(x):
+        return gemv(x, None, w, ws, a) * 2
+
+    assert torch.equal(torch.compile(layer, fullgraph=True)(x), layer(x))
+
+
+def test_default_tunings_are_the_measured_ones():
+    """One token: two CTAs a SM of 4 groups (x in shared memory where it fits); more: x in registers."""
+    assert w4a16.default_tuning(1) == {"threads": 256, "ctas": 2, "groups": 4}
+    for n in (2, 16, 32):
+        assert w4a16.default_tuning(n) == {"threads": 256, "x_smem": 0}
+
+
+@pytest.mark.parametrize("n,cap", [(1, 8), (8, 8), (9, 6), (16, 6), (17, 4), (24, 4), (25, 2), (32, 2)])
+def test_groups_stay_within_what_the_registers_hold(n, cap):
+    assert all(1 <= w4a16.pick_groups(n, m, 132) <= cap for m in (128, 4096, 7168, 28672))
+    if cap == 8:  # 7168 rows: 128 tiles of 7 groups, one round on 132 SMs
+        assert w4a16.pick_groups(n, 7168, 132) == 7
+
+
+def test_kernel_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match="1..32 tokens"):
+        w4a16.Nvfp4GemvW4A16(4096, 33, 4, True, False, False, True)
+    with pytest.raises(ValueError, match="do not fit in shared memory"):
+        w4a16.Nvfp4GemvW4A16(32768, 32, 2, True, False, False, True, x_smem=1)
+    assert not w4a16.Nvfp4GemvW4A16(32768, 32, 2, True, False, False, True).x_smem
+    assert w4a16.Nvfp4GemvW4A16(16384, 1, 4, True, False, False, True).x_smem
