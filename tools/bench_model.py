@@ -363,18 +363,19 @@ def bench_hf(args, device):
     prompt_len = 16
     tokens = args.tokens
     max_len = prompt_len + 4 * tokens + 8
-    rows, scales = [], None
+    rows = []
     for variant in args.hf_variants:
-        if variant == "w4a4" and not any(isinstance(m, NVFP4Linear) for m in model.modules()):
-            raise SystemExit("--hf: w4a4 comes after w4a16 (it switches the quantized model's mode)")
-        if variant == "w4a16":
+        quantized = any(isinstance(m, NVFP4Linear) for m in model.modules())
+        if variant == "bf16" and quantized:
+            raise SystemExit("--hf-variants: bf16 comes first (the others quantize the model in place)")
+        if variant != "bf16" and not quantized:
             sample = torch.randint(1, model.config.vocab_size, (1, prompt_len), device=device)
             scales = calibrate_input_scales(model, lambda m: m(input_ids=sample))
             quantize_model(model, mode="w4a16", input_scales=scales)  # lm_head stays bf16
-        if variant == "w4a4":
+        if variant != "bf16":  # one quantized model, both modes (its layers keep the input scales)
             for m in model.modules():
                 if isinstance(m, NVFP4Linear):
-                    m.mode = "w4a4"
+                    m.mode = variant
         mem = weight_bytes(model)
         for b in args.batches:
             row = {"variant": variant, "batch": b, "weight_GB": mem / 1e9, "capture": args.hf_capture}
