@@ -4,9 +4,18 @@
 (``nvfp4_gemv.op``). ``custom_kernel`` takes the GPU MODE ``nvfp4_gemv`` competition's 7-tuple
 (``nvfp4_gemv.kernel``; the repository's ``submission.py`` is that module, generated for the leaderboard
 by tools/gen_submission.py).
+
+For models: ``quantize`` (NVFP4 activations, ``nvfp4_gemv.quant``), ``NVFP4Linear`` and ``quantize_model``
+(``nvfp4_gemv.linear``), ``save_modelopt`` / ``load_modelopt`` (NVIDIA ModelOpt NVFP4 checkpoints in the
+Hugging Face layout, ``nvfp4_gemv.modelopt``; needs the ``hf`` extra: safetensors, transformers).
 """
 
 from .kernel import check_inputs, custom_kernel
+from .linear import NVFP4Linear, calibrate_input_scales, input_scale_from, quantize_model
+from .modelopt import load_modelopt, save_modelopt
 from .op import gemv, gemv_reference, swizzled_scale_shape
+from .quant import dequantize, quantize, quantize_reference, quantize_weight
 
-__all__ = ["check_inputs", "custom_kernel", "gemv", "gemv_reference", "swizzled_scale_shape"]
+__all__ = ["NVFP4Linear", "calibrate_input_scales", "check_inputs", "custom_kernel", "dequantize", "gemv",
+           "gemv_reference", "input_scale_from", "load_modelopt", "quantize", "quantize_model", "quantize_reference",
+           "quantize_weight", "save_modelopt", "swizzled_scale_shape"]

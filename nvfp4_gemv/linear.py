@@ -1,0 +1,351 @@
+"""``NVFP4Linear``, an ``nn.Module`` holding one NVFP4 linear layer as NVIDIA ModelOpt's checkpoints name
+its tensors, and ``quantize_model``, which swaps a model's ``nn.Linear`` modules for it.
+
+Two modes:
+
+* ``"w4a16"``: ``x @ dequant(w).T (+ bias)``, x as it comes (bf16/fp16): the W4A16 op
+  ``gemv(x, None, weight, weight_scale, alpha=weight_scale_2)``.
+* ``"w4a4"``, what a ModelOpt NVFP4 checkpoint was calibrated for (as vLLM's ModelOpt NVFP4 linear method
+  computes it): x quantized with ``quantize(x, 1 / input_scale)``, then the W4A4 op with
+  ``alpha = input_scale * weight_scale_2``.
+"""
+
+import fnmatch
+
+import torch
+
+from .op import check_args, gemv
+from .quant import BLOCK, E2M1_MAX, E4M3_MAX, quantize, quantize_weight
+
+MODES = ("w4a16", "w4a4")
+_X_DTYPES = (torch.bfloat16, torch.float16)
+# buffers whose dtype is the format's: Module.to(dtype) / .half() must not convert them
+_FORMAT_BUFFERS = ("weight", "weight_scale", "weight_scale_2", "input_scale", "_alpha", "_inv_input_scale")
+
+
+def kernel_takes(in_features, out_features, mode="w4a16"):
+    """Whether ``gemv`` takes a weight of this shape in ``mode``: the op's own validation
+    (``op.check_args``) run on meta tensors of the mode's form, so the rule is the op's (today M % 128 == 0,
+    K % 64 == 0, K <= 32768 in both modes)."""
+    if in_features <= 0 or out_features <= 0 or in_features % BLOCK:
+        return False
+    meta = dict(device="meta")
+    if mode == "w4a16":
+        x, xs = torch.empty(1, in_features, dtype=torch.bfloat16, **meta), None
+    else:
+        x = torch.empty(1, in_features // 2, dtype=torch.uint8, **meta)
+        xs = torch.empty(1, in_features // BLOCK, dtype=torch.float8_e4m3fn, **meta)
+    try:
+        check_args(x, xs, torch.empty(out_features, in_features // 2, dtype=torch.uint8, **meta),
+                   torch.empty(out_features, in_features // BLOCK, dtype=torch.float8_e4m3fn, **meta),
+                   None, torch.bfloat16)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _scalar(v, name, device):
+    """A float or one-element tensor as an fp32 0-dim tensor on ``device``."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1 or not v.is_floating_point():
+            raise ValueError(f"NVFP4Linear: '{name}': expected a one-element floating-point tensor, "
+                             f"got {v.dtype} of shape {tuple(v.shape)}")
+        return v.detach().reshape(()).to(device=device, dtype=torch.float32)
+    if isinstance(v, (int, float)):
+        return torch.tensor(float(v), dtype=torch.float32, device=device)
+    raise TypeError(f"NVFP4Linear: '{name}': expected a float or a one-element tensor, got {type(v).__name__}")
+
+
+def input_scale_from(*activations):
+    """ModelOpt's calibrated ``input_scale`` of sample activations: ``amax(|x|) / (6 * 448)`` over all of
+    them, as an fp32 0-dim tensor on their device."""
+    if not activations:
+        raise ValueError("input_scale_from: give at least one activation tensor")
+    amax = torch.stack([a.detach().abs().amax().to(torch.float32) for a in activations]).amax()
+    return amax / torch.full((), E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=amax.device)
+
+
+class NVFP4Linear(torch.nn.Module):
+    """An NVFP4 linear layer, ``y = x @ dequant(weight).T (+ bias)``; state_dict keys as in ModelOpt's
+    checkpoints.
+
+    Buffers: ``weight`` uint8 [out, in/2] (two e2m1 codes a byte, the first in the low nibble),
+    ``weight_scale`` float8_e4m3fn [out, in/16], ``weight_scale_2`` fp32 0-dim (the global weight scale),
+    ``input_scale`` fp32 0-dim or None (needed by mode "w4a4"), ``bias`` [out] or None. Attributes
+    ``in_features``, ``out_features``, ``mode`` ("w4a16" or "w4a4").
+
+    ``forward(x)``: x [..., in] bf16 or fp16 -> [..., out] in x's dtype, any number of tokens. The device
+    scalars it needs (``1 / input_scale`` and ``input_scale * weight_scale_2``) are computed once, on the
+    device, into non-persistent buffers (and again after ``load_state_dict``), so a forward launches only
+    the op(s) and never syncs; bad inputs raise from metadata alone.
+
+    Construct with ``from_linear`` (quantize an ``nn.Linear``) or ``from_modelopt`` (a checkpoint's
+    tensors); the constructor makes zero-filled buffers of the right shapes (for ``load_state_dict``).
+    """
+
+    def __init__(self, in_features, out_features, bias=False, mode="w4a16", input_scale=False, device=None,
+                 bias_dtype=torch.bfloat16):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"NVFP4Linear: 'mode': expected one of {MODES}, got {mode!r}")
+        if in_features <= 0 or in_features % BLOCK or out_features <= 0:
+            raise ValueError(f"NVFP4Linear: 'in_features': expected a positive multiple of {BLOCK} (and "
+                             f"out_features > 0), got in_features={in_features}, out_features={out_features}")
+        self.in_features, self.out_features, self.mode = in_features, out_features, mode
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.zeros(out_features, in_features // BLOCK,
+                                                         dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("weight_scale_2", torch.ones((), dtype=torch.float32, device=device))
+        self.register_buffer("input_scale", torch.ones((), dtype=torch.float32, device=device) if input_scale else None)
+        self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None)
+        self.register_buffer("_alpha", None, persistent=False)
+        self.register_buffer("_inv_input_scale", None, persistent=False)
+        self._refresh()
+
+    # -- construction --------------------------------------------------------------------------------
+
+    @classmethod
+    def from_linear(cls, linear, mode="w4a16", input_scale=None):
+        """Quantizes an ``nn.Linear`` with NVIDIA's recipe (``quantize_weight``): ``weight_scale_2 =
+        amax(w) / (6 * 448)``, per 16 values the e4m3 scale nearest ``block amax / 6 / weight_scale_2``,
+        each value the e2m1 code nearest ``w / (scale * weight_scale_2)``. ``input_scale`` (a float or a
+        one-element tensor, e.g. from ``input_scale_from`` or ``calibrate_input_scales``) is required by
+        mode "w4a4" and kept in either mode. Syncs once (the finiteness check of the weight)."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"NVFP4Linear.from_linear: 'linear': expected a torch.nn.Linear, got {type(linear).__name__}")
+        if mode not in MODES:
+            raise ValueError(f"NVFP4Linear.from_linear: 'mode': expected one of {MODES}, got {mode!r}")
+        if mode == "w4a4" and input_scale is None:
+            raise ValueError("NVFP4Linear.from_linear: 'input_scale' is required for mode 'w4a4' (the global scale "
+                             "x is quantized with: input_scale_from(sample activations) or calibrate_input_scales)")
+        out_f, in_f = linear.weight.shape
+        if not kernel_takes(in_f, out_f, mode):
+            raise ValueError(f"NVFP4Linear.from_linear: 'linear': a weight of {out_f}x{in_f} (out x in) that the "
+                             "kernels do not take (out_features % 128 == 0, in_features % 64 == 0, in_features <= 32768)")
+        w = linear.weight.detach()
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError("NVFP4Linear.from_linear: 'linear.weight' has non-finite values")
+        q, s, ws2 = quantize_weight(w)
+        dev = w.device
+        mod = cls(in_f, out_f, bias=linear.bias is not None, mode=mode, input_scale=input_scale is not None,
+                  device=dev, bias_dtype=linear.bias.dtype if linear.bias is not None else torch.bfloat16)
+        mod.weight.copy_(q)
+        mod.weight_scale.copy_(s)
+        mod.weight_scale_2.copy_(ws2)
+        if input_scale is not None:
+            mod.input_scale.copy_(_scalar(input_scale, "input_scale", dev))
+        if linear.bias is not None:
+            mod.bias.copy_(linear.bias.detach())
+        mod._refresh()
+        return mod
+
+    @classmethod
+    def from_modelopt(cls, tensors, bias=None, mode="w4a4"):
+        """A layer from a ModelOpt NVFP4 checkpoint's tensors, taken as they are (no copy, on their device):
+        ``tensors`` maps ``weight``, ``weight_scale``, ``weight_scale_2`` and (required by mode "w4a4")
+        ``input_scale``, and optionally ``bias`` (or pass ``bias``). Scalars may be 0-dim or of shape [1].
+        Missing, unknown, mis-typed or mis-shaped tensors raise naming the tensor."""
+        fn = "NVFP4Linear.from_modelopt"
+        if mode not in MODES:
+            raise ValueError(f"{fn}: 'mode': expected one of {MODES}, got {mode!r}")
+        known = {"weight", "weight_scale", "weight_scale_2", "input_scale", "bias"}
+        unknown = sorted(set(tensors) - known)
+        if unknown:
+            raise ValueError(f"{fn}: unknown tensor(s) {unknown}; expected the keys {sorted(known)}")
+        need = ["weight", "weight_scale", "weight_scale_2"] + (["input_scale"] if mode == "w4a4" else [])
+        for name in need:
+            if name not in tensors:
+                why = " (mode 'w4a4' quantizes x with it; a weight-only checkpoint loads in mode 'w4a16')" \
+                    if name == "input_scale" else ""
+                raise KeyError(f"{fn}: missing tensor '{name}'{why}")
+        if bias is not None and "bias" in tensors:
+            raise ValueError(f"{fn}: 'bias' given twice (in tensors and as an argument)")
+        bias = tensors.get("bias", bias)
+        for name, t in list(tensors.items()) + [("bias", bias)]:
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"{fn}: tensor '{name}': expected a torch.Tensor, got {type(t).__name__}")
+        w, ws = tensors["weight"], tensors["weight_scale"]
+        if w.dtype == torch.float4_e2m1fn_x2:
+            w = w.view(torch.uint8)
+        if w.dtype != torch.uint8 or w.dim() != 2:
+            raise ValueError(f"{fn}: tensor 'weight': expected uint8 [out, in/2], got {w.dtype} {tuple(w.shape)}")
+        out_f, in_f = w.shape[0], 2 * w.shape[1]
+        if in_f == 0 or in_f % BLOCK:
+            raise ValueError(f"{fn}: tensor 'weight': expected [out, in/2] with in a positive multiple of {BLOCK}, "
+                             f"got {tuple(w.shape)}")
+        if ws.dtype != torch.float8_e4m3fn or tuple(ws.shape) != (out_f, in_f // BLOCK):
+            raise ValueError(f"{fn}: tensor 'weight_scale': expected float8_e4m3fn {(out_f, in_f // BLOCK)} "
+                             f"for a weight of {tuple(w.shape)}, got {ws.dtype} {tuple(ws.shape)}")
+        scalars = {}
+        for name in ("weight_scale_2", "input_scale"):
+            t = tensors.get(name)
+            if t is None:
+                continue
+            if t.dtype != torch.float32 or tuple(t.shape) not in ((), (1,)):
+                raise ValueError(f"{fn}: tensor '{name}': expected a float32 scalar (shape () or (1,)), "
+                                 f"got {t.dtype} {tuple(t.shape)}")
+            scalars[name] = t.reshape(())
+        if bias is not None and (tuple(bias.shape) != (out_f,) or bias.dtype not in (torch.bfloat16, torch.float16,
+                                                                                      torch.float32)):
+            raise ValueError(f"{fn}: tensor 'bias': expected a floating-point [{out_f}] tensor, got "
+                             f"{bias.dtype} {tuple(bias.shape)}")
+        for name, t in (("weight_scale", ws), ("bias", bias), *scalars.items()):
+            if t is not None and t.device != w.device:
+                raise ValueError(f"{fn}: tensor '{name}': expected a tensor on {w.device} (where 'weight' is), "
+                                 f"got one on {t.device}")
+        if not kernel_takes(in_f, out_f, mode):
+            raise ValueError(f"{fn}: tensor 'weight': a {out_f}x{in_f} (out x in) weight that the kernels do not "
+                             "take (out_features % 128 == 0, in_features % 64 == 0, in_features <= 32768)")
+        mod = cls(in_f, out_f, mode=mode, device="meta")  # buffers replaced below, nothing allocated
+        mod.weight, mod.weight_scale, mod.weight_scale_2 = w, ws, scalars["weight_scale_2"]
+        mod.input_scale = scalars.get("input_scale")
+        mod.bias = bias
+        mod._refresh()
+        return mod
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def _refresh(self):
+        """The device scalars forward reads, from the persistent buffers (on their device, no sync)."""
+        s = self.input_scale
+        if s is None:
+            self._alpha = self._inv_input_scale = None
+            return
+        with torch.no_grad():
+            self._inv_input_scale = torch.ones_like(s) / s
+            self._alpha = s * self.weight_scale_2
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if self.input_scale is None and prefix + "input_scale" in state_dict:  # a checkpoint that has one
+            self.input_scale = torch.empty((), dtype=torch.float32, device=self.weight.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        self._refresh()
+
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype), .half(), .bfloat16() convert floating-point buffers: the format's keep their dtype
+        # (moved to the new device from the original, so nothing is rounded); bias follows the model
+        before = {n: self._buffers[n] for n in _FORMAT_BUFFERS if self._buffers.get(n) is not None}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        return self
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"mode={self.mode!r}, input_scale={'yes' if self.input_scale is not None else 'no'}")
+
+    # -- forward -------------------------------------------------------------------------------------
+
+    def forward(self, x):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"NVFP4Linear: argument 'x': expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in _X_DTYPES:
+            raise TypeError(f"NVFP4Linear: argument 'x': expected dtype torch.bfloat16 or torch.float16, got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"NVFP4Linear: argument 'x': expected shape [..., {self.in_features}] (in_features), "
+                             f"got {tuple(x.shape)}")
+        if x.device != self.weight.device:
+            raise ValueError(f"NVFP4Linear: argument 'x': expected a tensor on {self.weight.device} (where 'weight' "
+                             f"is), got one on {x.device}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] == 0:
+            out = x.new_empty((0, self.out_features))
+        elif self.mode == "w4a16":
+            out = gemv(x2.contiguous(), None, self.weight, self.weight_scale, alpha=self.weight_scale_2,
+                       out_dtype=x.dtype)
+        else:
+            if self._inv_input_scale is None:
+                raise ValueError("NVFP4Linear: mode 'w4a4' needs 'input_scale' (None here): set it, or use mode 'w4a16'")
+            xq, xs = quantize(x2.contiguous(), self._inv_input_scale)
+            out = gemv(xq, xs, self.weight, self.weight_scale, alpha=self._alpha, out_dtype=x.dtype)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*lead, self.out_features)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Whole models
+# ----------------------------------------------------------------------------------------------------
+
+
+def name_matches(name, patterns):
+    """Whether a module's qualified name matches one of ``patterns``: equal to it, ending in ``"." +
+    pattern`` (so ``"lm_head"`` matches ``"lm_head"`` and ``"model.lm_head"``, ``"mlp.down_proj"`` every
+    layer's), or matching it as an ``fnmatch`` glob (``"*.self_attn.*"``, ``"model.layers.0.*"``)."""
+    return any(name == p or name.endswith("." + p) or fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _quantizable(model, skip, mode):
+    """(qualified name, nn.Linear) of the linears ``quantize_model`` replaces in ``mode``."""
+    out = []
+    for name, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, torch.nn.Linear) and not name_matches(name, skip) \
+                and kernel_takes(m.in_features, m.out_features, mode):
+            out.append((name, m))
+    return out
+
+
+def _set_submodule(model, name, new):
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None):
+    """Replaces, in place, each ``nn.Linear`` of ``model`` whose weight shape the kernels take
+    (``kernel_takes``) and whose name ``skip`` does not match (``name_matches``: equal, a ``.``-suffix, or
+    an fnmatch glob) by ``NVFP4Linear.from_linear``; returns the model. Linears of other shapes stay as
+    they are.
+
+    :param input_scales: ``{qualified name: input_scale}`` (e.g. from ``calibrate_input_scales``): required
+        for every replaced linear in mode "w4a4", stored (and ignored by forward) in mode "w4a16".
+    """
+    if mode not in MODES:
+        raise ValueError(f"quantize_model: 'mode': expected one of {MODES}, got {mode!r}")
+    if isinstance(skip, str):
+        skip = (skip,)
+    targets = _quantizable(model, skip, mode)
+    scales = dict(input_scales or {})
+    if mode == "w4a4":
+        missing = [n for n, _ in targets if n not in scales]
+        if missing:
+            raise ValueError(f"quantize_model: mode 'w4a4' needs an input_scale for each quantized linear; "
+                             f"'input_scales' lacks {missing[:4]}{' ...' if len(missing) > 4 else ''} "
+                             "(calibrate_input_scales(model, forward_loop) makes them)")
+    done = {}
+    for name, lin in targets:
+        new = done.get(id(lin))
+        if new is None:
+            new = done[id(lin)] = NVFP4Linear.from_linear(lin, mode=mode, input_scale=scales.get(name))
+        _set_submodule(model, name, new)
+    return model
+
+
+def calibrate_input_scales(model, forward_loop, skip=("lm_head",)):
+    """ModelOpt's max calibration of activations: runs ``forward_loop(model)`` (which feeds it sample
+    inputs) with hooks on the linears ``quantize_model`` would replace, and returns ``{name:
+    input_scale}``, each ``amax(|x|) / (6 * 448)`` over everything that linear saw (fp32 0-dim, on the
+    linear's device). Linears that saw nothing are left out."""
+    if isinstance(skip, str):
+        skip = (skip,)
+    amax, hooks = {}, []
+
+    def hook(name):
+        def record(_mod, args):
+            a = args[0].detach().abs().amax().to(torch.float32)
+            amax[name] = a if name not in amax else torch.maximum(amax[name], a)
+        return record
+
+    for name, m in _quantizable(model, skip, "w4a4"):
+        hooks.append(m.register_forward_pre_hook(hook(name)))
+    try:
+        with torch.no_grad():
+            forward_loop(model)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: a / torch.full((), E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=a.device) for n, a in amax.items()}

@@ -1,0 +1,46 @@
+"""tools/bench_model.py's CPU-safe parts: argument parsing, the step's shapes and bytes, and a tiny run of
+both benchmarks on the CPU (eager; graphs and compile need CUDA and say so)."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import bench_model  # noqa: E402
+
+
+def test_defaults_and_quick():
+    a = bench_model.parse_args([])
+    assert a.step and not a.hf and a.n == [1, 4, 16] and a.batches == [1, 4, 16] and a.reps == 100
+    assert a.variants == ["bf16", "w4a16", "w4a4", "torchao"] and a.modes == ["eager", "graph", "compile"]
+    q = bench_model.parse_args(["--hf", "--quick"])
+    assert q.hf and not q.step and q.n == [1, 16] and q.batches == [1, 16] and q.reps == 20 and q.tokens == 16
+    assert bench_model.parse_args(["--n", "2,8", "--modes", "graph"]).n == [2, 8]
+    with pytest.raises(SystemExit):
+        bench_model.parse_args(["--variants", "fp8"])
+
+
+def test_the_step_has_llama3_8b_linears_and_their_fp4_bytes():
+    step = bench_model.build_step(8, bench_model.LLAMA3_8B, "meta")
+    shapes = {(m.out_features, m.in_features) for m in step.modules() if isinstance(m, torch.nn.Linear)}
+    assert shapes == {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
+    per_layer = sum(m * k for m, k in shapes) * (1 / 2 + 1 / 16)
+    assert bench_model.fp4_bytes(step) == 8 * per_layer
+
+
+def test_tiny_cpu_run_writes_the_tables_and_json(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out = tmp_path / "r.json"
+    bench_model.main(["--device", "cpu", "--tiny", "--step", "--hf", "--layers", "1", "--n", "2", "--reps", "1",
+                      "--variants", "bf16,w4a16,w4a4", "--batches", "1", "--tokens", "1",
+                      "--hf-variants", "bf16,w4a16", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "| w4a4 | 2 |" in text and "n/a (needs CUDA)" in text and "| w4a16 | 1 |" in text
+    r = json.loads(out.read_text())
+    rows = {x["variant"]: x for x in r["step"]["rows"]}
+    assert set(rows) == {"bf16", "w4a16", "w4a4"} and all(x["eager"] > 0 for x in rows.values())
+    hf = {x["variant"]: x for x in r["hf"]["rows"]}
+    assert hf["w4a16"]["weight_GB"] < hf["bf16"]["weight_GB"] and hf["w4a16"]["ms_per_token"] > 0

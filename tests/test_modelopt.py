@@ -1,0 +1,431 @@
+"""save_modelopt / load_modelopt on a tiny random Llama (hidden 128, 2 layers, vocab 256) on the CPU:
+the config parsing, the round trip (logits and greedy generate with a static cache against the same
+model with dequantized weights, in both modes), sharded and fused checkpoints, and every error path
+naming its key or tensor, leaving the model as it was."""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from nvfp4_gemv import NVFP4Linear, calibrate_input_scales, dequantize, load_modelopt, quantize_model, save_modelopt  # noqa: E402
+from nvfp4_gemv.modelopt import CheckpointError, parse_quant_config, read_quant_config  # noqa: E402
+from nvfp4_gemv.quant import quantize_reference  # noqa: E402
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=256, max_position_embeddings=64, pad_token_id=0, bos_token_id=None,
+            eos_token_id=None)
+PROMPT = torch.tensor([[5, 17, 99, 3, 250, 42], [7, 7, 1, 200, 13, 64]])
+A = 2688 * 2.0 ** -15  # each weight's amax: weight_scale_2 = 2^-15, so dequantized weights are exact in bf16
+
+
+def tiny_model(arch="llama", seed=0, tie=False):
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, tie_word_embeddings=tie))
+    else:
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**TINY, tie_word_embeddings=tie))
+    model = model.to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear) and name != "lm_head":
+                m.weight.clamp_(-A, A)[0, 0] = A
+    return model
+
+
+def pow2(t):
+    return torch.exp2(torch.round(torch.log2(t)))
+
+
+def quantized(mode, arch="llama"):
+    """(the quantized model, its dense twin). In mode "w4a4", input scales from a calibration pass, rounded
+    to powers of two (so dequantized activations are exact in bf16 too); mode "w4a16" is weight-only."""
+    model = tiny_model(arch)
+    dense = copy.deepcopy(model)
+    if mode == "w4a16":
+        return quantize_model(model, mode=mode), dense
+    scales = calibrate_input_scales(model, lambda m: m(PROMPT))
+    scales = {k: pow2(v) for k, v in scales.items()}
+    return quantize_model(model, mode=mode, input_scales=scales), dense
+
+
+class FakeQuantLinear(torch.nn.Module):
+    """The reference: a bf16 linear of the dequantized weight; in w4a4 mode x quantized and dequantized
+    the same way first (exact in bf16 with power-of-two input scales)."""
+
+    def __init__(self, q):
+        super().__init__()
+        self.weight = torch.nn.Parameter(dequantize(q.weight, q.weight_scale, q.weight_scale_2).to(torch.bfloat16))
+        self.bias = q.bias
+        self.mode, self.input_scale = q.mode, q.input_scale
+
+    def forward(self, x):
+        if self.mode == "w4a4":
+            xq, xs = quantize_reference(x.reshape(-1, x.shape[-1]), torch.ones(()) / self.input_scale)
+            x = (dequantize(xq, xs) * self.input_scale).to(x.dtype).reshape(x.shape)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def dequantized_twin(qmodel):
+    ref = copy.deepcopy(qmodel)
+    for name, m in list(ref.named_modules()):
+        if isinstance(m, NVFP4Linear):
+            parent, _, child = name.rpartition(".")
+            setattr(ref.get_submodule(parent), child, FakeQuantLinear(m))
+    return ref
+
+
+def state_bytes(model):
+    return {k: v.reshape(-1).view(torch.uint8).clone() if v.dim() else v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module", params=["w4a16", "w4a4"])
+def export(request, tmp_path_factory):
+    mode = request.param
+    qmodel, dense = quantized(mode)
+    path = str(tmp_path_factory.mktemp(f"export-{mode}"))
+    save_modelopt(qmodel, path)
+    return mode, path, qmodel, dense
+
+
+def fresh(path, arch=None):
+    """A model with other random weights than the exported one's: of the export's config.json, or of
+    ``arch``'s (another architecture with the same shapes)."""
+    torch.manual_seed(123)
+    if arch is None:
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path)) \
+            .to(torch.bfloat16).eval()
+    cfg = (transformers.LlamaConfig if arch == "llama" else transformers.Phi3Config)(**TINY)
+    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Phi3ForCausalLM
+    return cls(cfg).to(torch.bfloat16).eval()
+
+
+def edit_checkpoint(src, dst, tensors=None, quant=None, config=None):
+    """A copy of export ``src`` in ``dst`` with ``tensors(dict)``, ``quant(dict)``, ``config(dict)`` applied."""
+    os.makedirs(dst, exist_ok=True)
+    state = load_file(os.path.join(src, "model.safetensors"))
+    if tensors:
+        tensors(state)
+    save_file(state, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    for name, fn in (("hf_quant_config.json", quant), ("config.json", config)):
+        with open(os.path.join(src, name)) as f:
+            doc = json.load(f)
+        if fn:
+            doc = fn(doc)
+        if doc is not None:
+            with open(os.path.join(dst, name), "w") as f:
+                json.dump(doc, f)
+    return dst
+
+
+# ----------------------------------------------------------------------------------------------------
+# The export
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_export_has_modelopt_names_dtypes_and_config(export):
+    mode, path, qmodel, _ = export
+    state = load_file(os.path.join(path, "model.safetensors"))
+    p = "model.layers.0.self_attn.q_proj"
+    assert state[f"{p}.weight"].dtype == torch.uint8 and state[f"{p}.weight"].shape == (128, 64)
+    assert state[f"{p}.weight_scale"].dtype == torch.float8_e4m3fn and state[f"{p}.weight_scale"].shape == (128, 8)
+    assert state[f"{p}.weight_scale_2"].dtype == torch.float32 and state[f"{p}.weight_scale_2"].dim() == 0
+    assert (f"{p}.input_scale" in state) == (mode == "w4a4")
+    assert state["lm_head.weight"].dtype == torch.bfloat16 and "lm_head.weight_scale" not in state
+    with open(os.path.join(path, "hf_quant_config.json")) as f:
+        q = json.load(f)
+    assert q["producer"]["name"] == "modelopt"
+    assert q["quantization"] == {"quant_algo": "NVFP4" if mode == "w4a4" else "W4A16_NVFP4",
+                                 "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": ["lm_head"]}
+    assert transformers.AutoConfig.from_pretrained(path).hidden_size == 128
+
+
+# ----------------------------------------------------------------------------------------------------
+# The round trip
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_load_gives_the_exported_model_exactly(export):
+    mode, path, qmodel, _ = export
+    model = load_modelopt(fresh(path), path, mode=mode)
+    n = sum(isinstance(m, NVFP4Linear) for m in model.modules())
+    assert n == 14 and all(m.mode == mode for m in model.modules() if isinstance(m, NVFP4Linear))
+    with torch.no_grad():
+        assert torch.equal(model(PROMPT).logits, qmodel(PROMPT).logits)
+
+
+def test_logits_match_the_dequantized_model(export):
+    mode, path, _, dense = export
+    model = load_modelopt(fresh(path), path, mode=mode)
+    ref = dequantized_twin(model)
+    with torch.no_grad():
+        got, want, orig = model(PROMPT).logits.float(), ref(PROMPT).logits.float(), dense(PROMPT).logits.float()
+    # the same arithmetic but for fp32 accumulation in bf16 F.linear against exact sums: bf16 rounding
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    # and the quantized model is near the original (NVFP4's error)
+    assert (got - orig).norm() <= 0.35 * orig.norm()
+
+
+def test_greedy_generate_with_a_static_cache_gives_the_dequantized_models_tokens(export):
+    mode, path, _, _ = export
+    model = load_modelopt(fresh(path), path, mode=mode)
+    ref = dequantized_twin(model)
+    kw = dict(max_new_tokens=8, do_sample=False, cache_implementation="static")
+    out = model.generate(PROMPT, **kw)
+    assert out.shape == (2, 14)
+    assert torch.equal(out, ref.generate(PROMPT, **kw))
+
+
+def test_load_into_an_already_quantized_model(export):
+    mode, path, qmodel, _ = export
+    target = quantize_model(tiny_model(seed=5), mode="w4a16")
+    load_modelopt(target, path, mode=mode)
+    with torch.no_grad():
+        assert torch.equal(target(PROMPT).logits, qmodel(PROMPT).logits)
+
+
+def test_sharded_export_loads_the_same(tmp_path):
+    qmodel, _ = quantized("w4a16")
+    save_modelopt(qmodel, str(tmp_path), max_shard_bytes=40_000)
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 2
+    model = load_modelopt(fresh(str(tmp_path)), str(tmp_path))
+    with torch.no_grad():
+        assert torch.equal(model(PROMPT).logits, qmodel(PROMPT).logits)
+
+
+def test_tied_embeddings_are_written_once_and_loaded(tmp_path):
+    torch.manual_seed(0)
+    qmodel = quantize_model(tiny_model(tie=True))
+    save_modelopt(qmodel, str(tmp_path))
+    assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
+    model = load_modelopt(fresh(str(tmp_path)), str(tmp_path))
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        assert torch.equal(model(PROMPT).logits, qmodel(PROMPT).logits)
+
+
+def test_config_json_quantization_config_variants(export, tmp_path):
+    mode, path, qmodel, _ = export
+    algo = "NVFP4" if mode == "w4a4" else "W4A16_NVFP4"
+    flat = {"quant_method": "modelopt", "quant_algo": algo, "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16}}}}
+    nested = {"quant_method": "modelopt", "quantization": {"quant_algo": algo, "group_size": 16,
+                                                           "exclude_modules": ["lm_head"]}}
+    for i, qc in enumerate((flat, nested)):
+        dst = edit_checkpoint(path, str(tmp_path / str(i)), quant=lambda d: None,
+                              config=lambda d, qc=qc: dict(d, quantization_config=qc))
+        assert not os.path.exists(os.path.join(dst, "hf_quant_config.json"))
+        model = load_modelopt(fresh(dst), dst, mode=mode)
+        with torch.no_grad():
+            assert torch.equal(model(PROMPT).logits, qmodel(PROMPT).logits)
+
+
+def test_a_published_hf_quant_config_parses():
+    doc = {"producer": {"name": "modelopt", "version": "0.41.0"},
+           "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                            "exclude_modules": ["lm_head", "model.layers.0.self_attn*"]}}
+    cfg = parse_quant_config(doc, "hf_quant_config.json")
+    assert (cfg.quant_algo, cfg.group_size, cfg.kv_cache_quant_algo) == ("NVFP4", 16, None)
+    assert cfg.excludes("lm_head") and cfg.excludes("model.layers.0.self_attn")
+    assert cfg.excludes("model.layers.0.self_attn.q_proj") and not cfg.excludes("model.layers.1.self_attn.q_proj")
+
+
+def test_kv_cache_scales_are_ignored_with_a_warning_when_the_config_names_a_kv_algo(export, tmp_path):
+    mode, path, qmodel, _ = export
+
+    def add(state):
+        state["model.layers.0.self_attn.k_proj.k_scale"] = torch.tensor(1.0)
+        state["model.layers.0.self_attn.v_proj.v_scale"] = torch.tensor(1.0)
+
+    def kv(d):
+        d["quantization"]["kv_cache_quant_algo"] = "FP8"
+        return d
+
+    dst = edit_checkpoint(path, str(tmp_path / "kv"), tensors=add, quant=kv)
+    with pytest.warns(RuntimeWarning, match="2 KV-cache scales"):
+        model = load_modelopt(fresh(dst), dst, mode=mode)
+    with torch.no_grad():
+        assert torch.equal(model(PROMPT).logits, qmodel(PROMPT).logits)
+    dst = edit_checkpoint(path, str(tmp_path / "kv-no-algo"), tensors=add)
+    with pytest.raises(CheckpointError, match="'model.layers.0.self_attn.k_proj.k_scale'.*no kv_cache_quant_algo"):
+        load_modelopt(fresh(dst), dst, mode=mode)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fused modules
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_separate_qkv_and_gate_up_load_into_a_models_fused_modules(tmp_path, mode):
+    qmodel, _ = quantized(mode)  # all weight_scale_2 equal (2^-15); q/k/v, gate/up see one input: one input_scale
+    save_modelopt(qmodel, str(tmp_path))
+    phi = load_modelopt(fresh(str(tmp_path), "phi3"), str(tmp_path), mode=mode)
+    attn, mlp = phi.model.layers[0].self_attn, phi.model.layers[0].mlp
+    assert isinstance(attn.qkv_proj, NVFP4Linear) and attn.qkv_proj.out_features == 384
+    assert isinstance(mlp.gate_up_proj, NVFP4Linear) and mlp.gate_up_proj.out_features == 512
+    src = qmodel.model.layers[0]
+    parts = [src.self_attn.q_proj, src.self_attn.k_proj, src.self_attn.v_proj]
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([p.weight for p in parts]))
+    ref = dequantized_twin(phi)
+    kw = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        got, want = phi(PROMPT).logits.float(), ref(PROMPT).logits.float()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    assert torch.equal(phi.generate(PROMPT, **kw), ref.generate(PROMPT, **kw))
+
+
+def test_fusing_parts_with_different_global_scales_is_refused(tmp_path):
+    qmodel, _ = quantized("w4a16")
+    save_modelopt(qmodel, str(tmp_path / "src"))
+
+    def unshare(state):
+        state["model.layers.1.self_attn.k_proj.weight_scale_2"] = torch.tensor(2.0 ** -14)
+
+    dst = edit_checkpoint(str(tmp_path / "src"), str(tmp_path / "dst"), tensors=unshare)
+    model = fresh(dst, "phi3")
+    before = state_bytes(model)
+    with pytest.raises(CheckpointError, match=r"model.layers.1.self_attn.q_proj.weight_scale_2.*differ"):
+        load_modelopt(model, dst)
+    after = state_bytes(model)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_fused_checkpoint_loads_into_a_models_separate_modules(tmp_path):
+    torch.manual_seed(0)
+    phi = quantize_model(tiny_model("phi3"))
+    save_modelopt(phi, str(tmp_path))
+    llama = load_modelopt(fresh(str(tmp_path), "llama"), str(tmp_path))
+    attn = llama.model.layers[1].self_attn
+    assert isinstance(attn.k_proj, NVFP4Linear)
+    assert torch.equal(attn.k_proj.weight, phi.model.layers[1].self_attn.qkv_proj.weight[128:256])
+    with torch.no_grad():
+        got, want = llama(PROMPT).logits.float(), phi(PROMPT).logits.float()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Errors: each names the key or tensor, and the model is left as it was
+# ----------------------------------------------------------------------------------------------------
+
+Q = "model.layers.0.mlp.down_proj"
+
+
+def drop(key):
+    return lambda state: state.pop(key)
+
+
+def put(key, value):
+    return lambda state: state.__setitem__(key, value(state) if callable(value) else value)
+
+
+def set_quant(**kw):
+    def f(d):
+        d["quantization"].update(kw)
+        return d
+    return f
+
+
+ERRORS = [
+    ("quant_algo FP8", dict(quant=set_quant(quant_algo="FP8")), r"quantization.quant_algo is 'FP8'"),
+    ("quant_algo MIXED", dict(quant=set_quant(quant_algo="MIXED_PRECISION")), r"quant_algo is 'MIXED_PRECISION'"),
+    ("group size 32", dict(quant=set_quant(group_size=32)), r"quantization.group_size is 32"),
+    ("exclude not a list", dict(quant=set_quant(exclude_modules="lm_head")), r"quantization.exclude_modules"),
+    ("no quantization key", dict(quant=lambda d: {"producer": d["producer"]}), r"key 'quantization'"),
+    ("no quant config", dict(quant=lambda d: None), r"neither hf_quant_config.json nor"),
+    ("not modelopt", dict(quant=lambda d: None, config=lambda d: dict(d, quantization_config={
+        "quant_method": "compressed-tensors", "quant_algo": "NVFP4"})), r"'quant_method' is 'compressed-tensors'"),
+    ("config_groups size", dict(quant=lambda d: None, config=lambda d: dict(d, quantization_config={
+        "quant_method": "modelopt", "quant_algo": "NVFP4",
+        "config_groups": {"g": {"weights": {"group_size": 32}}}})), r"group_size is 32"),
+    ("missing weight_scale_2", dict(tensors=drop(f"{Q}.weight_scale_2")), rf"'{Q}.weight_scale_2'"),
+    ("missing weight", dict(tensors=drop(f"{Q}.weight")), rf"'{Q}.weight'"),
+    ("missing dense", dict(tensors=drop("model.norm.weight")), r"'model.norm.weight' of the model is not"),
+    ("mis-shaped scale", dict(tensors=put(f"{Q}.weight_scale", lambda s: s[f"{Q}.weight_scale"][:, :8].contiguous())),
+     rf"'{Q}.weight_scale'"),
+    ("mis-typed scale", dict(tensors=put(f"{Q}.weight_scale", lambda s: s[f"{Q}.weight_scale"].view(torch.uint8))),
+     rf"'{Q}.weight_scale'"),
+    ("mis-shaped weight", dict(tensors=put(f"{Q}.weight", lambda s: s[f"{Q}.weight"][:, :64].contiguous())),
+     rf"'{Q}.weight"),
+    ("mis-shaped dense", dict(tensors=put("model.embed_tokens.weight", torch.zeros(255, 128, dtype=torch.bfloat16))),
+     r"'model.embed_tokens.weight': shape \(255, 128\)"),
+    ("unclaimed tensor", dict(tensors=put("model.layers.0.mlp.extra.weight", torch.zeros(2))),
+     r"'model.layers.0.mlp.extra.weight' has no place"),
+    ("unclaimed quantized", dict(tensors=put("model.layers.0.mlp.extra.weight_scale", torch.zeros(2))),
+     r"'model.layers.0.mlp.extra.weight_scale': the model has no linear"),
+    ("bias the model lacks", dict(tensors=put(f"{Q}.bias", torch.zeros(128, dtype=torch.bfloat16))), rf"'{Q}.bias'"),
+    ("excluded yet quantized", dict(quant=set_quant(exclude_modules=["lm_head", "*.mlp.down_proj"])),
+     rf"'{Q}' is quantized, but hf_quant_config.json excludes it"),
+]
+
+
+@pytest.mark.parametrize("what, edits, match", ERRORS, ids=[e[0] for e in ERRORS])
+def test_bad_checkpoint_raises_naming_the_key_and_leaves_the_model_as_it_was(export, tmp_path, what, edits, match):
+    mode, path, _, _ = export
+    dst = edit_checkpoint(path, str(tmp_path / "bad"), **edits)
+    model = fresh(path)
+    before = state_bytes(model)
+    with pytest.raises(CheckpointError, match=match):
+        load_modelopt(model, dst, mode=mode)
+    assert not any(isinstance(m, NVFP4Linear) for m in model.modules())
+    after = state_bytes(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_w4a4_mode_needs_input_scales(export, tmp_path):
+    mode, path, _, _ = export
+    if mode == "w4a16":  # a weight-only export
+        with pytest.raises(CheckpointError, match="'W4A16_NVFP4' has no input scales"):
+            load_modelopt(fresh(path), path, mode="w4a4")
+    else:
+        dst = edit_checkpoint(path, str(tmp_path / "x"), tensors=drop(f"{Q}.input_scale"))
+        with pytest.raises(CheckpointError, match=rf"missing tensor '{Q}.input_scale'"):
+            load_modelopt(fresh(path), dst, mode="w4a4")
+        load_modelopt(fresh(path), dst, mode="w4a16")  # weight-only loading needs none
+
+
+def test_sharded_index_naming_a_missing_file_raises(tmp_path):
+    qmodel, _ = quantized("w4a16")
+    save_modelopt(qmodel, str(tmp_path), max_shard_bytes=40_000)
+    first = sorted(f for f in os.listdir(tmp_path) if f.endswith(".safetensors"))[0]
+    os.remove(tmp_path / first)
+    with pytest.raises(CheckpointError, match=f"names '{first}'"):
+        load_modelopt(fresh(str(tmp_path)), str(tmp_path))
+
+
+def test_bad_mode_and_models_without_nvfp4_layers(tmp_path):
+    with pytest.raises(ValueError, match="'mode'"):
+        load_modelopt(tiny_model(), str(tmp_path), mode="fp8")
+    with pytest.raises(ValueError, match="no NVFP4Linear"):
+        save_modelopt(tiny_model(), str(tmp_path))
+
+
+def test_read_quant_config_prefers_hf_quant_config_json(export):
+    _, path, _, _ = export
+    assert read_quant_config(path).source == "hf_quant_config.json"
+
+
+# ----------------------------------------------------------------------------------------------------
+# On the GPU (the lead's machine): the tiny Llama on the kernels
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_loaded_model_matches_the_cpu_one_in_logits_and_greedy_tokens(export):
+    mode, path, _, _ = export
+    cpu = load_modelopt(fresh(path), path, mode=mode)
+    gpu = load_modelopt(fresh(path).cuda(), path, mode=mode)
+    assert all(m.weight.is_cuda for m in gpu.modules() if isinstance(m, NVFP4Linear))
+    with torch.no_grad():
+        want, got = cpu(PROMPT).logits.float(), gpu(PROMPT.cuda()).logits.float().cpu()
+    # the kernels' fp32 sums against exact ones: bf16 rounding of each linear's output
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    kw = dict(max_new_tokens=8, do_sample=False, cache_implementation="static")
+    assert torch.equal(gpu.generate(PROMPT.cuda(), **kw).cpu(), cpu.generate(PROMPT, **kw))

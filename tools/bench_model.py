@@ -1,0 +1,511 @@
+"""A model's decode step with NVFP4Linear against bf16, on the GPU.
+
+(a) ``--step`` (the default): 8 layers shaped like Llama-3-8B's linears (qkv 6144x4096, o 4096x4096,
+    gate_up 28672x4096, down 4096x14336) with RMSNorm before qkv and gate_up, SiLU(gate) * up between
+    gate_up and down, and the residual adds; **attention is left out** (o_proj takes the first 4096 columns
+    of qkv's output). Random weights; N tokens a step. Variants: bf16 dense ``nn.Linear``, ours W4A16 and
+    W4A4 (``quantize_model``; W4A4's input scales calibrated on one step), and torchao's NVFP4 path where it
+    runs; each eager, replayed from a CUDA graph, and under ``torch.compile(mode="reduce-overhead")``.
+    Reported: us a step (median of CUDA-event timings of back-to-back steps) and the FP4 bytes floor (the
+    NVFP4 weights' bytes / the read bandwidth: ``--floor-tbps``, 4.3 TB/s stated for H200 unless given) as a
+    percentage of the step's time.
+(b) ``--hf``: a transformers ``LlamaForCausalLM`` with Llama-3-8B's config (random weights, built on the GPU
+    in bf16, 32 layers), greedy decode with a static cache, the decode step under
+    ``torch.compile(mode="reduce-overhead")`` (or a hand-captured CUDA graph: ``--hf-capture graph``),
+    batch 1, 4, 16: bf16 against ours (W4A16, W4A4 via ``quantize_model``): ms a token, tokens/s, the
+    weights' memory.
+
+A markdown table goes to stdout, everything to ``--json PATH``. ``--quick`` keeps one GPU call short
+(N / batch 1 and 16, fewer repetitions, fewer decode tokens). ``--device cpu --tiny`` runs the same code
+on small shapes on the CPU (eager only: the smoke test of this script).
+
+    python tools/bench_model.py --step --json docs/bench-model-step-h200.json
+    python tools/bench_model.py --hf --batches 1 --json docs/bench-model-hf-b1-h200.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import torch  # noqa: E402
+
+from nvfp4_gemv import NVFP4Linear, calibrate_input_scales, quantize_model  # noqa: E402
+
+LLAMA3_8B = dict(hidden=4096, qkv=6144, intermediate=14336)
+TINY = dict(hidden=256, qkv=384, intermediate=512)
+VARIANTS = ("bf16", "w4a16", "w4a4", "torchao")
+MODES = ("eager", "graph", "compile")
+
+
+# ----------------------------------------------------------------------------------------------------
+# (a) the step
+# ----------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim, eps=1e-5, device=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim, dtype=torch.bfloat16, device=device))
+        self.eps = eps
+
+    def forward(self, x):
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+class Layer(torch.nn.Module):
+    """One decoder layer's linears, norms and activation; attention left out (o_proj reads q's columns)."""
+
+    def __init__(self, hidden, qkv, intermediate, device):
+        super().__init__()
+        lin = dict(bias=False, dtype=torch.bfloat16, device=device)
+        self.input_layernorm = RMSNorm(hidden, device=device)
+        self.qkv_proj = torch.nn.Linear(hidden, qkv, **lin)
+        self.o_proj = torch.nn.Linear(hidden, hidden, **lin)
+        self.post_attention_layernorm = RMSNorm(hidden, device=device)
+        self.gate_up_proj = torch.nn.Linear(hidden, 2 * intermediate, **lin)
+        self.down_proj = torch.nn.Linear(intermediate, hidden, **lin)
+        self.hidden = hidden
+
+    def forward(self, x):
+        qkv = self.qkv_proj(self.input_layernorm(x))
+        x = x + self.o_proj(qkv[..., : self.hidden])  # attention left out
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(torch.nn.functional.silu(gate) * up)
+
+
+class Step(torch.nn.Module):
+    def __init__(self, layers, hidden, qkv, intermediate, device):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Layer(hidden, qkv, intermediate, device) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def build_step(layers, dims, device, seed=0):
+    torch.manual_seed(seed)
+    step = Step(layers, dims["hidden"], dims["qkv"], dims["intermediate"], device).eval()
+    with torch.no_grad():
+        for m in step.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.normal_(0, 0.02)
+    return step
+
+
+def fp4_bytes(model_or_shapes):
+    """Bytes of NVFP4 weights (e2m1 values + e4m3 scales) of every linear: the bytes floor's numerator."""
+    total = 0
+    for m in model_or_shapes.modules():
+        if isinstance(m, (torch.nn.Linear, NVFP4Linear)):
+            total += m.out_features * m.in_features // 2 + m.out_features * m.in_features // 16
+    return total
+
+
+def weight_bytes(model):
+    """Bytes of a model's persistent tensors (parameters and buffers), each storage once."""
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def make_variant(step, variant, sample):
+    """A copy of the bf16 step as ``variant``; None (and the reason) where it does not run."""
+    import copy
+
+    model = copy.deepcopy(step)
+    if variant == "bf16":
+        return model, None
+    if variant == "w4a16":
+        return quantize_model(model, mode="w4a16", skip=()), None
+    if variant == "w4a4":
+        scales = calibrate_input_scales(model, lambda m: m(sample), skip=())
+        return quantize_model(model, mode="w4a4", skip=(), input_scales=scales), None
+    try:  # torchao's NVFP4 path (its config names moved between versions)
+        from torchao.prototype import mx_formats
+        from torchao.quantization import quantize_
+        for name in ("NVFP4DynamicActivationNVFP4WeightConfig", "NVFP4InferenceConfig"):
+            cfg = getattr(mx_formats, name, None)
+            if cfg is not None:
+                quantize_(model, cfg())
+                with torch.no_grad():
+                    model(sample)
+                if sample.is_cuda:
+                    torch.cuda.synchronize()
+                return model, None
+        return None, "torchao has no NVFP4 config"
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+def time_us(fn, reps, device):
+    """Median us of one call of ``fn``: CUDA events around each of ``reps`` back-to-back calls (after 3
+    warm-up calls); on the CPU, perf_counter."""
+    for _ in range(3):
+        fn()
+    if device.type != "cuda":
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(ts)
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in events:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in events)
+
+
+def runner(model, x, mode):
+    """A zero-argument callable running ``model(x)`` in ``mode``; None where the mode needs CUDA."""
+    if mode == "eager":
+        return lambda: model(x)
+    if x.device.type != "cuda":
+        return None
+    if mode == "graph":
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                model(x)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            model(x)
+        return g.replay
+    torch._dynamo.reset()  # each variant and N its own compile (no recompile limit reached across them)
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    return lambda: compiled(x)
+
+
+def bench_step(args, device):
+    dims = TINY if args.tiny else LLAMA3_8B
+    step = build_step(args.layers, dims, device)
+    floor_bytes = fp4_bytes(step)
+    floor_us = floor_bytes / (args.floor_tbps * 1e12) * 1e6
+    rows = []
+    for variant in args.variants:
+        sample = torch.randn(1, dims["hidden"], dtype=torch.bfloat16, device=device)
+        model, why = make_variant(step, variant, sample)
+        for n in args.n:
+            x = torch.randn(n, dims["hidden"], dtype=torch.bfloat16, device=device)
+            row = {"variant": variant, "n": n}
+            for mode in args.modes:
+                if model is None:
+                    row[mode] = None
+                    row[f"{mode}_note"] = why if mode == args.modes[0] else "as above"
+                    continue
+                try:
+                    with torch.no_grad():
+                        fn = runner(model, x, mode)
+                        row[mode] = None if fn is None else time_us(fn, args.reps, device)
+                    if fn is None:
+                        row[f"{mode}_note"] = "needs CUDA"
+                except Exception as e:  # noqa: BLE001 - reported in the table
+                    row[mode] = None
+                    row[f"{mode}_note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            best = min((row[m] for m in args.modes if row.get(m)), default=None)
+            row["floor_pct"] = None if best is None else 100 * floor_us / best
+            rows.append(row)
+            print(f"step {variant:7s} N={n:2d}: " + ", ".join(
+                f"{m} {row[m]:.1f} us" if row.get(m) else f"{m} -" for m in args.modes), flush=True)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    base = {r["n"]: r for r in rows if r["variant"] == "bf16"}
+    for r in rows:
+        b = base.get(r["n"])
+        for m in args.modes:
+            r[f"{m}_vs_bf16"] = (b[m] / r[m]) if b and b.get(m) and r.get(m) else None
+    meta = {"layers": args.layers, "dims": dims, "fp4_bytes": floor_bytes, "floor_tbps": args.floor_tbps,
+            "floor_us": floor_us, "attention": "left out (o_proj takes qkv's first hidden columns)"}
+    return {"meta": meta, "rows": rows}
+
+
+def step_table(result, modes):
+    m = result["meta"]
+    shape = "Llama-3-8B-shaped" if m["dims"] == LLAMA3_8B else "tiny"
+    lines = [f"{shape} step ({m['layers']} layers, hidden {m['dims']['hidden']}, attention left out); "
+             f"FP4 bytes {m['fp4_bytes'] / 1e6:.2f} MB, floor {m['floor_us']:.1f} us at {m['floor_tbps']} TB/s",
+             "", "| variant | N | " + " | ".join(f"{x} us" for x in modes) + " | best vs floor | "
+             + " | ".join(f"{x} vs bf16" for x in modes) + " |",
+             "|---|---|" + "---|" * (2 * len(modes) + 1)]
+    for r in result["rows"]:
+        cells = [f"{r[x]:.1f}" if r.get(x) else ("-" if not r.get(f"{x}_note") else f"n/a ({r[f'{x}_note']})")
+                 for x in modes]
+        vs = [f"{r[f'{x}_vs_bf16']:.2f}x" if r.get(f"{x}_vs_bf16") else "-" for x in modes]
+        pct = f"{r['floor_pct']:.0f}%" if r.get("floor_pct") else "-"
+        lines.append(f"| {r['variant']} | {r['n']} | " + " | ".join(cells) + f" | {pct} | " + " | ".join(vs) + " |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# (b) transformers LlamaForCausalLM, Llama-3-8B's config
+# ----------------------------------------------------------------------------------------------------
+
+
+def llama_config(tiny):
+    from transformers import LlamaConfig
+
+    if tiny:
+        return LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, rope_theta=500000.0,
+                           bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    # Llama-3-8B's config.json (meta-llama/Meta-Llama-3-8B): facts, typed here
+    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                       pad_token_id=0)
+
+
+def build_llama(tiny, device):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(llama_config(tiny))
+    finally:
+        torch.set_default_dtype(prev)
+    return model.to(torch.bfloat16).eval()
+
+
+class Decoder:
+    """Greedy decode of a batch with a static cache: prefill eagerly, then the decode step (eager, a
+    CUDA graph, or ``torch.compile(mode="reduce-overhead")`` of the model's forward)."""
+
+    def __init__(self, model, batch, prompt_len, max_len, capture, device):
+        from transformers import StaticCache
+
+        import inspect
+
+        self.model, self.device, self.capture = model, device, capture
+        # transformers 5.24 renamed forward's past_key_values to cache (the old name deprecated)
+        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len, max_batch_size=batch,
+                                 device=device, dtype=torch.bfloat16)
+        g = torch.Generator().manual_seed(batch)
+        prompt = torch.randint(1, model.config.vocab_size, (batch, prompt_len), generator=g).to(device)
+        with torch.no_grad():
+            out = model(input_ids=prompt, use_cache=True, cache_position=torch.arange(prompt_len, device=device),
+                        **{self.cache_kw: self.cache})
+        self.tok = out.logits[:, -1:].argmax(-1)
+        self.pos = torch.tensor([prompt_len], device=device)
+        self.forward = model.forward
+        self.fullgraph = None
+        if capture == "compile" and device.type == "cuda":
+            self.fullgraph = True
+            self.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        self.graph = None
+
+    def warm_up(self, steps=3):
+        """The first steps (compile, CUDA graph recording); a compile that fails with fullgraph=True is
+        tried again with graph breaks allowed (``self.fullgraph`` then False)."""
+        try:
+            for _ in range(steps):
+                self.step()
+        except Exception:  # noqa: BLE001
+            if not self.fullgraph:
+                raise
+            torch._dynamo.reset()
+            self.fullgraph = False
+            self.forward = torch.compile(self.model.forward, mode="reduce-overhead", fullgraph=False)
+            for _ in range(steps):
+                self.step()
+
+    def _step(self):
+        out = self.forward(input_ids=self.tok, use_cache=True, cache_position=self.pos, **{self.cache_kw: self.cache})
+        return out.logits[:, -1:].argmax(-1)
+
+    def step(self):
+        """One decode token (the next input token and position kept on the device)."""
+        with torch.no_grad():
+            if self.capture == "graph" and self.device.type == "cuda":
+                if self.graph is None:
+                    s = torch.cuda.Stream()
+                    s.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(s):
+                        self._warm = self._step()
+                    torch.cuda.current_stream().wait_stream(s)
+                    self.graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(self.graph):
+                        nxt = self._step()
+                        self.tok.copy_(nxt)
+                        self.pos.add_(1)
+                self.graph.replay()
+                return self.tok
+            nxt = self._step()
+            self.tok = nxt.clone()
+            self.pos = self.pos + 1
+            return self.tok
+
+
+def bench_hf(args, device):
+    model = build_llama(args.tiny, device)
+    prompt_len = 16
+    tokens = args.tokens
+    max_len = prompt_len + 4 * tokens + 8
+    rows = []
+    for variant in args.hf_variants:
+        quantized = any(isinstance(m, NVFP4Linear) for m in model.modules())
+        if variant == "bf16" and quantized:
+            raise SystemExit("--hf-variants: bf16 comes first (the others quantize the model in place)")
+        if variant != "bf16" and not quantized:
+            sample = torch.randint(1, model.config.vocab_size, (1, prompt_len), device=device)
+            scales = calibrate_input_scales(model, lambda m: m(input_ids=sample))
+            quantize_model(model, mode="w4a16", input_scales=scales)  # lm_head stays bf16
+        if variant != "bf16":  # one quantized model, both modes (its layers keep the input scales)
+            for m in model.modules():
+                if isinstance(m, NVFP4Linear):
+                    m.mode = variant
+        mem = weight_bytes(model)
+        for b in args.batches:
+            row = {"variant": variant, "batch": b, "weight_GB": mem / 1e9, "capture": args.hf_capture}
+            try:
+                dec = Decoder(model, b, prompt_len, max_len, args.hf_capture, device)
+                t0 = time.perf_counter()
+                dec.warm_up()
+                row["fullgraph"] = dec.fullgraph
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                row["warmup_s"] = time.perf_counter() - t0
+                if device.type == "cuda":
+                    a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    for _ in range(tokens):
+                        dec.step()
+                    z.record()
+                    torch.cuda.synchronize()
+                    ms = a.elapsed_time(z) / tokens
+                else:
+                    t0 = time.perf_counter()
+                    for _ in range(tokens):
+                        dec.step()
+                    ms = (time.perf_counter() - t0) * 1e3 / tokens
+                row["ms_per_token"] = ms
+                row["tokens_per_s"] = 1e3 * b / ms
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            rows.append(row)
+            print(f"hf {variant:6s} batch {b:2d}: " + (f"{row['ms_per_token']:.2f} ms/token, "
+                  f"{row['tokens_per_s']:.0f} tokens/s" if "ms_per_token" in row else row.get("error", "")),
+                  flush=True)
+            if device.type == "cuda":
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
+    base = {r["batch"]: r for r in rows if r["variant"] == "bf16"}
+    for r in rows:
+        b = base.get(r["batch"])
+        r["vs_bf16"] = b["ms_per_token"] / r["ms_per_token"] if b and "ms_per_token" in b and "ms_per_token" in r else None
+    cfg = model.config
+    meta = {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
+            "prompt_len": prompt_len, "decode_tokens": tokens, "capture": args.hf_capture,
+            "note": "random weights; greedy; static cache; lm_head and embeddings bf16"}
+    return {"meta": meta, "rows": rows}
+
+
+def hf_table(result):
+    m = result["meta"]
+    name = "Llama-3-8B's config" if m["hidden"] == 4096 else "a tiny config"
+    lines = [f"LlamaForCausalLM, {name} ({m['layers']} layers, random weights), static cache, decode "
+             f"of {m['decode_tokens']} tokens after a {m['prompt_len']}-token prompt, {m['capture']}", "",
+             "| variant | batch | ms a token | tokens/s | vs bf16 | weights GB |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "ms_per_token" in r:
+            vs = f"{r['vs_bf16']:.2f}x" if r.get("vs_bf16") else "-"
+            lines.append(f"| {r['variant']} | {r['batch']} | {r['ms_per_token']:.2f} | {r['tokens_per_s']:.0f} | "
+                         f"{vs} | {r['weight_GB']:.3g} |")
+        else:
+            lines.append(f"| {r['variant']} | {r['batch']} | n/a ({r.get('error')}) | - | - | {r['weight_GB']:.3g} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def ints(text):
+    return [int(v) for v in text.split(",") if v]
+
+
+def names(allowed):
+    def parse(text):
+        out = [v for v in text.split(",") if v]
+        bad = [v for v in out if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {allowed}")
+        return out
+    return parse
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--step", action="store_true", help="(a) the 8-layer-shaped step (the default without --hf)")
+    p.add_argument("--hf", action="store_true", help="(b) transformers LlamaForCausalLM decode")
+    p.add_argument("--quick", action="store_true", help="N / batch 1 and 16, 20 reps, 16 decode tokens")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="small shapes (for --device cpu smoke tests)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--n", type=ints, default=None, help="tokens a step (default 1,4,16)")
+    p.add_argument("--variants", type=names(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--modes", type=names(MODES), default=list(MODES))
+    p.add_argument("--reps", type=int, default=None, help="timed steps (default 100, --quick 20)")
+    p.add_argument("--floor-tbps", type=float, default=4.3, help="read bandwidth for the FP4 bytes floor (TB/s)")
+    p.add_argument("--batches", type=ints, default=None, help="--hf batch sizes (default 1,4,16)")
+    p.add_argument("--hf-variants", type=names(("bf16", "w4a16", "w4a4")), default=["bf16", "w4a16", "w4a4"])
+    p.add_argument("--hf-capture", choices=("compile", "graph"), default="compile")
+    p.add_argument("--tokens", type=int, default=None, help="--hf decode tokens timed (default 64, --quick 16)")
+    p.add_argument("--json", default=None, help="write the results here")
+    a = p.parse_args(argv)
+    if not a.step and not a.hf:
+        a.step = True
+    a.n = a.n or ([1, 16] if a.quick else [1, 4, 16])
+    a.batches = a.batches or ([1, 16] if a.quick else [1, 4, 16])
+    a.reps = a.reps or (20 if a.quick else 100)
+    a.tokens = a.tokens or (16 if a.quick else 64)
+    return a
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device (use --device cpu --tiny for a smoke test)")
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()}}
+    tables = []
+    if args.step:
+        result["step"] = bench_step(args, device)
+        tables.append(step_table(result["step"], args.modes))
+    if args.hf:
+        import transformers
+        result["transformers"] = transformers.__version__
+        result["hf"] = bench_hf(args, device)
+        tables.append(hf_table(result["hf"]))
+    print("\n" + "\n\n".join(tables))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return result
+
+
+if __name__ == "__main__":
+    main()
