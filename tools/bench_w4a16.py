@@ -91,6 +91,24 @@ def bench_shape(m, k, ns, reps, tuning, floors, peers=True):
     return rows
 
 
+def bench_quantize(reps):
+    """``nvfp4_gemv.quantize`` of R rows of 16384 values: leaderboard timing, and as CUDA-graph replays."""
+    from nvfp4_gemv import quant
+
+    rows = []
+    for r in (1, 4, 16):
+        x = torch.randn(r, 16384, dtype=torch.bfloat16, device="cuda")
+        gs = torch.tensor([100.0], device="cuda")
+        q, s = quant.quantize(x, gs)
+        rq, rs = quant.quantize_reference(x, gs)
+        ok = torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))
+        lb = time_leaderboard(lambda: quant.quantize(x, gs), reps)
+        gr = time_graph(lambda: quant.quantize(x, gs), reps)
+        rows.append({"rows": r, "k": 16384, "us": lb, "graph_us": gr, "exact": ok})
+        print(f"quantize {r}x16384: {lb:.2f} us (graph {gr:.2f}) | {'bit-exact' if ok else 'MISMATCH'}", flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=50)
@@ -99,6 +117,7 @@ def main():
     p.add_argument("--tune", default="", help="kernel tuning for every launch, e.g. threads=512,groups=4")
     p.add_argument("--no-floor", action="store_true", help="skip the plain-read floors (faster)")
     p.add_argument("--no-peers", action="store_true", help="time ours only (tuning sweeps)")
+    p.add_argument("--quantize", action="store_true", help="also time nvfp4_gemv.quantize (1, 4, 16 rows of 16384)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     ns = [int(v) for v in args.n.split(",")]
@@ -107,13 +126,14 @@ def main():
     for shape in args.shapes.split(","):
         m, k = (int(v) for v in shape.split("x"))
         rows += bench_shape(m, k, ns, args.reps, tuning, not args.no_floor, not args.no_peers)
+    quant_rows = bench_quantize(args.reps) if args.quantize else []
     import importlib.metadata as md
 
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cutlass_dsl": md.version("nvidia-cutlass-dsl"), "tuning": tuning, "reps": args.reps}
     if args.out:
         with open(args.out + ".json", "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            json.dump({"meta": meta, "rows": rows, "quantize": quant_rows}, f, indent=1)
         lines = [f"GPU: {meta['gpu']}; torch {meta['torch']}; CuTe DSL {meta['cutlass_dsl']}. Leaderboard timing "
                  f"(L2 flushed, CUDA events, median of {args.reps}); graph: back-to-back CUDA-graph replays of one "
                  "call, same timing. Floor: the plain read of w's bytes. bf16: torch.mm on bf16 weights; fp8: "
@@ -124,6 +144,9 @@ def main():
             lines.append(f"| {r['m']} x {r['k']} | {r['n']} | {r['ours_us']:.2f} | {r['graph_us']:.2f} | "
                          f"{r['vs_n1']:.2f} | {r['pct_floor']:.1f} | {r['w_TBps']:.2f} | {r['bf16_linear_us']:.2f} | "
                          f"{r['fp8_scaled_mm_us']:.2f} | {r['w4a4_us']:.2f} | {'ok' if r['ok'] else r['check']} |")
+        if quant_rows:
+            lines += ["", "nvfp4_gemv.quantize (bf16 rows of 16384, checked bit for bit against the reference): "
+                      + "; ".join(f"{q['rows']} rows {q['us']:.2f} us (graph {q['graph_us']:.2f})" for q in quant_rows)]
         with open(args.out + ".md", "w") as f:
             f.write("\n".join(lines) + "\n")
 
