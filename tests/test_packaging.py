@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import gen_submission  # noqa: E402
 
 
-def test_submission_is_generated_from_the_package_kernel():
+def test_submission_is_generated_from_the_package():
     with open(gen_submission.TARGET) as f:
         assert f.read() == gen_submission.render(), "run python tools/gen_submission.py"
 
@@ -19,7 +19,16 @@ def test_submission_is_generated_from_the_package_kernel():
 def test_submission_imports_only_torch_cutlass_and_task():
     with open(gen_submission.TARGET) as f:
         tops = {line.split()[1].split(".")[0] for line in f if line.startswith(("import ", "from "))}
-    assert tops <= {"ctypes", "operator", "os", "struct", "threading", "warnings", "torch", "task", "cutlass", "cuda"}, tops
+    assert tops <= {"ctypes", "dataclasses", "operator", "os", "struct", "threading", "typing", "warnings", "torch", "task",
+                    "cutlass", "cuda"}, tops
+
+
+def test_submission_is_the_leaderboard_entry_and_what_it_imports():
+    """The stitched modules are those custom_kernel needs (not the op's), each once, dependencies first."""
+    names = [os.path.basename(p)[:-3] for p in gen_submission.sources()]
+    assert names[-1] == "leaderboard" and len(set(names)) == len(names)
+    assert {"ptx", "decode", "streaming", "split", "bulk", "tuning", "launch"} <= set(names)
+    assert not {"op", "reference", "tokens", "tokens_bulk", "mma"} & set(names)
 
 
 def test_wheel_installs_only_the_package(tmp_path):
@@ -41,4 +50,5 @@ def test_wheel_installs_only_the_package(tmp_path):
         tops = {name.split("/")[0] for name in z.namelist()}
         names = set(z.namelist())
     assert {t for t in tops if not t.endswith(".dist-info")} == {"nvfp4_gemv"}, tops
-    assert "nvfp4_gemv/kernel.py" in names and "nvfp4_gemv/__init__.py" in names
+    package = {f"nvfp4_gemv/{f}" for f in os.listdir(os.path.join(ROOT, "nvfp4_gemv")) if f.endswith(".py")}
+    assert "nvfp4_gemv/leaderboard.py" in package and package <= names, package - names
