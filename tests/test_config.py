@@ -240,3 +240,26 @@ def test_bad_tuning_is_rejected():
         G(7168, False, group=64)
     with pytest.raises(ValueError, match="K=4608"):
         G(4608, False, batch=4)
+
+
+@pytest.mark.parametrize("k", range(64, submission.MAX_K + 1, 448))
+def test_a_configuration_is_its_sorted_pairs(k):
+    """tuning.py's configurations are the kernels' keyword arguments: one iterates as the (name, value) pairs it
+    sets, sorted (the bulk kernel's with its selector), and ``as_config`` reads it back from them."""
+    for m, l in ((128, 1), (4096, 8)):
+        for blocked in (False, True):
+            config = submission.pick_tuning(k, m, l, H200_SMS, blocked)
+            pairs = tuple(config)
+            assert pairs == tuple(sorted(pairs)) and submission.as_config(pairs) == config
+            assert submission.as_config(dict(pairs)) == config and submission.as_config(config) is config
+            assert config.sfa_rows_16() == bool(dict(pairs).get("bulk") or dict(pairs).get("sf_wide"))
+
+
+def test_configurations_name_their_kernel():
+    assert tuple(submission.Streaming()) == () and submission.Streaming().kernel is G
+    assert tuple(submission.Bulk(dynamic=1)) == (("bulk", 1), ("dynamic", 1))
+    assert tuple(submission.Split(split=2, rows=1, min_blocks=4)) == (("min_blocks", 4), ("rows", 1), ("split", 2))
+    assert type(submission.make_op(7168, False, bulk=1)) is submission.Nvfp4GemvBulk
+    assert type(submission.make_op(7168, False, split=7)) is submission.Nvfp4GemvSplit
+    with pytest.raises(TypeError):
+        submission.as_config((("groups", 4),))  # no such knob of the streaming kernel
