@@ -656,7 +656,6 @@ import cutlass
 import cutlass.cute as cute
 
 
-
 class GemvLaunch:
     """What every kernel class shares: the 17 run-time arguments (five data addresses, the bulk kernel's
     tile counters, M, strides in bytes, the grid), one launch on ``stream`` with the subclass's block,
@@ -1573,7 +1572,6 @@ past it and loads nothing), with ``b`` in registers and no loop; the warps' sums
 
 import cutlass
 import cutlass.cute as cute
-
 
 
 class Nvfp4GemvSplit(Nvfp4Gemv):

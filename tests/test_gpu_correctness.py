@@ -91,7 +91,7 @@ def test_other_layouts_of_c_and_padded_rows_of_a(m, k, l):
 def test_both_kernel_configs_match_float64(m, k, l, config):
     """The per-shape choice only picks between two configurations; each must be right on its own."""
     tuning = ()
-    if config == "latency":  # a lane's whole share in one unit, as shape_tuning gives one-wave shapes
+    if config == "latency":  # a lane's whole share in one unit, as latency_tuning gives one-wave shapes
         chunks = k // 32
         group = min(32, chunks & -chunks)
         tuning = (("batch", chunks // group), ("group", group), ("min_blocks", 2))

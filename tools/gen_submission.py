@@ -15,6 +15,7 @@ Usage: python tools/gen_submission.py [--check]
 
 import ast
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,6 +128,7 @@ def render():
         for _, _, node in _package_imports(name, tree, path):
             drop.update(range(node.lineno - 1, node.end_lineno))
         body = "".join(line for i, line in enumerate(lines) if i not in drop)
+        body = re.sub(r"\n{4,}", "\n\n\n", body)  # no wider gaps where the package imports stood
         if name == ENTRY:
             if body.count(TYPES_LINE) != 1:
                 raise SystemExit(f"{path}: expected the types line once:\n{TYPES_LINE}")
