@@ -27,7 +27,8 @@ import torch
 import yaml
 
 import reference
-from nvfp4_gemv import leaderboard, tuning
+from nvfp4_gemv import leaderboard
+from nvfp4_gemv.tuning import make_op
 from utils import clear_l2_cache
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -156,7 +157,7 @@ def peer_bulk_read(data):
     the GEMV's bytes the fastest way we have; its time is the floor of a read under this timing."""
     shape = leaderboard.check_inputs(data)
     tuning = (("bulk", 1), ("probe", 1))
-    tuning.make_op(shape[1], False, **dict(tuning))  # raises ValueError where K % 256 != 0
+    make_op(shape[1], False, **dict(tuning))  # raises ValueError where K % 256 != 0
 
     def run():
         leaderboard.run_cute(data, *shape, tuning=tuning)
@@ -277,7 +278,7 @@ def bench_case(m, k, l, args, ceiling, tunings):
         name = "ours" if not tune else "ours[" + ",".join(f"{k_}={v}" for k_, v in tune) + "]"
         shape = leaderboard.check_inputs(data)
         try:
-            tuning.make_op(k, False, **dict(tune))
+            make_op(k, False, **dict(tune))
         except ValueError:
             continue
 

@@ -13,7 +13,8 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 import inputs  # noqa: E402
-from nvfp4_gemv import leaderboard, tuning  # noqa: E402
+from nvfp4_gemv import leaderboard  # noqa: E402
+from nvfp4_gemv.tuning import make_op, pick_tuning  # noqa: E402
 
 with open(os.path.join(ROOT, "task.yml")) as f:
     spec = yaml.safe_load(f)
@@ -30,8 +31,8 @@ if shapes is None:
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 for m, k, l in shapes:
     for cpu_scales in (False, True):
-        tuning = tuning.pick_tuning(k, m, l, sms, cpu_scales)
-        kernel = type(tuning.make_op(k, cpu_scales, **dict(tuning))).__name__
+        tuning = pick_tuning(k, m, l, sms, cpu_scales)
+        kernel = type(make_op(k, cpu_scales, **dict(tuning))).__name__
         data = inputs.random_inputs(m, k, l, seed=m + k)
         if cpu_scales:
             data = (*data[:2], data[2].cpu(), data[3].cpu(), *data[4:])

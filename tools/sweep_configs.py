@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import inputs  # noqa: E402
 import reference  # noqa: E402
-from nvfp4_gemv import launch, leaderboard, streaming, tuning  # noqa: E402
+from nvfp4_gemv import launch, leaderboard, streaming  # noqa: E402
+from nvfp4_gemv.tuning import BULK_MIN_K, bulk_suits, make_op, pick_tuning  # noqa: E402
 from bench import time_leaderboard  # noqa: E402
 
 G = streaming.Nvfp4Gemv
@@ -40,7 +41,7 @@ def variants(m, k, l):
         for rows in (1, 2, 4):
             if rows * 32 * split <= 1024:
                 out.append({"split": split, "rows": rows, "min_blocks": max(1, 1024 // (rows * 32 * split))})
-    if tuning.BULK_MIN_K <= k and tuning.bulk_suits(k):
+    if BULK_MIN_K <= k and bulk_suits(k):
         out.append({"bulk": 1})
     return out
 
@@ -62,14 +63,14 @@ def main():
                 continue
             seen.add(t)
             try:
-                tuning.make_op(k, False, **v)
+                make_op(k, False, **v)
             except ValueError:
                 continue
             ok, _ = inputs.check_exact(
                 signed, leaderboard.run_cute(inputs.poisoned(signed), *shape, tuning=t))
             us = time_leaderboard(lambda t=t: leaderboard.run_cute(data, *shape, tuning=t), 50)
             res.append((us, t, ok))
-        chosen = dict(tuning.pick_tuning(k, m, l, launch.device_info(0)[1], False))
+        chosen = dict(pick_tuning(k, m, l, launch.device_info(0)[1], False))
         print(f"{m}x{k}x{l}: custom_kernel {time_leaderboard(lambda: leaderboard.custom_kernel(data), 50):.2f} us"
               f" (chooses {chosen or 'the streaming default'})")
         for us, t, ok in sorted(res):

@@ -20,7 +20,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
 import torch  # noqa: E402
 
 import reference  # noqa: E402
-from nvfp4_gemv import launch, leaderboard, tuning  # noqa: E402
+from nvfp4_gemv import launch, leaderboard  # noqa: E402
+from nvfp4_gemv.tuning import pick_tuning  # noqa: E402
 from bench import bytes_moved, time_leaderboard  # noqa: E402
 from read_floor import reader, zero_buffer  # noqa: E402
 
@@ -36,7 +37,7 @@ def floor(nbytes):
 def cases(m, k, l):
     data = reference.generate_input(m, k, l, 1111)
     shape = leaderboard.check_inputs(data)
-    tune = tuning.pick_tuning(k, m, l, launch.device_info(0)[1], False)
+    tune = pick_tuning(k, m, l, launch.device_info(0)[1], False)
     probe = tuple(sorted(dict(tune, probe=1).items()))
     sfa = data[2].view(torch.uint8)
 
