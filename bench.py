@@ -27,7 +27,8 @@ import torch
 import yaml
 
 import reference
-import submission
+from nvfp4_gemv import leaderboard
+from nvfp4_gemv.tuning import make_op
 from utils import clear_l2_cache
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -125,7 +126,7 @@ def host_diff_us(fn_a, fn_b, alternations=7):
 
 def host_cost_us(data):
     """``busy_host_us`` of one ``custom_kernel`` call."""
-    return busy_host_us(lambda: submission.custom_kernel(data))
+    return busy_host_us(lambda: leaderboard.custom_kernel(data))
 
 
 def empty_kernel_us(reps):
@@ -154,12 +155,12 @@ def peer_sum_same_bytes(nbytes):
 def peer_bulk_read(data):
     """Not a GEMV: the bulk-copy kernel with its arithmetic removed (``probe=1``), which streams exactly
     the GEMV's bytes the fastest way we have; its time is the floor of a read under this timing."""
-    shape = submission.check_inputs(data)
+    shape = leaderboard.check_inputs(data)
     tuning = (("bulk", 1), ("probe", 1))
-    submission.make_op(shape[1], False, **dict(tuning))  # raises ValueError where K % 256 != 0
+    make_op(shape[1], False, **dict(tuning))  # raises ValueError where K % 256 != 0
 
     def run():
-        submission.run_cute(data, *shape, tuning=tuning)
+        leaderboard.run_cute(data, *shape, tuning=tuning)
 
     return run, lambda: True
 
@@ -239,8 +240,8 @@ def peer_fp4_scaled_mm(data):
     def run():
         for i in range(a.shape[2]):
             res = torch._scaled_mm(a[:, :, i], b[:, :, i].transpose(0, 1),
-                                   submission.blocked_from_permuted(sfa_p, i),
-                                   submission.blocked_from_permuted(sfb_p, i), out_dtype=torch.float16)
+                                   leaderboard.blocked_from_permuted(sfa_p, i),
+                                   leaderboard.blocked_from_permuted(sfb_p, i), out_dtype=torch.float16)
             out[:, 0, i] = res[:, 0]
 
     def check():
@@ -275,23 +276,23 @@ def bench_case(m, k, l, args, ceiling, tunings):
     variants = {}
     for tune in tunings:
         name = "ours" if not tune else "ours[" + ",".join(f"{k_}={v}" for k_, v in tune) + "]"
-        shape = submission.check_inputs(data)
+        shape = leaderboard.check_inputs(data)
         try:
-            submission.make_op(k, False, **dict(tune))
+            make_op(k, False, **dict(tune))
         except ValueError:
             continue
 
         def run(tune=tune, d=data):
-            return submission.run_cute(d, *shape, tuning=tune) if tune else submission.custom_kernel(d)
+            return leaderboard.run_cute(d, *shape, tuning=tune) if tune else leaderboard.custom_kernel(d)
 
         poisoned = inputs.poisoned(data)
-        out = (submission.run_cute(poisoned, *shape, tuning=tune) if tune else
-               submission.custom_kernel(poisoned))
+        out = (leaderboard.run_cute(poisoned, *shape, tuning=tune) if tune else
+               leaderboard.custom_kernel(poisoned))
         torch.cuda.synchronize()
         ok, msg = reference.check_implementation(data, out)
         signed = inputs.random_inputs(m, k, l, seed=7, device="cuda")
-        got = (submission.run_cute(signed, *shape, tuning=tune) if tune else
-               submission.custom_kernel(signed))
+        got = (leaderboard.run_cute(signed, *shape, tuning=tune) if tune else
+               leaderboard.custom_kernel(signed))
         ok_s, msg_s = reference.check_implementation(signed, got)
         us = time_leaderboard(lambda: run(), args.reps)
         clean_us = time_leaderboard(lambda: run(), args.reps, clean=True) if args.clean else None

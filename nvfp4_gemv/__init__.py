@@ -1,20 +1,22 @@
 """NVFP4 GEMV on Hopper and Blackwell.
 
-``gemv`` (the op ``torch.ops.nvfp4.gemv``) is an NVFP4 linear layer in decode, for model code
-(``nvfp4_gemv.op``). ``custom_kernel`` takes the GPU MODE ``nvfp4_gemv`` competition's 7-tuple
-(``nvfp4_gemv.kernel``; the repository's ``submission.py`` is that module, generated for the leaderboard
-by tools/gen_submission.py).
+``gemv`` (the op ``torch.ops.nvfp4.gemv``, ``nvfp4_gemv.op``) is an NVFP4 linear layer in decode, for model code:
+W4A16 (bf16/fp16 activations as they are, ``nvfp4_gemv.w4a16``) or W4A4 (NVFP4 activations).
+``custom_kernel`` takes the GPU MODE ``nvfp4_gemv`` competition's 7-tuple (``nvfp4_gemv.leaderboard``; the
+repository's ``submission.py`` is that module and the ones it imports, stitched into one file for the
+leaderboard by tools/gen_submission.py).
 
 For models: ``quantize`` (NVFP4 activations, ``nvfp4_gemv.quant``), ``NVFP4Linear`` and ``quantize_model``
 (``nvfp4_gemv.linear``), ``save_modelopt`` / ``load_modelopt`` (NVIDIA ModelOpt NVFP4 checkpoints in the
 Hugging Face layout, ``nvfp4_gemv.modelopt``; needs the ``hf`` extra: safetensors, transformers).
 """
 
-from .kernel import check_inputs, custom_kernel
+from .leaderboard import check_inputs, custom_kernel
 from .linear import NVFP4Linear, calibrate_input_scales, input_scale_from, quantize_model
 from .modelopt import load_modelopt, save_modelopt
-from .op import gemv, gemv_reference, swizzled_scale_shape
+from .op import gemv
 from .quant import dequantize, quantize, quantize_reference, quantize_weight
+from .reference import gemv_reference, swizzled_scale_shape
 
 __all__ = ["NVFP4Linear", "calibrate_input_scales", "check_inputs", "custom_kernel", "dequantize", "gemv",
            "gemv_reference", "input_scale_from", "load_modelopt", "quantize", "quantize_model", "quantize_reference",

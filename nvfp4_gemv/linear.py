@@ -14,7 +14,8 @@ import fnmatch
 
 import torch
 
-from .op import check_args, gemv
+from .op import gemv
+from .reference import check_args
 from .quant import BLOCK, E2M1_MAX, E4M3_MAX, quantize, quantize_weight
 
 MODES = ("w4a16", "w4a4")
@@ -25,7 +26,7 @@ _FORMAT_BUFFERS = ("weight", "weight_scale", "weight_scale_2", "input_scale", "_
 
 def kernel_takes(in_features, out_features, mode="w4a16"):
     """Whether ``gemv`` takes a weight of this shape in ``mode``: the op's own validation
-    (``op.check_args``) run on meta tensors of the mode's form, so the rule is the op's (today M % 128 == 0,
+    (``reference.check_args``) run on meta tensors of the mode's form, so the rule is the op's (today M % 128 == 0,
     K % 64 == 0, K <= 32768 in both modes)."""
     if in_features <= 0 or out_features <= 0 or in_features % BLOCK:
         return False

@@ -28,68 +28,28 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .kernel import SmemAllocator, _asm, _asm_store, blocked_row
-from .tokens import _OpLaunch, compile_op, ldg_f32, stg_as
+from .decode import blocked_row
+from .ptx import (
+    SmemAllocator,
+    asm,
+    cp_async_8,
+    cp_async_commit,
+    cp_async_wait,
+    ldg_f32,
+    ldg_u8,
+    ldg_u8_if,
+    ldg_v2,
+    ldg_v2_if,
+    lds_stage_f32,
+    lds_stage_v2,
+    mma_f16,
+    stg_as,
+    sts_f32x4,
+)
+from .tokens import OpLaunch, compile_op
 
 TWO_POW_28 = 268435456.0
 MAX_GROUPS = 8  # accumulators and loads in flight of a thread grow with it (registers)
-
-
-@dsl_user_op
-def ldg_v2(addr, *, loc=None, ip=None):
-    """8-byte streaming load (no L1 allocation)."""
-    r = _asm([T.i32()] * 2, [cutlass.Int64(addr)], "ld.global.nc.L1::no_allocate.v2.u32 {$0, $1}, [$2];",
-             "=r,=r,l", loc, ip)
-    return [cutlass.Int32(v) for v in r]
-
-
-@dsl_user_op
-def ldg_u8(addr, *, loc=None, ip=None):
-    r = _asm([T.i32()], [cutlass.Int64(addr)], "ld.global.nc.u8 $0, [$1];", "=r,l", loc, ip)
-    return cutlass.Int32(r[0])
-
-
-@dsl_user_op
-def ldg_v2_if(addr, pred, *, loc=None, ip=None):
-    """8-byte load where ``pred`` is non-zero, else zeros."""
-    r = _asm([T.i32()] * 2, [cutlass.Int64(addr), cutlass.Int32(pred)],
-             "{\n.reg .pred p;\nsetp.ne.s32 p, $3, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\n"
-             "@p ld.global.nc.v2.u32 {$0, $1}, [$2];\n}", "=r,=r,l,r", loc, ip)
-    return [cutlass.Int32(v) for v in r]
-
-
-@dsl_user_op
-def ldg_u8_if(addr, pred, *, loc=None, ip=None):
-    r = _asm([T.i32()], [cutlass.Int64(addr), cutlass.Int32(pred)],
-             "{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 $0, 0;\n@p ld.global.nc.u8 $0, [$1];\n}",
-             "=r,l,r", loc, ip)
-    return cutlass.Int32(r[0])
-
-
-@dsl_user_op
-def cp_async_8(dst, src, nbytes, *, loc=None, ip=None):
-    """Asynchronous 8-byte copy global -> shared of ``nbytes`` (8, or 0: zeros)."""
-    _asm_store([cutlass.Int32(dst), cutlass.Int64(src), cutlass.Int32(nbytes)],
-               "cp.async.ca.shared.global [$0], [$1], 8, $2;", "r,l,r", loc, ip)
-
-
-@dsl_user_op
-def cp_async_commit(*, loc=None, ip=None):
-    _asm_store([], "cp.async.commit_group;", "", loc, ip)
-
-
-@dsl_user_op
-def cp_async_wait(pending, *, loc=None, ip=None):
-    """Waits until at most ``pending`` (a constant) of this thread's copy groups are in flight."""
-    _asm_store([], f"cp.async.wait_group {int(pending)};", "", loc, ip)
-
-
-@dsl_user_op
-def lds_stage_v2(addr, *, loc=None, ip=None):
-    """8-byte shared load kept after the copy wait (side effects: LLVM must not move it)."""
-    r = _asm([T.i32()] * 2, [cutlass.Int32(addr)], "ld.shared.v2.u32 {$0, $1}, [$2];", "=r,=r,r", loc, ip,
-             volatile=True)
-    return [cutlass.Int32(v) for v in r]
 
 
 @dsl_user_op
@@ -113,32 +73,9 @@ def scaled_f16x8(q0, q1, s8, *, loc=None, ip=None):
         body += [f"mul.rn.f16x2 {o[j]}, {o[j]}, s;" for j in range(4)]
     body.append("}")
     # operands: $0..$7 out, $8 q0, $9 s8, $10 q1
-    r = _asm([T.i32()] * 8, [cutlass.Int32(q0), cutlass.Int32(s8), cutlass.Int32(q1)], "\n".join(body),
-             "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", loc, ip)
+    r = asm([T.i32()] * 8, [cutlass.Int32(q0), cutlass.Int32(s8), cutlass.Int32(q1)], "\n".join(body),
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", loc, ip)
     return [cutlass.Int32(v) for v in r]
-
-
-@dsl_user_op
-def mma_f16(a, b, c, *, loc=None, ip=None):
-    """``mma.sync.m16n8k16`` row.col, f16 operands (``a`` four registers, ``b`` two), fp32 ``c``."""
-    r = _asm([T.f32()] * 4, [*[cutlass.Int32(v) for v in (*a, *b)], *[cutlass.Float32(v) for v in c]],
-             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-             "{$10, $11, $12, $13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip)
-    return [cutlass.Float32(v) for v in r]
-
-
-@dsl_user_op
-def sts_f32x4(addr, v, *, loc=None, ip=None):
-    _asm_store([cutlass.Int32(addr), *[cutlass.Float32(x) for x in v]],
-               "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f", loc, ip)
-
-
-# A read of the other warps' partials is ordered after the barrier only by its side effects: as a plain
-# inline asm LLVM hoisted it above the barrier (seen with one group, where the loop runs once).
-@dsl_user_op
-def lds_stage_f32(addr, *, loc=None, ip=None):
-    r = _asm([T.f32()], [cutlass.Int32(addr)], "ld.shared.f32 $0, [$1];", "=f,r", loc, ip, volatile=True)
-    return cutlass.Float32(r[0])
 
 
 def pick_groups(m, sms, ctas_per_sm=1):
@@ -157,7 +94,7 @@ def pick_groups(m, sms, ctas_per_sm=1):
     return min(range(1, MAX_GROUPS + 1), key=cost)
 
 
-class Nvfp4GemvMma(_OpLaunch):
+class Nvfp4GemvMma(OpLaunch):
     """The op's tensor-core kernel; one instance per (K, tokens, groups, layouts, epilogue, tuning)."""
 
     def __init__(self, k: int, n_tok: int, groups: int, w_blocked: bool, x_blocked: bool, has_alpha: bool,
@@ -181,7 +118,7 @@ class Nvfp4GemvMma(_OpLaunch):
         # rows of w (and of plain w scales) at their dense stride: compile-time offsets between the groups
         self.w_contig = bool(w_contig)
         self.ws_contig = bool(ws_contig) and not w_blocked
-        # 16 warps, one slice in flight (at most 128 registers): 1.3x faster than 8 warps with 2 (H200)
+        # 16 warps, one slice in flight (at most 128 registers): faster than 8 warps with 2 (H200; docs/results.md)
         self.threads = threads or 512
         self.warps = self.threads // 32
         self.depth = depth or 1
@@ -189,7 +126,7 @@ class Nvfp4GemvMma(_OpLaunch):
         # stages > 0: the words of the next ``stages`` slices come through cp.async into the warp's own part
         # of shared memory (no registers held while they are in flight); the scale bytes stay loads into
         # registers, ``stages`` slices ahead. 0: every load into registers, ``depth`` slices ahead. On H200
-        # stages = 2..4 measured 10-23% slower than 0 at every N (docs/perf-notes.md): kept as a tuning.
+        # stages = 2..4 measured slower than 0 at every N (docs/results.md): kept as a tuning.
         self.stages = int(stages or 0)
         self.items = (2 if n_tok > 8 else 1) + groups  # 8-byte words a lane loads a slice
         self.smem_bytes = max(self.warps * groups * 512, self.warps * self.stages * self.items * 256)

@@ -1,8 +1,9 @@
-"""``nvfp4_gemv.gemv``: NVFP4 x NVFP4 linear layers in decode, as a PyTorch op.
+"""``nvfp4_gemv.gemv``: NVFP4 linear layers in decode, as a PyTorch op.
 
 ``out[n, m] = alpha * sum_k x[n, k] * x_scale[n, k // 16] * w[m, k] * w_scale[m, k // 16]``, the product
 ``(dequant(x) @ dequant(w).T) * alpha`` of an NVFP4 checkpoint's linear layer (alpha: the product of the
-two per-tensor scales). On a CUDA GPU (Hopper or Blackwell) one of three CuTe DSL kernels runs: up to 3
+two per-tensor scales). With bf16/fp16 ``x`` and ``x_scale=None`` it is the weight-only (W4A16) product
+``(x @ dequant(w).T) * alpha``, which ``nvfp4_gemv.w4a16`` computes on CUDA. For NVFP4 ``x``, on a CUDA GPU (Hopper or Blackwell) one of three CuTe DSL kernels runs: up to 3
 tokens (4 at K = 16384) where ``w``'s scales are plain with 16-byte aligned rows and ``K % 1024 == 0``,
 ``2048 <= K <= 16384`` for one token, ``K <= 16384`` for more (``use_bulk``),
 ``nvfp4_gemv.tokens_bulk`` (bulk copies of ``w`` rows into shared memory, dp4a on int8 copies of x held in
@@ -10,7 +11,7 @@ registers); else up to 4 tokens, or for weights of fewer than 8 x SMs rows, ``nv
 int8 copies of x in shared memory; ``w`` read once for each group of tokens that fits, all of them up to 25
 tokens at K = 7168, 11 at K = 16384: ``token_group``); from 5 tokens on (``use_mma``), ``nvfp4_gemv.mma``
 (``mma.sync`` on exact f16 operands, 16 tokens a pass over ``w``). Elsewhere a float64 implementation runs (exact
-products, float64 sums, one rounding to the output dtype: ``gemv_reference``).
+products, float64 sums, one rounding to the output dtype: ``reference.gemv_reference``).
 
 The op is ``torch.ops.nvfp4.gemv`` (and ``torch.ops.nvfp4.gemv_out`` for ``out=``), with fake
 implementations for tracing, so ``torch.compile(fullgraph=True)`` and CUDA graphs take it. Eager calls of
@@ -22,176 +23,18 @@ from typing import Optional
 
 import torch
 
-from . import kernel as _k
-from . import w4a16 as _w4a16
+from . import launch
+from . import w4a16
 from .mma import compile_mma, pick_groups
+from .reference import OUT_DTYPES, check_args, fail_gemv, gemv_reference, unswizzle_scales
 from .tokens import Nvfp4GemvTokens, compile_tokens
 from .tokens_bulk import Nvfp4GemvTokensBulk, compile_tokens_bulk
 
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-_FP4 = (torch.float4_e2m1fn_x2, torch.uint8)
-_FP8 = (torch.float8_e4m3fn, torch.uint8)
-_OUT = (torch.bfloat16, torch.float16)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # other subclasses (fake, functional) go through torch.ops
 
 
-def _fail(exc, name, expected, got):
-    raise exc(f"nvfp4_gemv.gemv: argument '{name}': expected {expected}, got {got}")
-
-
-def swizzled_scale_shape(rows, k):
-    """Shape of the 128x4 blocked ("swizzled") scales of a [rows, K] operand as torchao keeps them:
-    ``(ceil(rows / 128) * 32, ceil(K / 64) * 16)``; ``to_blocked``'s flat form has as many elements."""
-    return (-(-rows // 128) * 32, -(-k // 64) * 16)
-
-
-def _strided(t, name):
-    if t.is_nested or t.layout != torch.strided:
-        _fail(TypeError, name, "a dense (strided) tensor", "a nested tensor" if t.is_nested else f"layout {t.layout}")
-
-
-def _scale_layout(s, name, rows, k):
-    """``False`` for plain [rows, K/16] scales, ``True`` for the blocked layout (told apart by shape)."""
-    if not isinstance(s, torch.Tensor):
-        _fail(TypeError, name, "a torch.Tensor", type(s).__name__)
-    _strided(s, name)
-    if s.dtype not in _FP8:
-        _fail(TypeError, name, "dtype torch.float8_e4m3fn or torch.uint8", s.dtype)
-    shape = tuple(s.shape)
-    if shape == (rows, k // 16):
-        return False
-    swz = swizzled_scale_shape(rows, k)
-    if shape in (swz, (swz[0] * swz[1],)):
-        if not s.is_contiguous():
-            _fail(ValueError, name, "contiguous blocked scales", f"strides {s.stride()}")
-        return True
-    _fail(ValueError, name, f"plain scales of shape {(rows, k // 16)}, or blocked ones of shape {swz} or "
-          f"({swz[0] * swz[1]},)", shape)
-
-
-def check_args(x, x_scale, w, w_scale, alpha, out_dtype, out=None):
-    """Validates the op's arguments from metadata only (no device sync).
-
-    :return: ``(n, m, k, x_blocked, w_blocked)``; raises ``TypeError``/``ValueError`` naming the argument.
-    """
-    act = _w4a16.is_w4a16(x)
-    for t, name in ((x, "x"), (w, "w")):
-        if not isinstance(t, torch.Tensor):
-            _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
-        _strided(t, name)
-        if t.dtype not in _FP4 and not (t is x and act):
-            _fail(TypeError, name, "dtype torch.float4_e2m1fn_x2 or torch.uint8 (two e2m1 values a byte)"
-                  + (", or torch.bfloat16 / torch.float16 activations" if t is x else ""), t.dtype)
-        if t.dim() != 2:
-            _fail(ValueError, name, "a 2-d tensor [rows, K]" if t is x and act else "a 2-d tensor [rows, K/2]",
-                  f"{t.dim()}-d")
-    n, k2 = x.shape
-    m = w.shape[0]
-    if act:  # W4A16: x [N, K] as it is, no scales
-        if x_scale is not None:
-            _fail(TypeError, "x_scale", f"None for {x.dtype} x (only NVFP4 x has scales)", type(x_scale).__name__)
-        if k2 % 2:
-            _fail(ValueError, "x", "K (dim 1) a positive multiple of 64", k2)
-        k2 //= 2
-    elif x_scale is None:
-        _fail(TypeError, "x_scale", "[N, K/16] float8_e4m3fn scales for NVFP4 x (None only with bf16/fp16 x)",
-              "None")
-    k = 2 * k2
-    if n == 0:
-        _fail(ValueError, "x", "N (dim 0) >= 1", n)
-    if w.shape[1] != k2:
-        _fail(ValueError, "w", f"K/2 = {k2} bytes a row, as x has" + (f" ({2 * k2} values)" if act else ""),
-              w.shape[1])
-    if m == 0 or m % 128:
-        _fail(ValueError, "w", "M (dim 0) a positive multiple of 128", m)
-    if k == 0 or k % 64:
-        _fail(ValueError, "x", "K = 2 * dim 1 a positive multiple of 64", k)
-    if k > _k.MAX_K:
-        _fail(ValueError, "x", f"K <= {_k.MAX_K}", k)
-    x_blocked = False if act else _scale_layout(x_scale, "x_scale", n, k)
-    w_blocked = _scale_layout(w_scale, "w_scale", m, k)
-    if out_dtype not in _OUT:
-        _fail(TypeError, "out_dtype", "torch.bfloat16 or torch.float16", out_dtype)
-    dev = w.device
-    for t, name in ((x, "x"), (x_scale, "x_scale"), (w_scale, "w_scale")):
-        if t is not None and t.device != dev:
-            _fail(ValueError, name, f"a tensor on {dev} (where 'w' is)", f"a tensor on {t.device}")
-    if alpha is not None:
-        if not isinstance(alpha, torch.Tensor):
-            _fail(TypeError, "alpha", "None or a one-element torch.float32 tensor", type(alpha).__name__)
-        _strided(alpha, "alpha")
-        if alpha.dtype != torch.float32 or alpha.numel() != 1 or alpha.dim() > 1:
-            _fail(TypeError, "alpha", "a one-element torch.float32 tensor of 0 or 1 dimensions",
-                  f"{alpha.dtype} of shape {tuple(alpha.shape)}")
-        if alpha.device != dev:
-            _fail(ValueError, "alpha", f"a tensor on {dev} (where 'w' is), read there without a sync",
-                  f"a tensor on {alpha.device}")
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            _fail(TypeError, "out", "a torch.Tensor", type(out).__name__)
-        _strided(out, "out")
-        if out.dtype != out_dtype or tuple(out.shape) != (n, m):
-            _fail(ValueError, "out", f"a [{n}, {m}] {out_dtype} tensor", f"{tuple(out.shape)} {out.dtype}")
-        if out.device != dev:
-            _fail(ValueError, "out", f"a tensor on {dev} (where 'w' is)", f"a tensor on {out.device}")
-    return n, m, k, x_blocked, w_blocked
-
-
 # ----------------------------------------------------------------------------------------------------
-# Exact implementation (any device)
-# ----------------------------------------------------------------------------------------------------
-
-
-def _decode(q):
-    u = q.view(torch.uint8)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=u.device)
-    return torch.stack((table[(u & 0xF).long()], table[(u >> 4).long()]), dim=-1).reshape(u.shape[0], -1)
-
-
-def unswizzle_scales(s, rows, k):
-    """Plain [rows, K/16] scales from the 128x4 blocked layout (either of its shapes)."""
-    r128, c4 = -(-rows // 128), -(-(k // 16) // 4)
-    blocks = s.reshape(r128, c4, 32, 4, 4).permute(0, 3, 2, 1, 4)  # (tile r, group 4, row 32, tile c, col 4)
-    return blocks.reshape(r128 * 128, c4 * 4)[:rows, : k // 16]
-
-
-def _scales64(s, rows, k, blocked):
-    s = s.view(torch.float8_e4m3fn)
-    if blocked:
-        s = unswizzle_scales(s, rows, k)
-    return s.to(torch.float64).repeat_interleave(16, dim=1)
-
-
-def round_to(v, dtype):
-    """float64 ``v`` rounded once to ``dtype`` (bf16 or fp16). torch's cast goes through fp32, rounding
-    twice (8880127.6 -> bf16 gives 8912896, not 8847360); rounding to fp32 by round-to-odd first makes
-    the second rounding the only one (fp32 carries more than two extra bits over either)."""
-    f = v.to(torch.float32)
-    back = f.to(torch.float64)
-    inexact = back != v
-    toward_zero = inexact & (back.abs() > v.abs())  # round-to-nearest went away from zero: step back
-    bits = f.view(torch.int32)
-    bits = torch.where(toward_zero & f.isfinite(), bits - 1, bits)  # magnitude one ulp down, same sign
-    bits = torch.where(inexact & f.isfinite(), bits | 1, bits)  # sticky bit: odd
-    return bits.view(torch.float32).to(dtype)
-
-
-def gemv_reference(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16):
-    """The result from float64 sums of the decoded, scaled values (each product is exact; a sum rounds
-    at most by 2^-53 of its running value), times ``alpha``, rounded once to ``out_dtype``."""
-    n, m, k, xb, wb = check_args(x, x_scale, w, w_scale, alpha, out_dtype)
-    wv = _decode(w) * _scales64(w_scale, m, k, wb)
-    if x_scale is None:  # W4A16
-        return _w4a16.reference(x, wv, alpha, out_dtype, round_to)
-    xv = _decode(x) * _scales64(x_scale, n, k, xb)
-    res = xv @ wv.T
-    if alpha is not None:
-        res = res * alpha.reshape(()).to(torch.float64)
-    return round_to(res, out_dtype)
-
-
-# ----------------------------------------------------------------------------------------------------
-# CUDA launch
+# Routing and launch plans
 # ----------------------------------------------------------------------------------------------------
 
 _compiled = {}
@@ -199,14 +42,14 @@ _plans = {}
 _lock = threading.RLock()
 # eager calls with a weight tensor of a recent call, whose tensors pass that plan's C++ guard (the same
 # metadata), skip the key
-_recent = _k._RecentPlans()
+_recent = launch.RecentPlans()
 
 
 _sms = {}
 
 
 def _sm_count(device_index):
-    """SMs of a device (not ``kernel.device_info``, whose sm_100 probe of ``_scaled_mm`` synchronises)."""
+    """SMs of a device (not ``launch.device_info``, whose sm_100 probe of ``_scaled_mm`` synchronises)."""
     sms = _sms.get(device_index)
     if sms is None:
         sms = _sms[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -225,18 +68,17 @@ MMA_TOKENS = 16  # tokens a launch of the tensor-core kernel takes
 
 def use_mma(n, m, sms):
     """The tensor-core kernel (``nvfp4_gemv.mma``) from 5 tokens on where its 8-row groups fill the GPU; the
-    dp4a kernel (``nvfp4_gemv.tokens``) below and for short weights. On H200 (docs/sweep-op-h200.txt) the dp4a
-    kernel took 32.5 / 34.4 us at N = 3 / 4 on 7168x16384 against 33.7 / 33.8, and 12.2 / 12.5 against 13.6 /
-    13.9 on 4096x7168; at N = 8 56.0 against 35.2; N = 5..7 were not measured, so the cut at 5 is interpolated."""
+    dp4a kernel (``nvfp4_gemv.tokens``) below and for short weights. On H200 the dp4a kernel was faster at
+    N = 3 and (on one of two shapes) 4, the tensor-core kernel far faster at N = 8; N = 5..7 were not measured,
+    so the cut at 5 is interpolated (docs/results.md)."""
     return n >= 5 and m // 8 >= sms
 
 
 def bulk_tuning(n, m, k):
-    """CTAs a SM and rows a thread for the bulk-copy kernel (H200, docs/sweep-op-h200.txt). At K = 16384, 3-4
-    tokens: one CTA a SM, each thread on 4 rows of a stage (27.4 / 30.1 us on 7168x16384 against 29.6 / 34.9
-    with two CTAs of one row a thread, and 32.6 / 34.5 for the dp4a kernel). Else two CTAs, except at 3 tokens
-    on short weights, where one was faster: 6.27 / 9.62 us against 6.56 / 10.08 on 1024x4096 / 1024x16384,
-    while 2048x7168 took 8.99 against 10.03."""
+    """CTAs a SM and rows a thread for the bulk-copy kernel, as measured fastest on H200 (docs/results.md). At
+    K = 16384, 3-4 tokens: one CTA a SM, each thread on 4 rows of a stage (faster than two CTAs of one row a
+    thread, and than the dp4a kernel). Else two CTAs, except at 3 tokens on short weights (M < 2048), where one
+    was faster."""
     if n >= 3 and k == 16384:
         return {"ctas": 1, "rt": 4}
     return {"ctas": 2 if n <= 2 or m >= 2048 else 1}
@@ -245,11 +87,10 @@ def bulk_tuning(n, m, k):
 def use_bulk(n, m, k):
     """The bulk-copy dp4a kernel (``nvfp4_gemv.tokens_bulk``) for 1-3 tokens, and 4 at K = 16384, where its
     rows split into whole warps (K % 1024 == 0), K <= 16384 (the range measured; above it the two-CTA builds
-    spill on DSL 4.3.5 from K = 19456) and K >= 2048 for one token. On H200 (docs/sweep-op-h200.txt) it beat the dp4a kernel at N = 1 / 2 / 3 / 4
-    on 7168x16384 (23.5 / 24.3 / 27.4 / 30.1 us against 24.9 / 31.3 / 32.6 / 34.5) and on most of 15 shapes
-    from 256x16384 to 14336x4096 at N <= 3; it lost at N = 1 with K = 1024 (5.22 against 4.90 us on
-    2048x1024), by up to 0.7 us on 8192x2048 N = 2 and 4096x4096 N = 3, and at N = 4 on 4096x7168 (12.94
-    against 12.56) while it won there on 2048x7168 (9.47 against 11.36): 4 tokens elsewhere stay on dp4a."""
+    spill on DSL 4.3.5 from K = 19456) and K >= 2048 for one token. On H200 it beat the dp4a kernel at N = 1..4
+    on 7168x16384 and on most of 15 shapes from 256x16384 to 14336x4096 at N <= 3; it lost at N = 1 with
+    K = 1024, on a few shapes at N = 2 and 3, and at N = 4 on 4096x7168 while it won there on 2048x7168: 4
+    tokens elsewhere stay on dp4a (docs/results.md)."""
     if k % 1024 or k > 16384 or n > 4 or (n == 1 and k < 2048) or (n == 4 and k != 16384):
         return False
     return Nvfp4GemvTokensBulk.suits(k, n, **bulk_tuning(n, m, k))
@@ -263,7 +104,7 @@ def _get_kernel(device_index, key):
             if kern is None:
                 build = {"mma": compile_mma, "tokens": compile_tokens, "bulk": compile_tokens_bulk}[key[0]]
                 op, fn = build(*key[2:-1], **dict(key[-1]))
-                kern = _k._Kernel(fn, device_index, op)
+                kern = launch.Kernel(fn, device_index, op)
                 kern.check_fast()
                 _compiled[key] = kern
     return kern
@@ -273,7 +114,7 @@ class _TokensPlan:
     """What the tensors' metadata fixes for a launch (kernels, grid, strides, token groups), so that a
     call only reads the data pointers and the stream."""
 
-    variants = ()  # (guard, hit): C++ checks of tensor sets with this plan's key (kernel._RecentPlans)
+    variants = ()  # (guard, hit): C++ checks of tensor sets with this plan's key (launch.RecentPlans)
 
     def __init__(self, x, x_scale, w, w_scale, alpha, out, out_dtype, tuning=()):
         n, m, k, xb, wb = check_args(x, x_scale, w, w_scale, alpha, out_dtype, out)
@@ -282,20 +123,20 @@ class _TokensPlan:
         self.out_shape = (n, m)
         # what the tensors' metadata leaves out: which optional tensors come, the result's dtype without out
         self.signature = (alpha is not None, out is not None, out_dtype)
-        # torch.empty_like of this zero-stride view allocates a dense [n, m] result in about 0.4 us less
-        # host time than w.new_empty(shape, dtype=)
+        # torch.empty_like of this zero-stride view allocates a dense [n, m] result in less host time than
+        # w.new_empty(shape, dtype=) (docs/results.md)
         self.out_template = torch.empty((1, 1), dtype=out_dtype, device=w.device).expand(n, m)
         for t, name in ((x, "x"), (w, "w")):
             if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
-                _fail(ValueError, name, "K-contiguous rows (stride(1) == 1) at 16-byte aligned addresses",
-                      f"strides {t.stride()} at address {t.data_ptr():#x}")
+                fail_gemv(ValueError, name, "K-contiguous rows (stride(1) == 1) at 16-byte aligned addresses",
+                          f"strides {t.stride()} at address {t.data_ptr():#x}")
         for t, name, blocked in ((x_scale, "x_scale", xb), (w_scale, "w_scale", wb)):
             if not blocked and (t.stride(1) != 1 or t.stride(0) % 2 or t.data_ptr() % 2):
-                _fail(ValueError, name, "K-contiguous scales (stride(1) == 1) at even addresses", f"strides {t.stride()}")
+                fail_gemv(ValueError, name, "K-contiguous scales (stride(1) == 1) at even addresses", f"strides {t.stride()}")
         out_rs = m
         if out is not None:
             if out.stride(1) != 1 and m > 1:
-                _fail(ValueError, "out", "unit stride along M", f"strides {out.stride()}")
+                fail_gemv(ValueError, "out", "unit stride along M", f"strides {out.stride()}")
             out_rs = out.stride(0)
         sms = _sm_count(self.dev)
         tuning = dict(tuning)
@@ -330,8 +171,8 @@ class _TokensPlan:
         # bytes apart, so a later group starts 16 * t0 bytes in; beyond that the plan unswizzles on the host
         self.unswizzle_x = xb and g < n and n > 32
         if self.unswizzle_x:
-            _k._warn_once("xs", "nvfp4_gemv.gemv: blocked x_scale for more than 32 tokens is unswizzled on the "
-                          "host each call (extra torch kernels): pass plain x_scale")
+            launch.warn_once("xs", "nvfp4_gemv.gemv: blocked x_scale for more than 32 tokens is unswizzled on the "
+                             "host each call (extra torch kernels): pass plain x_scale")
             xb = False
         tile = 512 * (-(-(k // 16) // 4))  # bytes of a 128-row tile of blocked scales
         ws_rs = tile if wb else w_scale.stride(0)
@@ -361,8 +202,8 @@ class _TokensPlan:
                    if p & mask]
             if not bad:  # w_scale even but off 16 bytes, under a bulk-copy plan
                 return self._unaligned(x, x_scale, w, w_scale, alpha, out, out_dtype)
-            _fail(ValueError, bad[0], "16-byte aligned rows of x and w, even addresses of the scales",
-                  f"address {dict(x=px, w=pw, x_scale=pxs, w_scale=pws)[bad[0]]:#x}")
+            fail_gemv(ValueError, bad[0], "16-byte aligned rows of x and w, even addresses of the scales",
+                      f"address {dict(x=px, w=pw, x_scale=pxs, w_scale=pws)[bad[0]]:#x}")
         if self.unswizzle_x:
             x_scale = unswizzle_scales(x_scale.view(torch.uint8), self.out_shape[0], self.k).contiguous()
             pxs = x_scale.data_ptr()
@@ -370,8 +211,8 @@ class _TokensPlan:
             out = torch.empty_like(self.out_template)
         pout = out.data_ptr()
         pa = alpha.data_ptr() if alpha is not None else 0
-        dev_ok = _k._get_device() == self.dev
-        stream = _k._current_stream(self.dev)
+        dev_ok = launch.current_device() == self.dev
+        stream = launch.current_stream(self.dev)
         for kern, (dx, dxs, dout), static in self.launches:
             if kern.ffi is not None and dev_ok:
                 kern.ffi(pw, px + dx, pws, pxs + dxs, pout + dout, pa, *static, stream)
@@ -388,7 +229,7 @@ class _TokensPlan:
         kern, (dx, dxs, dout), static = self.launches[0] if len(self.launches) == 1 else (None, (0, 0, 0), ())
         ffi = kern.ffi if kern is not None and not self.unswizzle_x else None
         dev, ws_mask, template = self.dev, self.ws_mask, self.out_template
-        get_device, stream, empty_like = _k._get_device, _k._current_stream, torch.empty_like
+        get_device, stream, empty_like = launch.current_device, launch.current_stream, torch.empty_like
 
         def call(x, x_scale, w, w_scale, alpha, out, out_dtype):
             if (alpha is None) == has_alpha or (out is None) == has_out or (out is None and out_dtype != dtype):
@@ -425,10 +266,10 @@ class _TokensPlan:
         key): the dp4a kernel takes it, from a second plan."""
         tuning, mma, forced = self.args
         if forced:
-            _fail(ValueError, "w_scale", "a 16-byte aligned address for the bulk-copy kernel", f"{w_scale.data_ptr():#x}")
+            fail_gemv(ValueError, "w_scale", "a 16-byte aligned address for the bulk-copy kernel", f"{w_scale.data_ptr():#x}")
         if self.fallback is None:
-            _k._warn_once("ws16", "nvfp4_gemv.gemv: w_scale is not 16-byte aligned, so the bulk-copy kernel "
-                          "cannot copy it; the dp4a kernel runs instead (up to 1.3x slower at 2 tokens on H200)")
+            launch.warn_once("ws16", "nvfp4_gemv.gemv: w_scale is not 16-byte aligned, so the bulk-copy kernel "
+                             "cannot copy it; the dp4a kernel runs instead (up to 1.3x slower at 2 tokens on H200)")
             self.fallback = _TokensPlan(x, x_scale, w, w_scale, alpha, out, out_dtype,
                                         tuning=tuple(sorted({**dict(tuning), "mma": int(mma), "bulk": 0}.items())))
         return self.fallback(x, x_scale, w, w_scale, alpha, out, out_dtype)
@@ -452,10 +293,10 @@ def _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype, key=None):
     plan = _plans.get(key)
     if plan is None:
         if w.device.type != "cuda":
-            _fail(ValueError, "w", "a CUDA tensor for the CUDA path", f"a tensor on {w.device}")
+            fail_gemv(ValueError, "w", "a CUDA tensor for the CUDA path", f"a tensor on {w.device}")
         plan = _TokensPlan(x, x_scale, w, w_scale, alpha, out, out_dtype)
         if key is not None:
-            if len(_plans) >= _k.MAX_PLANS:
+            if len(_plans) >= launch.MAX_PLANS:
                 _plans.clear()
             _plans[key] = plan
     return plan(x, x_scale, w, w_scale, alpha, out, out_dtype)
@@ -463,7 +304,7 @@ def _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype, key=None):
 
 def _run(x, x_scale, w, w_scale, alpha, out, out_dtype):
     if w.is_cuda and x_scale is None:
-        return _w4a16.run_cuda(x, w, w_scale, alpha, out, out_dtype, check_args)
+        return w4a16.run_cuda(x, w, w_scale, alpha, out, out_dtype, check_args)
     if w.is_cuda:
         return _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype)
     res = gemv_reference(x, x_scale, w, w_scale, alpha, out_dtype)
@@ -509,7 +350,8 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
     :param x: activations: [N, K] ``torch.bfloat16`` or ``torch.float16`` as they are (W4A16, the
         weight-only path: ``x_scale`` must be None; ``nvfp4_gemv.w4a16``), or NVFP4 [N, K/2]
         ``torch.float4_e2m1fn_x2`` / ``torch.uint8`` (two e2m1 values a byte, the first in the low nibble).
-        ``w`` is read once per group of tokens (up to 32 for W4A16, 16 for NVFP4 x from N = 5 on).
+        ``w`` is read once per group of tokens (up to 32 for W4A16; for NVFP4 x up to 16 from N = 5 on),
+        so more tokens cost far less than one call each (docs/results.md).
     :param x_scale: None for bf16/fp16 ``x``; for NVFP4 ``x`` its [N, K/16] ``torch.float8_e4m3fn`` (or
         uint8 bytes) scales, one per 16 values, or the 128x4 blocked layout (see ``w_scale``).
     :param w: weights [M, K/2], the same dtypes; M % 128 == 0, K % 64 == 0, K <= 32768.
@@ -530,7 +372,7 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
     direct = (type(w) in _PLAIN and type(x) in _PLAIN and not torch.compiler.is_compiling()
               and not torch._C._len_torch_dispatch_stack())
     if direct and x_scale is None and w.is_cuda:  # W4A16 (check_args names a missing x_scale for fp4 x)
-        return _w4a16.run_cuda(x, w, w_scale, alpha, out, getattr(out, "dtype", out_dtype), check_args)
+        return w4a16.run_cuda(x, w, w_scale, alpha, out, getattr(out, "dtype", out_dtype), check_args)
     if direct:
         hit = _recent.hits.get(id(w))
         res = hit(x, x_scale, w, w_scale, alpha, out, out_dtype) if hit is not None else None
@@ -548,9 +390,9 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
             _recent.add(w, ts, plan)
             return plan(x, x_scale, w, w_scale, alpha, out, out_dtype if out is None else out.dtype)
     if out is not None:
-        if not isinstance(out, torch.Tensor) or out.dtype not in _OUT:
-            _fail(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor",
-                  getattr(out, "dtype", type(out).__name__))
+        if not isinstance(out, torch.Tensor) or out.dtype not in OUT_DTYPES:
+            fail_gemv(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor",
+                      getattr(out, "dtype", type(out).__name__))
         out_dtype = out.dtype
     if not direct or not w.is_cuda:
         if not torch.compiler.is_compiling():

@@ -24,8 +24,12 @@ import cutlass.cute as cute
 import torch
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .kernel import _CUstream, _Kernel, _asm, _asm_store, _current_stream, _get_device, dsl_compile, ldg_v4
-from .tokens import ldg_f32
+from cuda.bindings.driver import CUstream
+
+from .launch import Kernel, current_device, current_stream, dsl_compile
+from .ptx import asm as _asm
+from .ptx import asm_store as _asm_store
+from .ptx import ldg_f32, ldg_v4
 
 THREADS = 256
 
@@ -155,7 +159,7 @@ def compile_quantize(k, x_bf16, options=None, tvm_ffi=None):
     """``(op, compiled)`` (no GPU needed when ``options`` names ``--gpu-arch``)."""
     op = Nvfp4Quantize(k, x_bf16)
     i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
-    return op, dsl_compile(op, (i64, i64, i64, i64, i32, i64, i32, _CUstream(0)), options, tvm_ffi)
+    return op, dsl_compile(op, (i64, i64, i64, i64, i32, i64, i32, CUstream(0)), options, tvm_ffi)
 
 
 def quantize_cuda(x, global_scale, out_q, out_s):
@@ -174,7 +178,7 @@ def quantize_cuda(x, global_scale, out_q, out_s):
             kern = _compiled.get(key)
             if kern is None:
                 op, fn = compile_quantize(k, key[2])
-                kern = _compiled[key] = _Kernel(fn, dev, op)
+                kern = _compiled[key] = Kernel(fn, dev, op)
                 kern.check_fast()
     sms = _sms.get(dev)
     if sms is None:
@@ -182,8 +186,8 @@ def quantize_cuda(x, global_scale, out_q, out_s):
     blocks = rows * (k // 16)
     grid = max(1, min(-(-blocks // THREADS), sms * 8))
     args = (x.data_ptr(), global_scale.data_ptr(), out_q.data_ptr(), out_s.data_ptr(), rows, x.stride(0) * 2, grid)
-    stream = _current_stream(dev)
-    if kern.ffi is not None and _get_device() == dev:
+    stream = current_stream(dev)
+    if kern.ffi is not None and current_device() == dev:
         kern.ffi(*args, stream)
     else:
         with torch.cuda.device(dev):

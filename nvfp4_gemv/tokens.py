@@ -1,13 +1,14 @@
 """The model-code op's kernel: ``out[n, m] = alpha * sum_k x[n, k] xs[n, k // 16] w[m, k] ws[m, k // 16]`` for
 ``N`` token rows ``x`` at once, so that the weights ``w`` (the bytes that bound the time) are read once.
 
-It is the streaming kernel of ``nvfp4_gemv.kernel`` (``Nvfp4Gemv``: groups of lanes own a row of ``w`` at a
+It is the streaming kernel of ``nvfp4_gemv.streaming`` (``Nvfp4Gemv``: groups of lanes own a row of ``w`` at a
 time, grid-strided over the rows, 16-byte loads in flight while the previous unit computes) with ``N``
 vectors decoded into shared memory instead of one. A chunk of ``w`` (32 values) is decoded once into its
 positive and negative byte lookups (from three tokens on, into signed int8); each token then costs eight
 (four) ``dp4a`` a block against its int8 copy, one scaling and an fp32 fused multiply-add (the op's
-accuracy contract allows fp32 sums: ``_chunk_dot_tokens``). ``N`` is a compile-time constant. Where ``N`` tokens' decoded copies do
-not fit in shared memory the op launches the kernel once per group of tokens (``token_group``).
+accuracy contract allows fp32 sums: ``_chunk_dot_tokens``). ``N`` is a compile-time constant. Where ``N``
+tokens' decoded copies do not fit in shared memory the op launches the kernel once per group of tokens
+(``op.token_group``). The decode helpers it shares with ``tokens_bulk`` are in ``nvfp4_gemv.decode``.
 
 Layouts: ``w`` [M, K/2] and ``x`` [N, K/2] K-contiguous with 16-byte aligned rows; each scale tensor plain
 ([rows, K/16], K-contiguous) or the 128x4 blocked layout of ``to_blocked`` (``w_blocked``/``x_blocked``);
@@ -16,125 +17,37 @@ Layouts: ``w`` [M, K/2] and ``x`` [N, K/2] K-contiguous with 16-byte aligned row
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cuda.bindings.driver import CUstream
 
-from .kernel import (
+from .decode import (
     E2M1_TIMES2_LO,
-    Nvfp4Gemv,
-    SmemAllocator,
-    _asm,
-    _asm_store,
-    _CUstream,
     blocked_row,
-    dsl_compile,
+    chunk_dots,
+    chunk_lookups,
     e4m3x2_to_f32x2,
     fp4x8_to_i8,
     group_sum,
+    scale_offset,
+)
+from .launch import dsl_compile
+from .ptx import (
+    SMEM_A_SM,
+    SmemAllocator,
+    ldg_f32,
     ldg_u16,
     ldg_v4,
     lds_f32x2,
     lds_u32,
     lds_v4,
-    scale_offset,
+    stg_as,
     sts_f32x2,
     sts_u32,
     sts_v4,
 )
-
-SMEM_A_SM = 233472  # 228 KiB a SM on sm_90 and sm_100, 1 KiB of it reserved for each CTA
-
-
-@dsl_user_op
-def fp4x16_lookups(x0, x1, tbl, *, loc=None, ip=None):
-    """The byte lookups of 16 e2m1 nibbles that ``fp4x16_dot_i8`` makes, kept for reuse across tokens:
-    ``(p, q)`` for each group of four values, ``p`` the magnitudes ``2|v|`` of the positive values, ``q``
-    of the negative ones."""
-    r = _asm([T.i32()] * 8, [cutlass.Int32(v) for v in (x0, x1, tbl)],
-             "{\n.reg .b32 n0, n1, h;\n"
-             "xor.b32 n0, $8, 0x88888888;\nxor.b32 n1, $9, 0x88888888;\n"
-             "prmt.b32 $0, $10, 0x0C080604, $8;\nprmt.b32 $1, $10, 0x0C080604, n0;\n"
-             "shr.b32 h, $8, 16;\nprmt.b32 $2, $10, 0x0C080604, h;\n"
-             "shr.b32 h, n0, 16;\nprmt.b32 $3, $10, 0x0C080604, h;\n"
-             "prmt.b32 $4, $10, 0x0C080604, $9;\nprmt.b32 $5, $10, 0x0C080604, n1;\n"
-             "shr.b32 h, $9, 16;\nprmt.b32 $6, $10, 0x0C080604, h;\n"
-             "shr.b32 h, n1, 16;\nprmt.b32 $7, $10, 0x0C080604, h;\n}",
-             "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", loc, ip)
-    return [cutlass.Int32(v) for v in r]
+from .streaming import Nvfp4Gemv
 
 
-# The integer dot products start from the bits of 1.5 * 2^23: the sum's bits are then those of the fp32
-# 1.5 * 2^23 + dot (|dot| <= 2304 < 2^22), and one exact fp32 subtraction gives float(dot) (no I2F, whose
-# quarter-rate pipe bounds several tokens a block).
-MAGIC, MAGIC_F = "0x4B400000", "0f4B400000"
-
-
-@dsl_user_op
-def lookups_dot(s, w, *, loc=None, ip=None):
-    """``float(sum(2a * 2b))`` over 16 values (exact) from ``fp4x16_lookups``' eight words and ``b``'s
-    four int8 words."""
-    r = _asm([T.f32()], [cutlass.Int32(v) for v in (*s, *w)],
-             "{\n.reg .b32 p, q;\n.reg .f32 f;\n"
-             f"dp4a.s32.s32 p, $1, $9, {MAGIC};\ndp4a.s32.s32 q, $2, $9, 0;\n"
-             "dp4a.s32.s32 p, $3, $10, p;\ndp4a.s32.s32 q, $4, $10, q;\n"
-             "dp4a.s32.s32 p, $5, $11, p;\ndp4a.s32.s32 q, $6, $11, q;\n"
-             "dp4a.s32.s32 p, $7, $12, p;\ndp4a.s32.s32 q, $8, $12, q;\n"
-             f"sub.s32 p, p, q;\nmov.b32 f, p;\nsub.f32 $0, f, {MAGIC_F};\n}}", "=f,r,r,r,r,r,r,r,r,r,r,r,r", loc, ip)
-    return cutlass.Float32(r[0])
-
-
-@dsl_user_op
-def lookups_signed(s, *, loc=None, ip=None):
-    """The four signed int8 words ``2a`` of a block from its eight lookup words (``p - q`` a byte: at most
-    one of the two is non-zero, so the bytes never borrow from each other)."""
-    r = _asm([T.i32()] * 4, [cutlass.Int32(v) for v in s],
-             "{\n.reg .b32 t;\n"
-             "or.b32 t, $4, 0x80808080;\nsub.u32 t, t, $5;\nxor.b32 $0, t, 0x80808080;\n"
-             "or.b32 t, $6, 0x80808080;\nsub.u32 t, t, $7;\nxor.b32 $1, t, 0x80808080;\n"
-             "or.b32 t, $8, 0x80808080;\nsub.u32 t, t, $9;\nxor.b32 $2, t, 0x80808080;\n"
-             "or.b32 t, $10, 0x80808080;\nsub.u32 t, t, $11;\nxor.b32 $3, t, 0x80808080;\n}",
-             "=r,=r,=r,=r,r,r,r,r,r,r,r,r", loc, ip)
-    return [cutlass.Int32(v) for v in r]
-
-
-@dsl_user_op
-def signed_dot(a, w, *, loc=None, ip=None):
-    """``float(sum(2a * 2b))`` over 16 values (exact) from four signed int8 words of each."""
-    r = _asm([T.f32()], [cutlass.Int32(v) for v in (*a, *w)],
-             "{\n.reg .b32 p;\n.reg .f32 f;\n"
-             f"dp4a.s32.s32 p, $1, $5, {MAGIC};\ndp4a.s32.s32 p, $2, $6, p;\n"
-             "dp4a.s32.s32 p, $3, $7, p;\ndp4a.s32.s32 p, $4, $8, p;\n"
-             f"mov.b32 f, p;\nsub.f32 $0, f, {MAGIC_F};\n}}", "=f,r,r,r,r,r,r,r,r", loc, ip)
-    return cutlass.Float32(r[0])
-
-
-def chunk_lookups(v, tbl, signed):
-    """A chunk's two blocks of 16 e2m1 values (four words) decoded once for every token: their
-    ``fp4x16_lookups``, or where ``signed`` their signed int8 words."""
-    lk = (fp4x16_lookups(v[0], v[1], tbl), fp4x16_lookups(v[2], v[3], tbl))
-    return tuple(lookups_signed(b) for b in lk) if signed else lk
-
-
-def chunk_dots(lk, xv, signed):
-    """The two blocks' exact dot products (``chunk_lookups``) with a token's eight int8 words of the chunk."""
-    dot = signed_dot if signed else lookups_dot
-    return dot(lk[0], xv[0:4]), dot(lk[1], xv[4:8])
-
-
-@dsl_user_op
-def ldg_f32(addr, *, loc=None, ip=None):
-    r = _asm([T.f32()], [cutlass.Int64(addr)], "ld.global.nc.f32 $0, [$1];", "=f,l", loc, ip)
-    return cutlass.Float32(r[0])
-
-
-@dsl_user_op
-def stg_as(addr, v, bf16, *, loc=None, ip=None):
-    """Stores fp32 ``v`` rounded to bf16 (``bf16``) or fp16."""
-    cvt = "cvt.rn.bf16.f32" if bf16 else "cvt.rn.f16.f32"
-    _asm_store([cutlass.Int64(addr), cutlass.Float32(v)],
-               "{\n.reg .b16 h;\n" + cvt + " h, $1;\nst.global.b16 [$0], h;\n}", "l,f", loc, ip)
-
-
-class _OpLaunch:
+class OpLaunch:
     """What the op's kernels share: the 14 run-time arguments (six addresses, M, five row strides in bytes,
     the grid, the stream), one launch with the subclass's block, shared memory and occupancy, and the
     kernel's signature; the subclass's ``op_body`` is the kernel."""
@@ -158,16 +71,16 @@ class _OpLaunch:
 def compile_op(op, options=None, tvm_ffi=None):
     """``(op, compiled)`` for one of the op's kernels (no GPU needed when ``options`` names ``--gpu-arch``)."""
     i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
-    return op, dsl_compile(op, (*[i64] * 6, i32, *[i64] * 5, i32, _CUstream(0)), options, tvm_ffi)
+    return op, dsl_compile(op, (*[i64] * 6, i32, *[i64] * 5, i32, CUstream(0)), options, tvm_ffi)
 
 
-class Nvfp4GemvTokens(_OpLaunch, Nvfp4Gemv):
+class Nvfp4GemvTokens(OpLaunch, Nvfp4Gemv):
     """``Nvfp4Gemv`` over ``n_tok`` token rows at once: see the module docstring."""
 
     def __init__(self, k: int, n_tok: int, w_blocked: bool, x_blocked: bool, has_alpha: bool, out_bf16: bool,
                  threads=None, min_blocks=None, depth=None, group=None, signed=None):
-        # several tokens: 512 threads and one CTA a SM (up to 128 registers a thread) measured 8-12% faster
-        # than 256 x 2 at N = 2..16 on H200 (docs/perf-notes.md); one token keeps the streaming kernel's
+        # several tokens: 512 threads and one CTA a SM (up to 128 registers a thread) measured faster than
+        # 256 x 2 at N = 2..16 on H200 (docs/results.md); one token keeps the streaming kernel's
         self.threads = threads or (256 if n_tok == 1 else 512)
         self.n_tok = n_tok
         self.x_blocked = x_blocked

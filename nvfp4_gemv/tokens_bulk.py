@@ -17,46 +17,23 @@ most ``max_n`` chunks (so in effect ``K % 1024 == 0``), and ``n * N <= 8`` (regi
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .kernel import (
-    STAGE_EXTRA_BYTES,
-    _asm,
-    _asm_store,
-    blocked_row,
-    copy_tile,
-    e4m3x2_to_f32x2,
-    fp4x8_to_i8,
+from .bulk import STAGE_EXTRA_BYTES, copy_tile, stage_buffers
+from .decode import blocked_row, chunk_dots, chunk_lookups, e4m3x2_to_f32x2, fp4x8_to_i8, scale_offset
+from .ptx import (
+    SMEM_A_SM,
+    ldg_f32,
     ldg_u16,
     ldg_v4,
+    lds_stage_f32,
     lds_stage_u16,
     lds_stage_v4,
     mbar_arrive,
     mbar_wait,
-    scale_offset,
-    stage_buffers,
-)
-from .tokens import (
-    SMEM_A_SM,
-    _OpLaunch,
-    chunk_dots,
-    chunk_lookups,
-    compile_op,
-    ldg_f32,
     stg_as,
+    sts_f32,
 )
-
-
-@dsl_user_op
-def sts_f32(addr, v, *, loc=None, ip=None):
-    _asm_store([cutlass.Int32(addr), cutlass.Float32(v)], "st.shared.f32 [$0], $1;", "r,f", loc, ip)
-
-
-@dsl_user_op
-def lds_stage_f32(addr, *, loc=None, ip=None):
-    """A read of what other threads wrote before an mbarrier: side effects keep it after the wait."""
-    r = _asm([T.f32()], [cutlass.Int32(addr)], "ld.shared.f32 $0, [$1];", "=f,r", loc, ip, volatile=True)
-    return cutlass.Float32(r[0])
+from .tokens import OpLaunch, compile_op
 
 
 def scatter_sum(vals, lane):
@@ -78,7 +55,7 @@ def scatter_sum(vals, lane):
     return v
 
 
-class Nvfp4GemvTokensBulk(_OpLaunch):
+class Nvfp4GemvTokensBulk(OpLaunch):
     """See the module docstring. ``threads`` is the consumer threads a CTA aims at (a power of two of whole
     rows' threads), ``max_n`` the most chunks a thread, ``rt`` the rows of a stage each thread takes (1, 2
     or 4: its share of x and the per-row work, the waits and the warp sums, serve ``rt`` rows)."""

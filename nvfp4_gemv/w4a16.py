@@ -48,13 +48,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .kernel import SmemAllocator, _asm, blocked_row, ldg_u16, ldg_v4, lds_stage_v4, scale_offset, sts_v4
-from .mma import lds_stage_f32, scaled_f16x8, sts_f32x4
-from .tokens import _OpLaunch, compile_op, ldg_f32, stg_as
+from .decode import blocked_row, scale_offset
+from .mma import scaled_f16x8
+from .ptx import SMEM_A_SM, SmemAllocator, ldg_f32, ldg_u16, ldg_v4, lds_stage_f32, stg_as, sts_f32x4, sts_v4
+from .ptx import asm as _asm
+from .tokens import OpLaunch, compile_op
 
 MAX_TOKENS = 32  # tokens a launch takes: two A tiles of 16
 MAX_GROUPS = 8
-SMEM_CTA = 232448  # 227 KiB: the most a CTA may use on sm_90 and sm_100 (228 KiB a SM, 1 KiB reserved)
+SMEM_CTA = SMEM_A_SM - 1024  # the most one CTA may use on sm_90 and sm_100 (1 KiB of a SM reserved a CTA)
 BF16_SUM_SCALE = 128.0  # 2^7: undoes the 2^-7 of the bf16 weights
 F16_SUM_SCALE = 16384.0  # 2^14: undoes the 2^-14 of the f16 weights
 
@@ -154,7 +156,7 @@ def pick_groups(n_tok, m, sms):
     return min(range(1, cap + 1), key=cost)
 
 
-class Nvfp4GemvW4A16(_OpLaunch):
+class Nvfp4GemvW4A16(OpLaunch):
     """The W4A16 kernel; one instance per (K, tokens, groups, x dtype, scale layout, epilogue, tuning)."""
 
     def __init__(self, k: int, n_tok: int, groups: int, x_bf16: bool, w_blocked: bool, has_alpha: bool,
@@ -381,7 +383,7 @@ import threading  # noqa: E402
 
 import torch  # noqa: E402
 
-from .kernel import MAX_PLANS, _current_stream, _get_device, _Kernel  # noqa: E402
+from .launch import MAX_PLANS, Kernel, current_device, current_stream  # noqa: E402
 
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 # from this many tokens on, w is dequantized into x's dtype and multiplied by torch.mm (cuBLAS, tensor cores):
@@ -432,7 +434,7 @@ def _get_kernel(dev, key):
             if kern is None:
                 _, k, nt, groups, x_bf16, wb, has_alpha, out_bf16, tuning = key[1:]
                 op, fn = compile_w4a16(k, nt, groups, x_bf16, wb, has_alpha, out_bf16, **dict(tuning))
-                kern = _Kernel(fn, dev, op)
+                kern = Kernel(fn, dev, op)
                 kern.check_fast()
                 _compiled[key] = kern
     return kern
@@ -444,7 +446,7 @@ def _fail(exc, name, expected, got):
 
 class W4A16Plan:
     """What the tensors' metadata fixes for the W4A16 launches (kernels, grid, strides, token groups), so
-    that a call only reads the data pointers and the stream. ``dims`` comes from ``op.check_args``."""
+    that a call only reads the data pointers and the stream. ``dims`` comes from ``reference.check_args``."""
 
     def __init__(self, x, w, w_scale, alpha, out, out_dtype, dims, tuning=()):
         n, m, k, _, wb = dims
@@ -499,8 +501,8 @@ class W4A16Plan:
             out = torch.empty_like(self.out_template)
         pout = out.data_ptr()
         pa = alpha.data_ptr() if alpha is not None else 0
-        dev_ok = _get_device() == self.dev
-        stream = _current_stream(self.dev)
+        dev_ok = current_device() == self.dev
+        stream = current_stream(self.dev)
         for kern, (dx, dout), static in self.launches:
             if kern.ffi is not None and dev_ok:
                 kern.ffi(pw, px + dx, pws, 0, pout + dout, pa, *static, stream)
@@ -513,7 +515,7 @@ class W4A16Plan:
 def dequantized(w, w_scale, k, blocked, dtype):
     """``w * w_scale`` in ``dtype`` (bf16 or fp16: exact, e2m1 x e4m3 has at most 6 significant bits), by
     torch ops on w's device."""
-    from .op import E2M1_VALUES, unswizzle_scales
+    from .reference import E2M1_VALUES, unswizzle_scales
 
     m = w.shape[0]
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)

@@ -11,6 +11,7 @@ import submission
 from conftest import task_cases
 
 G = submission.Nvfp4Gemv
+LATENCY = submission.latency_tuning  # None where the problem does not fit one wave
 H200_SMS = 132
 
 
@@ -19,20 +20,21 @@ ONE_WAVE = [c for c in task_cases("tests") if c[:3] != (2432, 4608, 2)]
 
 @pytest.mark.parametrize("m,k,l,seed", ONE_WAVE)
 def test_small_test_shapes_take_the_latency_config(m, k, l, seed):
-    tuning = dict(G.shape_tuning(k, m, l, H200_SMS))
-    op = G(k, False, **tuning)
-    assert tuning and op.per_lane == op.batch, "one unit a row: the lane's loads all in flight at once"
+    tuning = LATENCY(k, m, l, H200_SMS)
+    assert tuning is not None
+    op = G(k, False, **dict(tuning))
+    assert op.per_lane == op.batch, "one unit a row: the lane's loads all in flight at once"
 
 
 @pytest.mark.parametrize("m,k,l,seed", task_cases("benchmarks") + [(2432, 4608, 2, 0)])
 def test_shapes_beyond_one_wave_stream(m, k, l, seed):
-    assert G.shape_tuning(k, m, l, H200_SMS) == ()
+    assert LATENCY(k, m, l, H200_SMS) is None
 
 
 @pytest.mark.parametrize("m,k,l,seed", task_cases("benchmarks"))
 def test_long_rows_beyond_one_wave_take_the_bulk_kernel(m, k, l, seed):
     assert bool(dict(submission.pick_tuning(k, m, l, H200_SMS, False)).get("bulk")) == (k >= submission.BULK_MIN_K)
-    assert submission.pick_tuning(k, m, l, H200_SMS, True) == (), "blocked scales: streaming kernel"
+    assert submission.pick_tuning(k, m, l, H200_SMS, True) == submission.Streaming(), "blocked scales: streaming kernel"
 
 
 @pytest.mark.parametrize("m,k,l,batch,ctas", [(7168, 2048, 4, 4, 3), (16384, 2048, 1, 4, 3), (4096, 2048, 8, 4, 3),
@@ -49,14 +51,14 @@ def test_streaming_units_of_4_or_2_chunks_load_scales_wide(m, k, l, batch, ctas)
     assert tuning.get("sf_wide") == 1 and tuning.get("min_blocks") == ctas
     op = submission.make_op(k, False, **tuning)
     assert op.batch == batch
-    assert submission.pick_tuning(k, m, l, H200_SMS, True) == (), "blocked scales: two-byte loads"
+    assert submission.pick_tuning(k, m, l, H200_SMS, True) == submission.Streaming(), "blocked scales: two-byte loads"
 
 
 @pytest.mark.parametrize("k", [26624, 30720, 53248])
 def test_long_rows_without_the_bulk_kernel_keep_units_of_2_chunks(k):
     """Units of 4 were measured only below the bulk kernel's K; longer rows that it does not split evenly stay as
     they were (not measured)."""
-    assert not submission.Nvfp4GemvBulk.suits(k) and G(k, False).batch == 2
+    assert not submission.bulk_suits(k) and G(k, False).batch == 2
     assert dict(submission.pick_tuning(k, 8192, 4, H200_SMS, False)) == {"sf_wide": 1}
 
 
@@ -71,21 +73,22 @@ def test_dsl_version_names_the_installed_dsl():
 def test_units_of_4_chunks_over_8_lanes_run_2_ctas_from_dsl_4_4(dsl, ctas):
     """K = 1024 with wide scale loads on H200: 3 CTAs a SM 0.4 us faster than 2 on DSL 4.3.5, 0.4-1.4 us
     slower on 4.8.1 (nearly the same SASS, ordered differently); K = 2048 (16 lanes) keeps 3 on both."""
-    assert G(1024, False, **dict(G.wide_tuning(1024, dsl=dsl))).ctas_per_sm() == ctas
-    assert G(2048, False, **dict(G.wide_tuning(2048, dsl=dsl))).ctas_per_sm() == 3
+    assert G(1024, False, **dict(submission.wide_tuning(1024, dsl=dsl))).ctas_per_sm() == ctas
+    assert G(2048, False, **dict(submission.wide_tuning(2048, dsl=dsl))).ctas_per_sm() == 3
 
 
 @pytest.mark.parametrize("m,k,l", [(2432, 4608, 2), (2048, 2304, 3), (8192, 1280, 4), (2048, 1536, 4)])
 def test_unit_shapes_not_measured_faster_keep_two_byte_scale_loads(m, k, l):
     """Units of 3 chunks (K = 4608: no gain measured), of 1 chunk, or of 2 chunks over 8 lanes (not measured)."""
-    assert submission.pick_tuning(k, m, l, H200_SMS, False) == ()
+    assert submission.pick_tuning(k, m, l, H200_SMS, False) == submission.Streaming()
 
 
 @pytest.mark.parametrize("k", [4160, 2112, 1088])
 def test_rows_split_over_fewer_than_8_lanes_keep_two_byte_scale_loads(k):
     """K % 256 != 0 (sfa rows not a multiple of 16 bytes) always means fewer than 8 lanes a row here."""
     assert G(k, False).group < 8
-    assert G.wide_tuning(k) == () and submission.pick_tuning(k, 8192, 4, H200_SMS, False) == ()
+    assert submission.wide_tuning(k) is None
+    assert submission.pick_tuning(k, 8192, 4, H200_SMS, False) == submission.Streaming()
 
 
 @pytest.mark.parametrize("l", range(1, 17))
@@ -100,9 +103,9 @@ def test_streaming_grid_fits_one_wave(l, ctas):
 @pytest.mark.parametrize("m,k,l", [(2048, 11264, 1), (1024, 12288, 2), (512, 9216, 4)])
 def test_one_wave_long_rows_too_many_to_split_take_the_bulk_kernel(m, k, l):
     """Measured on H200: the bulk kernel 0.8-2.1 us faster than the latency config on these."""
-    assert dict(G.shape_tuning(k, m, l, H200_SMS)).get("batch") == k // 32 // 32, "latency config possible"
+    assert dict(LATENCY(k, m, l, H200_SMS)).get("batch") == k // 32 // 32, "latency config possible"
     assert dict(submission.pick_tuning(k, m, l, H200_SMS, False)).get("bulk") == 1
-    assert submission.pick_tuning(k, m, l, H200_SMS, True) == G.shape_tuning(k, m, l, H200_SMS), "blocked scales"
+    assert submission.pick_tuning(k, m, l, H200_SMS, True) == LATENCY(k, m, l, H200_SMS), "blocked scales"
 
 
 @pytest.mark.parametrize("m,k,l,dynamic", [(4096, 7168, 8, True), (2048, 11264, 1, True), (1024, 8192, 4, True),
@@ -110,7 +113,8 @@ def test_one_wave_long_rows_too_many_to_split_take_the_bulk_kernel(m, k, l):
 def test_bulk_tiles_of_several_rows_are_claimed_at_run_time(m, k, l, dynamic):
     """Dynamic tiles measured faster on 4-row tiles (K = 7168) and slower on one-row tiles (K = 16384)."""
     tuning = submission.pick_tuning(k, m, l, H200_SMS, False)
-    assert (tuning == (("bulk", 1), ("dynamic", 1))) == dynamic, tuning
+    assert (tuning == submission.Bulk(dynamic=1)) == dynamic, tuning
+    assert (tuple(tuning) == (("bulk", 1), ("dynamic", 1))) == dynamic, "its (name, value) pairs"
     assert (submission.make_op(k, False, **dict(tuning)).rows >= 2) == dynamic
 
 
@@ -123,7 +127,7 @@ def test_one_wave_long_rows_split_with_a_tail_at_several_chunks_a_lane(m, k, l, 
     op = submission.make_op(k, False, **tuning)
     assert isinstance(op, submission.Nvfp4GemvSplit) and op.split == split and op.tail and op.per_lane > 1
     assert m * l * op.row_lanes <= H200_SMS * 1024, "every thread resident at once"
-    assert submission.pick_tuning(k, m, l, H200_SMS, True) == G.shape_tuning(k, m, l, H200_SMS), (
+    assert submission.pick_tuning(k, m, l, H200_SMS, True) == LATENCY(k, m, l, H200_SMS), (
         "blocked scales (no bulk kernel to beat): the latency config, as before")
 
 
@@ -170,8 +174,8 @@ def test_split_takes_the_largest_that_fits_one_wave_else_two_waves(m, k, l, spli
 def test_latency_config_yields_to_streaming_where_its_tail_is_longer(m, k, l, latency):
     """One unit of 8+ chunks a lane on more CTAs than SMs computes everything after its last byte; the
     streaming kernel overlaps its units of 3+ chunks (measured on H200, docs/perf-notes.md)."""
-    assert bool(G.shape_tuning(k, m, l, H200_SMS)) == latency
-    assert submission.pick_tuning(k, m, l, H200_SMS, False) == G.shape_tuning(k, m, l, H200_SMS)
+    assert (LATENCY(k, m, l, H200_SMS) is not None) == latency
+    assert submission.pick_tuning(k, m, l, H200_SMS, False) == (LATENCY(k, m, l, H200_SMS) or submission.Streaming())
 
 
 @pytest.mark.parametrize("m,k,l,seed", ONE_WAVE)
@@ -182,7 +186,7 @@ def test_one_wave_splits_rows_over_warps_where_k_allows(m, k, l, seed):
         assert isinstance(op, submission.Nvfp4GemvSplit) and op.per_lane == 1, "one chunk a lane"
         assert m * l * op.row_lanes <= H200_SMS * 1536, "every thread resident at once"
     else:
-        assert tuning == G.shape_tuning(k, m, l, H200_SMS)
+        assert tuning == LATENCY(k, m, l, H200_SMS)
 
 
 @pytest.mark.parametrize("k", range(64, submission.MAX_K + 1, 64))
@@ -195,7 +199,7 @@ def test_every_k_gets_a_valid_config(k):
                 if tuning.get("split"):
                     assert (op.per_lane - 1) * op.row_lanes < op.chunks <= op.per_lane * op.row_lanes
                     assert 1 <= op.per_lane <= 4 and (op.per_lane == 1 or not op.tail or (
-                        not blocked and submission.Nvfp4GemvBulk.suits(k) and op.split in (2, 4, 8, 16)))
+                        not blocked and submission.bulk_suits(k) and op.split in (2, 4, 8, 16)))
                     assert op.threads <= 1024 and op.grid_x(m, l, sms) * op.rows_per_cta >= m
                     continue
                 if tuning.get("bulk"):
@@ -236,3 +240,26 @@ def test_bad_tuning_is_rejected():
         G(7168, False, group=64)
     with pytest.raises(ValueError, match="K=4608"):
         G(4608, False, batch=4)
+
+
+@pytest.mark.parametrize("k", range(64, submission.MAX_K + 1, 448))
+def test_a_configuration_is_its_sorted_pairs(k):
+    """tuning.py's configurations are the kernels' keyword arguments: one iterates as the (name, value) pairs it
+    sets, sorted (the bulk kernel's with its selector), and ``as_config`` reads it back from them."""
+    for m, l in ((128, 1), (4096, 8)):
+        for blocked in (False, True):
+            config = submission.pick_tuning(k, m, l, H200_SMS, blocked)
+            pairs = tuple(config)
+            assert pairs == tuple(sorted(pairs)) and submission.as_config(pairs) == config
+            assert submission.as_config(dict(pairs)) == config and submission.as_config(config) is config
+            assert config.sfa_rows_16() == bool(dict(pairs).get("bulk") or dict(pairs).get("sf_wide"))
+
+
+def test_configurations_name_their_kernel():
+    assert tuple(submission.Streaming()) == () and submission.Streaming().kernel is G
+    assert tuple(submission.Bulk(dynamic=1)) == (("bulk", 1), ("dynamic", 1))
+    assert tuple(submission.Split(split=2, rows=1, min_blocks=4)) == (("min_blocks", 4), ("rows", 1), ("split", 2))
+    assert type(submission.make_op(7168, False, bulk=1)) is submission.Nvfp4GemvBulk
+    assert type(submission.make_op(7168, False, split=7)) is submission.Nvfp4GemvSplit
+    with pytest.raises(TypeError):
+        submission.as_config((("groups", 4),))  # no such knob of the streaming kernel

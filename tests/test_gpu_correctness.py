@@ -91,7 +91,7 @@ def test_other_layouts_of_c_and_padded_rows_of_a(m, k, l):
 def test_both_kernel_configs_match_float64(m, k, l, config):
     """The per-shape choice only picks between two configurations; each must be right on its own."""
     tuning = ()
-    if config == "latency":  # a lane's whole share in one unit, as shape_tuning gives one-wave shapes
+    if config == "latency":  # a lane's whole share in one unit, as latency_tuning gives one-wave shapes
         chunks = k // 32
         group = min(32, chunks & -chunks)
         tuning = (("batch", chunks // group), ("group", group), ("min_blocks", 2))
@@ -189,7 +189,7 @@ def test_launch_paths_without_tvm_ffi_match_float64(path, monkeypatch):
 def test_scaled_mm_route_compiles_the_cute_kernel_only_when_forced(monkeypatch):
     """On an fp4 ``_scaled_mm`` GPU, L == 1 goes there; the CuTe kernel is built only for the override."""
     monkeypatch.setattr(submission, "_plans", {})
-    monkeypatch.setattr(submission, "_recent", submission._RecentPlans())  # plans under the faked device_info
+    monkeypatch.setattr(submission, "_recent", submission.RecentPlans())  # plans under the faked device_info
     info = submission.device_info(0)
     monkeypatch.setattr(submission, "device_info", lambda i: (info[0], info[1], True))
     routed = []

@@ -203,7 +203,7 @@ def test_blocked_w_scales_take_the_dp4a_kernel():
 def test_w_scale_off_16_bytes_takes_the_dp4a_kernel_with_a_warning(monkeypatch):
     """A w_scale at an even address that 16 does not divide (addresses are no part of a plan's key): the
     bulk plan hands such calls to a dp4a plan, warning once; aligned calls keep the bulk kernel; all exact."""
-    monkeypatch.setattr(op._k, "_warned", set())
+    monkeypatch.setattr(op.launch, "_warned", set())
     x, xs, w, ws, a = inputs.op_inputs(2, 512, 2048, seed=4)
     moved = inputs.misaligned(ws, 2)
     kernels = lambda plan: {type(kern.op).__name__ for kern, _, _ in plan.launches}  # noqa: E731

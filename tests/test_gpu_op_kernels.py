@@ -78,7 +78,7 @@ def test_blocked_x_scales_beyond_one_launch(kernel, n, monkeypatch):
     m, k = 256, 16384
     x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=n)
     args = (x, blocked(xs, n, k), w, ws, a)
-    monkeypatch.setattr(op._k, "_warned", set())
+    monkeypatch.setattr(op.launch, "_warned", set())
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         out, plan = run_plan(args, kernel)

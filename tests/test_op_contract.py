@@ -45,7 +45,7 @@ def test_result_is_the_exact_value_rounded_once(out_dtype):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_rounding_from_float64_is_single(out_dtype):
     """torch's float64 -> bf16/fp16 cast rounds twice (through fp32); the op's does not."""
-    from nvfp4_gemv.op import round_to
+    from nvfp4_gemv.reference import round_to
 
     g = torch.Generator().manual_seed(3)
     v = torch.randn(100_000, generator=g, dtype=torch.float64) * torch.exp2(

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import gen_submission  # noqa: E402
 
 
-def test_submission_is_generated_from_the_package_kernel():
+def test_submission_is_generated_from_the_package():
     with open(gen_submission.TARGET) as f:
         assert f.read() == gen_submission.render(), "run python tools/gen_submission.py"
 
@@ -19,7 +19,16 @@ def test_submission_is_generated_from_the_package_kernel():
 def test_submission_imports_only_torch_cutlass_and_task():
     with open(gen_submission.TARGET) as f:
         tops = {line.split()[1].split(".")[0] for line in f if line.startswith(("import ", "from "))}
-    assert tops <= {"ctypes", "operator", "os", "struct", "threading", "warnings", "torch", "task", "cutlass", "cuda"}, tops
+    assert tops <= {"ctypes", "dataclasses", "operator", "os", "struct", "threading", "typing", "warnings", "torch", "task",
+                    "cutlass", "cuda"}, tops
+
+
+def test_submission_is_the_leaderboard_entry_and_what_it_imports():
+    """The stitched modules are those custom_kernel needs (not the op's), each once, dependencies first."""
+    names = [os.path.basename(p)[:-3] for p in gen_submission.sources()]
+    assert names[-1] == "leaderboard" and len(set(names)) == len(names)
+    assert {"ptx", "decode", "streaming", "split", "bulk", "tuning", "launch"} <= set(names)
+    assert not {"op", "reference", "tokens", "tokens_bulk", "mma"} & set(names)
 
 
 def test_wheel_installs_only_the_package(tmp_path):
@@ -41,4 +50,33 @@ def test_wheel_installs_only_the_package(tmp_path):
         tops = {name.split("/")[0] for name in z.namelist()}
         names = set(z.namelist())
     assert {t for t in tops if not t.endswith(".dist-info")} == {"nvfp4_gemv"}, tops
-    assert "nvfp4_gemv/kernel.py" in names and "nvfp4_gemv/__init__.py" in names
+    package = {f"nvfp4_gemv/{f}" for f in os.listdir(os.path.join(ROOT, "nvfp4_gemv")) if f.endswith(".py")}
+    assert "nvfp4_gemv/leaderboard.py" in package and package <= names, package - names
+
+
+def test_the_stitcher_refuses_what_one_namespace_would_change(tmp_path, monkeypatch):
+    """submission.py is one namespace: a package import it cannot replace, or a name two modules define,
+    would change what a name means there; tools/gen_submission.py refuses both."""
+    import pytest
+
+    pkg = tmp_path / "nvfp4_gemv"
+    pkg.mkdir()
+    monkeypatch.setattr(gen_submission, "PACKAGE", str(pkg))
+    (pkg / "helpers.py").write_text('"""Helpers."""\n\nimport os\n\nLIMIT = 4\n\n\ndef f():\n    return os.sep\n')
+
+    def entry(body):
+        (pkg / "leaderboard.py").write_text(f'"""The entry."""\n\nimport torch\n{gen_submission.TYPES_LINE}{body}')
+
+    entry("from .helpers import LIMIT, f\n\n\ndef g():\n    return f(), LIMIT\n")
+    text = gen_submission.render()
+    assert text.index("def f():") < text.index("def g():") and "from .helpers" not in text
+    assert "from task import input_t, output_t" in text and text.count('"""The entry."""') == 1
+    for body, why in [("from .helpers import f\n\n\ndef f():\n    pass\n", "also defined"),
+                      ("from .helpers import f as h\n", "only 'from .module import name"),
+                      ("from . import helpers\n", "only 'from .module import name"),
+                      ("from .helpers import missing\n", "not defined at the top"),
+                      ("def g():\n    from .helpers import f\n", "inside a block"),
+                      ("from os import sep as LIMIT\nfrom .helpers import f\n", "bound otherwise")]:
+        entry(body)
+        with pytest.raises(SystemExit, match=why):
+            gen_submission.render()

@@ -78,7 +78,7 @@ def counted(monkeypatch):
     calls, plans = [], {}
     key_of = submission._metadata
     monkeypatch.setattr(submission, "_plans", plans)
-    monkeypatch.setattr(submission, "_recent", submission._RecentPlans())
+    monkeypatch.setattr(submission, "_recent", submission.RecentPlans())
 
     def new_plan(data, key):
         calls.append("plan")
@@ -166,8 +166,8 @@ def test_the_inlined_launch_passes_the_checked_tensors_pointers(monkeypatch, pla
     a pointer the kernel cannot take (a or b off 16 bytes, sfa off the plan's mask, sfb odd) or another
     current device goes to the plan's own call, as ``_CutePlan.__call__`` does."""
     device = [0]
-    monkeypatch.setattr(submission, "_get_device", lambda: device[0])
-    monkeypatch.setattr(submission, "_current_stream", lambda dev: 1234)
+    monkeypatch.setattr(submission, "current_device", lambda: device[0])
+    monkeypatch.setattr(submission, "current_stream", lambda dev: 1234)
     monkeypatch.setattr(submission, "tile_counters", lambda dev, stream, l: (dev, stream, l))
     d = good()
     launched, slow = [], []
@@ -209,8 +209,8 @@ def test_a_plans_own_call_passes_the_streams_tile_counters_on_every_launch_path(
     import contextlib
     import ctypes
 
-    monkeypatch.setattr(submission, "_get_device", lambda: 0)
-    monkeypatch.setattr(submission, "_current_stream", lambda dev: 1234)
+    monkeypatch.setattr(submission, "current_device", lambda: 0)
+    monkeypatch.setattr(submission, "current_stream", lambda dev: 1234)
     monkeypatch.setattr(submission, "tile_counters", lambda dev, stream, l: 5000 + 100 * stream // 1234 + l)
     monkeypatch.setattr(submission.torch.cuda, "device", lambda dev: contextlib.nullcontext())
     d = good()
@@ -239,7 +239,7 @@ def test_a_plans_own_call_passes_the_streams_tile_counters_on_every_launch_path(
 def test_a_plan_keeps_a_few_guard_variants():
     """Tensor sets of one key that the guard tells apart (here a Parameter at one position or another) get
     guards of their own, at most ``VARIANTS`` a plan, the newest kept."""
-    recent = submission._RecentPlans()
+    recent = submission.RecentPlans()
     plan = FakePlan([])
     d = good()
     sets = [d] + [data_replaced(d, i, torch.nn.Parameter(d[i], requires_grad=False)) for i in range(6)]
@@ -253,7 +253,7 @@ def test_a_plan_keeps_a_few_guard_variants():
 def test_a_hit_found_among_the_recent_plans_is_filed_under_its_anchor():
     """An anchor whose filed hit stops matching (a prefill's shape, then decode's) and whose new tensors
     match another recent plan gets that plan's hit, so its next call does not scan again."""
-    recent = submission._RecentPlans()
+    recent = submission.RecentPlans()
     calls = []
     a, b = FakePlan(calls), FakePlan(calls)
     d1 = good()
@@ -273,7 +273,7 @@ def test_a_hit_found_among_the_recent_plans_is_filed_under_its_anchor():
 
 
 def test_each_anchor_tensor_finds_its_own_plan_and_the_tables_stay_bounded():
-    recent = submission._RecentPlans()
+    recent = submission.RecentPlans()
     recent.SIZE, recent.RECENT = 3, 2
     calls, made = [], []
     for i in range(4):
@@ -296,7 +296,7 @@ def test_no_guard_for_tensor_subclasses_or_nested_tensors():
     """A guard keeps a borrowed pointer to each tensor's type: a subclass could be freed and its address
     reused; a strided nested tensor aborts the guard's stride read. Neither is ever guarded (nor is a
     nested tensor checked: test_nested_tensors_never_reach_a_guard)."""
-    recent = submission._RecentPlans()
+    recent = submission.RecentPlans()
     d = good()
     recent.add(d[0], data_replaced(d, 6, d[6].as_subclass(Subclass)), FakePlan([]))
     assert recent.hits == {} and recent.recent == ()
@@ -365,7 +365,7 @@ def test_malformed_calls_after_a_cached_plan_still_raise_naming_the_argument(mon
             pytest.fail("a malformed call reached the cached plan")
 
     d = good()
-    recent = submission._RecentPlans()
+    recent = submission.RecentPlans()
     recent.add(d[0], d, UnusablePlan())
     monkeypatch.setattr(submission, "_recent", recent)
     nested = torch.nested.nested_tensor([torch.zeros(3, 4)])
@@ -402,7 +402,7 @@ def test_gemv_with_a_recent_calls_metadata_skips_the_key(monkeypatch):
     monkeypatch.setattr(op, "_plans", {key_of(*args, None, torch.bfloat16): OpPlan(True, False, torch.bfloat16),
                                        key_of(*args, out, torch.float16): OpPlan(True, True, torch.float16),
                                        key_of(*args[:4], None, None, torch.bfloat16): OpPlan(False, False, torch.bfloat16)})
-    monkeypatch.setattr(op, "_recent", submission._RecentPlans())
+    monkeypatch.setattr(op, "_recent", op.launch.RecentPlans())
     monkeypatch.setattr(op, "_key", lambda *a: calls.append("key") or key_of(*a))
     fresh = [t.clone() for t in args]
     steps = [(lambda: op.gemv(*args), ["key", ("launch", torch.bfloat16)]),
@@ -441,7 +441,7 @@ def test_a_sparse_alpha_never_reaches_a_dense_alphas_plan(monkeypatch):
 
     args = list(inputs.op_inputs(2, 128, 256, seed=1, device="cpu"))
     monkeypatch.setattr(op, "_plans", {op._key(*args, None, torch.bfloat16): UnusablePlan()})
-    monkeypatch.setattr(op, "_recent", submission._RecentPlans())
+    monkeypatch.setattr(op, "_recent", op.launch.RecentPlans())
     with pytest.raises(TypeError, match="'alpha'"):
         op.gemv(*args[:4], args[4].to_sparse())
 
@@ -451,10 +451,10 @@ def test_gemv_inlined_launch_passes_the_checked_tensors_pointers(monkeypatch):
     """gemv's TVM-FFI launch in the hit path, with a recorder for the launcher: w, x (+ the group's offset),
     w_scale, x_scale (+ offset), out (+ offset), alpha, the plan's static arguments, the stream; the result
     allocated from the plan's template where no out is given; an odd x_scale goes to the plan's own call."""
-    from nvfp4_gemv import kernel as k, op
+    from nvfp4_gemv import launch, op
 
-    monkeypatch.setattr(k, "_get_device", lambda: 0)
-    monkeypatch.setattr(k, "_current_stream", lambda dev: 1234)
+    monkeypatch.setattr(launch, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "current_stream", lambda dev: 1234)
     launched, slow = [], []
 
     class Kern:
@@ -473,7 +473,7 @@ def test_gemv_inlined_launch_passes_the_checked_tensors_pointers(monkeypatch):
             return args[5]
 
     x, xs, w, ws, a = inputs.op_inputs(2, 128, 256, seed=1, device="cpu")
-    hit = Plan().hit_path(submission._make_guard((x, xs, w, ws, a)).check)
+    hit = Plan().hit_path(launch._make_guard((x, xs, w, ws, a)).check)
     out = hit(x, xs, w, ws, a, None, torch.bfloat16)
     assert out.shape == (2, 128) and out.dtype == torch.bfloat16 and out.is_contiguous() and not slow
     assert launched == [(w.data_ptr(), x.data_ptr() + 16, ws.data_ptr(), xs.data_ptr() + 2, out.data_ptr() + 4,

@@ -31,7 +31,7 @@ def w4a16_inputs(n, m, k, seed, dtype=torch.bfloat16, device="cuda", blocked=Fal
 
 def w4a16_exact(x, w, ws, alpha, blocked=False):
     """``(result, sum of |terms|)`` in float64 on the CPU."""
-    from nvfp4_gemv.op import E2M1_VALUES, unswizzle_scales
+    from nvfp4_gemv.reference import E2M1_VALUES, unswizzle_scales
 
     m, k = w.shape[0], x.shape[1]
     t = torch.tensor(E2M1_VALUES, dtype=torch.float64)

@@ -49,7 +49,7 @@ def bench_shape(m, k, ns, reps, tuning, floors, peers=True):
         out = torch.empty(n, m, dtype=torch.bfloat16, device="cuda")
         key = w4a16._key(x, w, w_scale=ws, alpha=a, out=out, out_dtype=torch.bfloat16)
         if tuning:
-            from nvfp4_gemv.op import check_args
+            from nvfp4_gemv.reference import check_args
 
             w4a16._plans[key] = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16,
                                                 check_args(x, None, w, ws, a, torch.bfloat16, out),

@@ -12,7 +12,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import reference  # noqa: E402
-import submission  # noqa: E402
+from nvfp4_gemv import leaderboard  # noqa: E402
 from bench import bytes_moved, time_leaderboard  # noqa: E402
 
 COLUMNS = {"kernel": None, "probe": (("probe", 1),), "bulk probe": (("bulk", 1), ("evict", 1), ("probe", 1))}
@@ -39,11 +39,11 @@ def main():
     print(f"{'M':>6} {'MB':>7} " + " ".join(f"{c + ' ' + d:>17}" for c in COLUMNS for d in ("dirty", "clean")))
     for m in (int(v) for v in args.ms.split(",")):
         data = reference.generate_input(m, k, l, 7)
-        shape = submission.check_inputs(data)
+        shape = leaderboard.check_inputs(data)
         times = []
         for tune in COLUMNS.values():
             def run(t=tune, d=data, shape=shape):
-                return submission.custom_kernel(d) if t is None else submission.run_cute(d, *shape, tuning=t)
+                return leaderboard.custom_kernel(d) if t is None else leaderboard.run_cute(d, *shape, tuning=t)
             times += [time_leaderboard(run, args.reps), time_leaderboard(run, args.reps, clean=True)]
         nbytes = bytes_moved(m, k, l)
         rows.append((nbytes, times))

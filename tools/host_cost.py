@@ -15,7 +15,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import reference  # noqa: E402
-import submission  # noqa: E402
+from nvfp4_gemv import launch, leaderboard  # noqa: E402
 from bench import busy_host_us, host_diff_us  # noqa: E402
 
 
@@ -28,17 +28,17 @@ def main():
     import importlib.metadata as md
 
     data = reference.generate_input(128, 256, 1, 1)
-    submission.custom_kernel(data)
-    plan = submission._plans[submission._metadata(data)]
+    leaderboard.custom_kernel(data)
+    plan = leaderboard._plans[leaderboard._metadata(data)]
     print(f"nvidia-cutlass-dsl {md.version('nvidia-cutlass-dsl')}, launch path: {plan.kernel.kind}")
-    cases = [("custom_kernel", lambda: submission.custom_kernel(data)),
-             ("metadata key + plan lookup", lambda: submission._plans.get(submission._metadata(data))),
+    cases = [("custom_kernel", lambda: leaderboard.custom_kernel(data)),
+             ("metadata key + plan lookup", lambda: leaderboard._plans.get(leaderboard._metadata(data))),
              ("plan's C++ guard alone (TensorGuards)", lambda: plan.variants[0][0].check(*data)),
              ("the plan's hit(data): the fast path, no wrapper", lambda: plan.variants[0][1](data)),
              ("plan(data): pointers, stream, launch", lambda: plan(data))]
     if plan.ffi is not None:
         args = (data[0].data_ptr(), data[1].data_ptr(), data[2].data_ptr(), data[3].data_ptr(),
-                data[6].data_ptr(), 0, *plan.static, submission._current_stream(plan.dev))
+                data[6].data_ptr(), 0, *plan.static, launch.current_stream(plan.dev))
         cases.append(("compiled launcher alone (TVM-FFI)", lambda: plan.ffi(*args)))
     elif plan.storage:
         _, _, packed, _, capi = plan.storage

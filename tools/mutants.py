@@ -5,7 +5,7 @@
     python tools/mutants.py --only NAME    # one mutant
 
 Each mutant replaces one exact piece of text (found exactly once) in a copy of the tree (tracked and
-untracked, not ignored, files), regenerates ``submission.py`` there when the package kernel changed, runs
+untracked, not ignored, files), regenerates ``submission.py`` there when one of its modules changed, runs
 the tests named for it and prints a table: mutant, tests, killed or SURVIVED. A survivor is a missing
 test, or a mutant that changes nothing (then drop it, saying why). Exit status 1 if any survived.
 """
@@ -19,81 +19,92 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-K = "nvfp4_gemv/kernel.py"
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import gen_submission  # noqa: E402
+
+STITCHED = set(gen_submission.sources())  # submission.py is made of these: regenerated where a mutant edits one
+PTX = "nvfp4_gemv/ptx.py"
+DECODE = "nvfp4_gemv/decode.py"
+STREAMING = "nvfp4_gemv/streaming.py"
+BULK = "nvfp4_gemv/bulk.py"
+TUNING = "nvfp4_gemv/tuning.py"
+LAUNCH = "nvfp4_gemv/launch.py"
+ENTRY = "nvfp4_gemv/leaderboard.py"
 OP = "nvfp4_gemv/op.py"
+REF = "nvfp4_gemv/reference.py"
 TOK = "nvfp4_gemv/tokens.py"
 MMA = "nvfp4_gemv/mma.py"
-BULK = "nvfp4_gemv/tokens_bulk.py"
+TOK_BULK = "nvfp4_gemv/tokens_bulk.py"
 
 # (name, file, old, new, tests, gpu)
 MUTANTS = [
     # -- competition entry: validation (CPU) --
-    ("check: M % 128 dropped", K, "if m == 0 or m % 128:", "if m == 0:", ["tests/test_validation.py"], False),
-    ("check: K % 64 dropped", K, "if k == 0 or k % 64:", "if k == 0:", ["tests/test_validation.py"], False),
-    ("check: K <= MAX_K dropped", K, "    if k > MAX_K:\n        _fail", "    if False:\n        _fail",
+    ("check: M % 128 dropped", ENTRY, "if m == 0 or m % 128:", "if m == 0:", ["tests/test_validation.py"], False),
+    ("check: K % 64 dropped", ENTRY, "if k == 0 or k % 64:", "if k == 0:", ["tests/test_validation.py"], False),
+    ("check: K <= MAX_K dropped", ENTRY, "    if k > MAX_K:\n        fail", "    if False:\n        fail",
      ["tests/test_validation.py"], False),
-    ("check: L == 0 accepted", K, "    if l == 0:\n", "    if l < 0:\n", ["tests/test_validation.py"], False),
-    ("check: a layout dropped", K, "if a.stride(1) != 1 or a.stride(0) % 16 or a.data_ptr() % 16 or (l > 1 and a.stride(2) % 16):",
+    ("check: L == 0 accepted", ENTRY, "    if l == 0:\n", "    if l < 0:\n", ["tests/test_validation.py"], False),
+    ("check: a layout dropped", ENTRY, "if a.stride(1) != 1 or a.stride(0) % 16 or a.data_ptr() % 16 or (l > 1 and a.stride(2) % 16):",
      "if False:",
      ["tests/test_validation.py"], False),
-    ("check: b layout dropped", K, "if b.stride(1) != 1 or b.data_ptr() % 16", "if False",
+    ("check: b layout dropped", ENTRY, "if b.stride(1) != 1 or b.data_ptr() % 16", "if False",
      ["tests/test_validation.py"], False),
-    ("check: plain scale layout dropped", K, "if t.stride(1) != 1 or t.stride(0) % 2 or t.data_ptr() % 2",
+    ("check: plain scale layout dropped", ENTRY, "if t.stride(1) != 1 or t.stride(0) % 2 or t.data_ptr() % 2",
      "if False", ["tests/test_validation.py"], False),
-    ("check: permuted scale layout dropped", K,
+    ("check: permuted scale layout dropped", ENTRY,
      "if ((s[0], s[1], s[3], s[4]) != (16, 4, 1, 512) or (t.shape[2] > 1 and s[2] != 512 * (sfk // 4))\n"
      "                    or (l > 1 and s[5] % 2) or t.data_ptr() % 2):", "if False:",
      ["tests/test_validation.py"], False),
-    ("check: c writability dropped", K, "if size > 1 and c.stride(dim) <= 0:", "if False:",
+    ("check: c writability dropped", ENTRY, "if size > 1 and c.stride(dim) <= 0:", "if False:",
      ["tests/test_validation.py"], False),
-    ("check: a on the CPU accepted", K, 'if dev.type != "cuda":', 'if dev.type == "xla":',
+    ("check: a on the CPU accepted", ENTRY, 'if dev.type != "cuda":', 'if dev.type == "xla":',
      ["tests/test_validation.py"], False),
     # -- the op: validation and exact path (CPU) --
-    ("op: M % 128 dropped", OP, "if m == 0 or m % 128:", "if m == 0:", ["tests/test_op_validation.py"], False),
-    ("op: mismatched K accepted", OP, "if w.shape[1] != k2:", "if False:", ["tests/test_op_validation.py"], False),
-    ("op: alpha dtype unchecked", OP, "if alpha.dtype != torch.float32 or alpha.numel() != 1 or alpha.dim() > 1:",
+    ("op: M % 128 dropped", REF, "if m == 0 or m % 128:", "if m == 0:", ["tests/test_op_validation.py"], False),
+    ("op: mismatched K accepted", REF, "if w.shape[1] != k2:", "if False:", ["tests/test_op_validation.py"], False),
+    ("op: alpha dtype unchecked", REF, "if alpha.dtype != torch.float32 or alpha.numel() != 1 or alpha.dim() > 1:",
      "if alpha.numel() > 8:", ["tests/test_op_validation.py"], False),
-    ("op: out shape unchecked", OP, "if out.dtype != out_dtype or tuple(out.shape) != (n, m):", "if False:",
+    ("op: out shape unchecked", REF, "if out.dtype != out_dtype or tuple(out.shape) != (n, m):", "if False:",
      ["tests/test_op_validation.py"], False),
-    ("op: blocked scales read as plain", OP, "    if shape in (swz, (swz[0] * swz[1],)):", "    if False:",
+    ("op: blocked scales read as plain", REF, "    if shape in (swz, (swz[0] * swz[1],)):", "    if False:",
      ["tests/test_op_contract.py", "tests/test_op_validation.py"], False),
-    ("op: unswizzle transposes the 4x4 groups", OP, "permute(0, 3, 2, 1, 4)", "permute(0, 2, 3, 1, 4)",
+    ("op: unswizzle transposes the 4x4 groups", REF, "permute(0, 3, 2, 1, 4)", "permute(0, 2, 3, 1, 4)",
      ["tests/test_op_contract.py"], False),
     # (a nibble swap in the shared decoder is not here: it swaps the same pair of x and of w, which leaves
     # every product, and so the result, unchanged)
-    ("op: scale signs lost", OP, "    return s.to(torch.float64).repeat_interleave(16, dim=1)",
+    ("op: scale signs lost", REF, "    return s.to(torch.float64).repeat_interleave(16, dim=1)",
      "    return s.to(torch.float64).abs().repeat_interleave(16, dim=1)", ["tests/test_op_contract.py"], False),
-    ("op: alpha ignored on the exact path", OP, "        res = res * alpha.reshape(()).to(torch.float64)", "        res = res",
+    ("op: alpha ignored on the exact path", REF, "        res = res * alpha.reshape(()).to(torch.float64)", "        res = res",
      ["tests/test_op_contract.py"], False),
-    ("guard: a scan's hit not filed under its anchor", K, "                    if key in hits or len(hits) < self.SIZE:\n                        hits[key] = hit\n",
+    ("guard: a scan's hit not filed under its anchor", LAUNCH, "                    if key in hits or len(hits) < self.SIZE:\n                        hits[key] = hit\n",
      "", ["tests/test_plan_guard.py"], False),
     ("guard: alpha's layout not in gemv's key", OP, "(alpha.shape, alpha.dtype, alpha.layout, alpha.get_device())",
      "(alpha.shape, alpha.dtype, alpha.get_device())", ["tests/test_plan_guard.py"], False),
-    ("launch: an odd sfb launched", K, "if (pa | pb) & 15 or psa & sfa_mask or psb & 1 or get_device() != dev:",
+    ("launch: an odd sfb launched", ENTRY, "if (pa | pb) & 15 or psa & sfa_mask or psb & 1 or get_device() != dev:",
      "if (pa | pb) & 15 or psa & sfa_mask or get_device() != dev:", ["tests/test_plan_guard.py"], False),
-    ("launch: another current device launched", K, "if (pa | pb) & 15 or psa & sfa_mask or psb & 1 or get_device() != dev:",
+    ("launch: another current device launched", ENTRY, "if (pa | pb) & 15 or psa & sfa_mask or psb & 1 or get_device() != dev:",
      "if (pa | pb) & 15 or psa & sfa_mask or psb & 1:", ["tests/test_plan_guard.py"], False),
-    ("op: nested and sparse tensors accepted", OP, "def _strided(t, name):\n    if t.is_nested or t.layout != torch.strided:",
+    ("op: nested and sparse tensors accepted", REF, "def _strided(t, name):\n    if t.is_nested or t.layout != torch.strided:",
      "def _strided(t, name):\n    if False:", ["tests/test_op_validation.py"], False),
     ("op: out= not written on the CPU", OP, "    out.copy_(res)\n    return out", "    return out",
      ["tests/test_op_contract.py"], False),
     # -- the plan caches' C++ guards (CPU) --
-    ("guard: a recent plan taken unchecked", K, "or sfb_p.is_nested or c.is_nested or not check(a, b, sfa, sfb, sfa_p, sfb_p, c)):",
+    ("guard: a recent plan taken unchecked", ENTRY, "or sfb_p.is_nested or c.is_nested or not check(a, b, sfa, sfb, sfa_p, sfb_p, c)):",
      "or sfb_p.is_nested or c.is_nested):", ["tests/test_plan_guard.py"], False),
-    ("guard: nested tensors reach the guard", K, "            if (a.is_nested or b.is_nested or sfa.is_nested",
+    ("guard: nested tensors reach the guard", ENTRY, "            if (a.is_nested or b.is_nested or sfa.is_nested",
      "            if (False or b.is_nested or sfa.is_nested", ["tests/test_plan_guard.py"], False),
-    ("guard: strides not compared (the self-check must refuse it)", K,
+    ("guard: strides not compared (the self-check must refuse it)", LAUNCH,
      "dynamic_dims_strides=[list(t.stride()) for t in ts]", "dynamic_dims_strides=[[None] * t.dim() for t in ts]",
      ["tests/test_plan_guard.py"], False),
-    ("guard: one guard a plan", K, "hit = next((h for g, h in plan.variants if g.check(*ts)), None)",
+    ("guard: one guard a plan", LAUNCH, "hit = next((h for g, h in plan.variants if g.check(*ts)), None)",
      "hit = next((h for g, h in plan.variants[:1]), None)", ["tests/test_plan_guard.py"], False),
-    ("guard: no scan of the recent plans", K, "                c = _recent.scan(data[0], hit, data)", "                c = None",
+    ("guard: no scan of the recent plans", ENTRY, "                c = _recent.scan(data[0], hit, data)", "                c = None",
      ["tests/test_plan_guard.py"], False),
-    ("guard: any container takes the cached path", K, "    if type(data) is tuple or type(data) is list:",
+    ("guard: any container takes the cached path", ENTRY, "    if type(data) is tuple or type(data) is list:",
      "    if True:", ["tests/test_plan_guard.py"], False),
-    ("launch: the hit path's scales from the other layout", K, "        if plain:\n            psa, psb",
+    ("launch: the hit path's scales from the other layout", ENTRY, "        if plain:\n            psa, psb",
      "        if not plain:\n            psa, psb", ["tests/test_plan_guard.py"], False),
-    ("guard: tensor subclasses guarded", K, "type(t) not in _GUARD_TYPES or t.is_nested", "t.is_nested",
+    ("guard: tensor subclasses guarded", LAUNCH, "type(t) not in _GUARD_TYPES or t.is_nested", "t.is_nested",
      ["tests/test_plan_guard.py"], False),
     ("guard: nested x reaches gemv's guard", OP, "if x.is_nested or x_scale.is_nested", "if x_scale.is_nested",
      ["tests/test_plan_guard.py"], False),
@@ -106,99 +117,99 @@ MUTANTS = [
       "not out.is_nested and check(x, x_scale, w, w_scale, out)"),
      ("", "check(x, x_scale, w, w_scale, alpha) if has_out else", "not out.is_nested and check(x, x_scale, w, w_scale)"),
      ["tests/test_plan_guard.py"], False),
-    ("check: nested and sparse tensors accepted", K, "    if t.is_nested or t.layout != torch.strided:\n",
+    ("check: nested and sparse tensors accepted", ENTRY, "    if t.is_nested or t.layout != torch.strided:\n",
      "    if False:\n", ["tests/test_plan_guard.py"], False),
     # -- build, launch, packaging, harness (CPU) --
-    ("launch: no TVM-FFI", K, '(" --enable-tvm-ffi" if tvm_ffi else "")', '""',
+    ("launch: no TVM-FFI", LAUNCH, '(" --enable-tvm-ffi" if tvm_ffi else "")', '""',
      ["tests/test_compile.py::test_kernel_compiles_without_gpu"], False),
-    ("decode: an e2m1 conversion in the kernel", K,
+    ("decode: an e2m1 conversion in the kernel", DECODE,
      '"{\\n.reg .b32 t0, t1, n, h, p, q;\\n"',
      '"{\\n.reg .b32 t0, t1, n, h, p, q;\\n.reg .b8 probe_in;\\n.reg .b32 probe_out;\\n'
      'cvt.u8.u32 probe_in, $2;\\ncvt.rn.f16x2.e2m1x2 probe_out, probe_in;\\n"',
      ["tests/test_compile.py::test_kernel_compiles_without_gpu[sm_100a-7168-False]"], False),  # sm_100a has it
-    ("packaging: submission.py stale", K, "MAX_K = 32768", "MAX_K = 32768  # edited, not regenerated",
-     ["tests/test_packaging.py::test_submission_is_generated_from_the_package_kernel"], False),
+    ("packaging: submission.py stale", LAUNCH, "MAX_K = 32768", "MAX_K = 32768  # edited, not regenerated",
+     ["tests/test_packaging.py::test_submission_is_generated_from_the_package"], False),
     ("packaging: generic modules installed", "pyproject.toml", 'packages = ["nvfp4_gemv"]',
      'packages = ["nvfp4_gemv"]\npy-modules = ["task", "utils"]', ["tests/test_packaging.py"], False),
     ("harness: 'needs CUDA' for every case", "eval.py", "                return EXIT_FAIL\n            rows.append",
      "            rows.append", ["tests/test_eval_harness.py::test_cuda_only_submission_on_cpu_says_a_gpu_is_needed"],
      False),
-    ("mma: partial sums read without side effects", MMA,
+    ("mma: partial sums read without side effects", PTX,
      '"ld.shared.f32 $0, [$1];", "=f,r", loc, ip, volatile=True)', '"ld.shared.f32 $0, [$1];", "=f,r", loc, ip)',
      ["tests/test_compile.py::test_op_tensor_core_kernel_compiles_without_gpu"], False),
-    ("routing: bulk never chosen", K, "    bulk = not blocked_scales and Nvfp4GemvBulk.suits(k)\n", "    bulk = False\n",
+    ("routing: bulk never chosen", TUNING, "    bulk = not blocked_scales and bulk_suits(k)\n", "    bulk = False\n",
      ["tests/test_config.py"], False),
-    ("routing: the latency config never yields", K,
-     "        if per_lane >= 8 and ctas > sms and Nvfp4Gemv(k, False).batch >= 3:", "        if False:",
+    ("routing: the latency config never yields", TUNING,
+     "    if per_lane >= 8 and ctas > sms and Nvfp4Gemv(k, False).batch >= 3:", "    if False:",
      ["tests/test_config.py"], False),
-    ("routing: a tail at several chunks for any split", K, "(not long_tails or split & (split - 1)",
+    ("routing: a tail at several chunks for any split", TUNING, "(not long_tails or split & (split - 1)",
      "(not long_tails", ["tests/test_config.py"], False),
-    ("routing: K = 1024's wide units at 3 CTAs on every DSL", K, "and (dsl or DSL_VERSION) >= (4, 4):",
+    ("routing: K = 1024's wide units at 3 CTAs on every DSL", TUNING, "and (dsl or DSL_VERSION) >= (4, 4):",
      "and False:", ["tests/test_config.py"], False),
-    ("routing: wide scales for every unit shape", K, "        if op.batch == 2 and op.group == 16:\n",
-     "        if True:\n", ["tests/test_config.py"], False),
-    ("routing: K = 4096 and 6144 keep units of 2 chunks", K, "            if op.per_lane % 4 == 0 and k < BULK_MIN_K:\n",
-     "            if False:\n", ["tests/test_config.py"], False),
-    ("routing: units of 4 chunks past the bulk kernel's K", K, "if op.per_lane % 4 == 0 and k < BULK_MIN_K:",
+    ("routing: wide scales for every unit shape", TUNING, "    if op.batch == 2 and op.group == 16:\n",
+     "    if True:\n", ["tests/test_config.py"], False),
+    ("routing: K = 4096 and 6144 keep units of 2 chunks", TUNING, "        if op.per_lane % 4 == 0 and k < BULK_MIN_K:\n",
+     "        if False:\n", ["tests/test_config.py"], False),
+    ("routing: units of 4 chunks past the bulk kernel's K", TUNING, "if op.per_lane % 4 == 0 and k < BULK_MIN_K:",
      "if op.per_lane % 4 == 0:", ["tests/test_config.py"], False),
-    ("routing: streaming grid rounded up past one wave", K, "sms * self.ctas_per_sm() // l))",
+    ("routing: streaming grid rounded up past one wave", STREAMING, "sms * self.ctas_per_sm() // l))",
      "-(-sms * self.ctas_per_sm() // l)))", ["tests/test_config.py"], False),
-    ("routing: split CTAs always up to 512 threads", K, "            for cap in (512, 256):", "            for cap in (512,):",
+    ("routing: split CTAs always up to 512 threads", TUNING, "        for cap in (512, 256):", "        for cap in (512,):",
      ["tests/test_config.py"], False),
-    ("routing: the first split whose threads fit, one wave or not", K, "            if best:\n                return best[1]",
-     "            if first:\n                return first", ["tests/test_config.py"], False),
+    ("routing: the first split whose threads fit, one wave or not", TUNING, "        if best:\n            return best[1]",
+     "        if first:\n            return first", ["tests/test_config.py"], False),
     # -- arithmetic, routing, streams (GPU) --
-    ("store: fp16 rounds toward zero", K, "cvt.rn.f16.f32 h, $1", "cvt.rz.f16.f32 h, $1",
+    ("store: fp16 rounds toward zero", PTX, "cvt.rn.f16.f32 h, $1", "cvt.rz.f16.f32 h, $1",
      ["tests/test_gpu_accuracy.py"], True),
-    ("sum: fp32 instead of fp64", K,
+    ("sum: fp32 instead of fp64", DECODE,
      "    acc = acc + cutlass.Float64(cutlass.Float32(d0) * (sa0 * sb0))\n    return acc + cutlass.Float64(cutlass.Float32(d1) * (sa1 * sb1))",
      "    acc = cutlass.Float64(cutlass.Float32(acc) + cutlass.Float32(d0) * (sa0 * sb0))\n"
      "    return cutlass.Float64(cutlass.Float32(acc) + cutlass.Float32(d1) * (sa1 * sb1))",
      ["tests/test_gpu_accuracy.py"], True),
-    ("scales: blocked offset of the odd block", K, "return cutlass.Int64((c >> 1) * 512 + (c & 1) * 2)",
+    ("scales: blocked offset of the odd block", DECODE, "return cutlass.Int64((c >> 1) * 512 + (c & 1) * 2)",
      "return cutlass.Int64((c >> 1) * 512 + (c & 1) * 1)", ["tests/test_gpu_correctness.py"], True),
-    ("wide scales: a lane reads its neighbour's scales", K, "lds_stage_u16(scr + 2 * (lane + i * G))",
+    ("wide scales: a lane reads its neighbour's scales", STREAMING, "lds_stage_u16(scr + 2 * (lane + i * G))",
      "lds_stage_u16(scr + 2 * (lane + i * G) + 2)", ["tests/test_gpu_wide_scales.py"], True),
-    ("wide scales: sfa rows off 16 bytes reach the 16-byte loads", K,
-     'sfa16 = bool(dict(tuning).get("bulk") or dict(tuning).get("sf_wide"))', 'sfa16 = bool(dict(tuning).get("bulk"))',
+    ("wide scales: sfa rows off 16 bytes reach the 16-byte loads", TUNING,
+     "        return bool(self.sf_wide)", "        return False",
      ["tests/test_gpu_wide_scales.py"], True),
-    ("cached plan: address check dropped", K, "if (pa | pb) & 15 or psa & self.sfa_mask or psb & 1:", "if False:",
+    ("cached plan: address check dropped", ENTRY, "if (pa | pb) & 15 or psa & self.sfa_mask or psb & 1:", "if False:",
      ["tests/test_gpu_correctness.py::test_cached_plan_still_rejects_a_misaligned_tensor"], True),
-    ("split: a tail lane's last chunk not predicated off", K,
+    ("split: a tail lane's last chunk not predicated off", STREAMING,
      "preds[-1] = pred & cutlass.Int32(c0 + (self.batch - 1) * self.row_lanes < self.chunks)", "preds[-1] = pred",
      ["tests/test_gpu_split.py"], True),
-    ("split: a tail lane's b not clamped to the row", K, "ch = cutlass.min(ch, last)", "ch = ch",
+    ("split: a tail lane's b not clamped to the row", DECODE, "ch = cutlass.min(ch, last)", "ch = ch",
      ["tests/test_gpu_split.py::test_tail_lanes_read_nothing_past_the_row"], True),
-    ("routing: split kernel never chosen", K, "    split = Nvfp4GemvSplit.shape_tuning(k, m, l, sms, long_tails=bulk)\n",
-     "    split = ()\n", ["tests/test_gpu_split.py"], True),
-    ("stream: the legacy default stream", K, "ffi(pa, pb, psa, psb, c.data_ptr(), ctr, *self.static, stream)",
+    ("routing: split kernel never chosen", TUNING, "    split = split_tuning(k, m, l, sms, long_tails=bulk)\n",
+     "    split = None\n", ["tests/test_gpu_split.py"], True),
+    ("stream: the legacy default stream", ENTRY, "ffi(pa, pb, psa, psb, c.data_ptr(), ctr, *self.static, stream)",
      "ffi(pa, pb, psa, psb, c.data_ptr(), ctr, *self.static, 0)", ["tests/test_gpu_correctness.py", "tests/test_gpu_contexts.py"],
      True),
-    ("dynamic tiles: one counter set for every stream", K,
+    ("dynamic tiles: one counter set for every stream", LAUNCH,
      "    key = (dev, stream) if stream != CUDA_STREAM_PER_THREAD else (dev, stream, _thread_number())\n",
      "    key = (dev, 0)\n", ["tests/test_tile_counters.py"], False),
-    ("dynamic tiles: one counter set for all threads on the per-thread default stream", K,
+    ("dynamic tiles: one counter set for all threads on the per-thread default stream", LAUNCH,
      "    key = (dev, stream) if stream != CUDA_STREAM_PER_THREAD else (dev, stream, _thread_number())\n",
      "    key = (dev, stream)\n", ["tests/test_tile_counters.py"], False),
-    ("dynamic tiles: no second look under the lock", K,
+    ("dynamic tiles: no second look under the lock", LAUNCH,
      "            got = _counters.get(key)\n            if got is None or got[0] < l:\n",
      "            if True:\n", ["tests/test_tile_counters.py"], False),
-    ("dynamic tiles: one claim a CTA too many counted", K,
+    ("dynamic tiles: one claim a CTA too many counted", BULK,
      "        return vmax(n_tiles - dyn, 0) + vmin(vmax(n_tiles - dyn + gdimx, 0), gdimx)\n",
      "        return vmax(n_tiles - dyn, 0) + vmin(vmax(n_tiles - dyn + gdimx, 0), gdimx) + 1\n",
      ["tests/test_dynamic_claims.py"], False),
-    ("dynamic tiles: the last claim leaves the counter set", K,
+    ("dynamic tiles: the last claim leaves the counter set", BULK,
      "                            st_relaxed_u32(ctr_l, cutlass.Int32(0))\n", "                            pass\n",
      ["tests/test_gpu_dynamic_tiles.py::test_every_tile_is_done_once_and_the_counters_end_at_zero"], True),
     # (a count of claims off by one hangs instead: the reset then comes before the last claim, and the claims
     # start again from zero)
-    ("dynamic tiles: claims skip a round of tiles", K, "                            base = dyn\n",
+    ("dynamic tiles: claims skip a round of tiles", BULK, "                            base = dyn\n",
      "                            base = dyn + gdimx\n", ["tests/test_gpu_dynamic_tiles.py"], True),
-    ("dynamic tiles: a claim past the last does not trap", K, "                            trap()\n",
+    ("dynamic tiles: a claim past the last does not trap", BULK, "                            trap()\n",
      "                            pass\n",
      ["tests/test_gpu_dynamic_tiles.py::test_a_counter_left_past_the_claims_makes_the_launch_fail_loudly"], True),
 
-    ("dynamic tiles: counters inside a graph capture", K, "    if _capturing():\n        return 0\n", "",
+    ("dynamic tiles: counters inside a graph capture", LAUNCH, "    if _capturing():\n        return 0\n", "",
      ["tests/test_gpu_dynamic_tiles.py::test_a_captured_launch_keeps_the_static_schedule_and_replays_beside_eager_ones"],
      True),
     ("op: alpha ignored in the kernel", TOK, "            alpha = ldg_f32(alpha_ptr)\n", "            alpha = cutlass.Float32(1.0)\n",
@@ -217,10 +228,10 @@ MUTANTS = [
      "    return False\n", ["tests/test_op_config.py"], False),
     ("op: 4 rows a thread never chosen", OP, '        return {"ctas": 1, "rt": 4}\n', '        return {"ctas": 1}\n',
      ["tests/test_op_config.py"], False),
-    ("op bulk: a thread's rows write one row's partials", BULK,
+    ("op bulk: a thread's rows write one row's partials", TOK_BULK,
      "                    p = p + (vi // NT) * (4 * self.parts * NT) - 4 * (vi // NT) * NT\n",
      "                    p = p - 4 * (vi // NT) * NT\n", ["tests/test_gpu_op_kernels.py::test_bulk_rows_a_thread"], True),
-    ("op: bf16 stored as fp16", TOK, 'cvt = "cvt.rn.bf16.f32" if bf16 else "cvt.rn.f16.f32"', 'cvt = "cvt.rn.f16.f32"',
+    ("op: bf16 stored as fp16", PTX, 'cvt = "cvt.rn.bf16.f32" if bf16 else "cvt.rn.f16.f32"', 'cvt = "cvt.rn.f16.f32"',
      ["tests/test_gpu_op.py"], True),
 ]
 
@@ -259,7 +270,7 @@ def run_mutant(name, path, old, new, tests, files):
             text = text.replace(o, n)
         with open(target, "w") as f:
             f.write(text)
-        if path == K and name != "packaging: submission.py stale":
+        if path in STITCHED and name != "packaging: submission.py stale":
             subprocess.run([sys.executable, "tools/gen_submission.py"], cwd=tmp, check=True)
         env = dict(os.environ, PYTHONPATH=tmp, PYTHONDONTWRITEBYTECODE="1")
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], cwd=tmp,

@@ -10,18 +10,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import reference  # noqa: E402
-import submission  # noqa: E402
+from nvfp4_gemv import leaderboard  # noqa: E402
 
 m, k, l = (int(v) for v in sys.argv[1:4])
 tunes = [tuple(sorted((kv.split("=")[0], int(kv.split("=")[1])) for kv in t.split(",") if kv))
          for t in (sys.argv[4:] or [""])]
 data = reference.generate_input(m, k, l, 1111)
-shape = submission.check_inputs(data)
+shape = leaderboard.check_inputs(data)
 for tune in tunes:
-    submission.run_cute(data, *shape, tuning=tune or None)  # compile outside the profiled range
+    leaderboard.run_cute(data, *shape, tuning=tune or None)  # compile outside the profiled range
 torch.cuda.synchronize()
 for tune in tunes:
     torch.cuda.profiler.start()
-    submission.run_cute(data, *shape, tuning=tune or None)
+    leaderboard.run_cute(data, *shape, tuning=tune or None)
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()

@@ -18,11 +18,13 @@ import sys
 import cutlass
 import cutlass.cute as cute
 import torch
+from cuda.bindings.driver import CUstream
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from nvfp4_gemv.kernel import _CUstream, _asm, _asm_store, _Kernel, _current_stream, dsl_compile  # noqa: E402
+from nvfp4_gemv.launch import Kernel, current_stream, dsl_compile  # noqa: E402
+from nvfp4_gemv.ptx import asm, asm_store  # noqa: E402
 
 NEVER = 0x7E57ED01  # stored only if the XOR of the buffer equals it: the buffers here are zeros
 
@@ -37,25 +39,25 @@ def ldg_first(addr, width, pred, *, loc=None, ip=None):
     """One ``width``-byte load with the L1 evict-first hint, XOR-folded to one word; 0 and no access where
     ``pred`` is zero."""
     if width == 16:
-        r = _asm([T.i32()], [cutlass.Int64(addr), cutlass.Int32(pred)],
-                 "{\n.reg .b32 a, b, c, d;\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 a, 0;\nmov.b32 b, 0;\n"
-                 "mov.b32 c, 0;\nmov.b32 d, 0;\n@p ld.global.nc.L1::evict_first.v4.u32 {a, b, c, d}, [$1];\n"
-                 "xor.b32 a, a, b;\nxor.b32 c, c, d;\nxor.b32 $0, a, c;\n}", "=r,l,r", loc, ip)
+        r = asm([T.i32()], [cutlass.Int64(addr), cutlass.Int32(pred)],
+                "{\n.reg .b32 a, b, c, d;\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 a, 0;\nmov.b32 b, 0;\n"
+                "mov.b32 c, 0;\nmov.b32 d, 0;\n@p ld.global.nc.L1::evict_first.v4.u32 {a, b, c, d}, [$1];\n"
+                "xor.b32 a, a, b;\nxor.b32 c, c, d;\nxor.b32 $0, a, c;\n}", "=r,l,r", loc, ip)
     else:
-        r = _asm([T.i32()], [cutlass.Int64(addr), cutlass.Int32(pred)],
-                 "{\n.reg .b32 a, b;\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 a, 0;\nmov.b32 b, 0;\n"
-                 "@p ld.global.nc.L1::evict_first.v2.u32 {a, b}, [$1];\nxor.b32 $0, a, b;\n}", "=r,l,r", loc, ip)
+        r = asm([T.i32()], [cutlass.Int64(addr), cutlass.Int32(pred)],
+                "{\n.reg .b32 a, b;\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\nmov.b32 a, 0;\nmov.b32 b, 0;\n"
+                "@p ld.global.nc.L1::evict_first.v2.u32 {a, b}, [$1];\nxor.b32 $0, a, b;\n}", "=r,l,r", loc, ip)
     return cutlass.Int32(r[0])
 
 
 @dsl_user_op
 def stg_u32(addr, v, *, loc=None, ip=None):
-    _asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "st.global.u32 [$0], $1;", "l,r", loc, ip)
+    asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "st.global.u32 [$0], $1;", "l,r", loc, ip)
 
 
 @dsl_user_op
 def red_xor(addr, v, *, loc=None, ip=None):
-    _asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "red.global.xor.b32 [$0], $1;", "l,r", loc, ip)
+    asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "red.global.xor.b32 [$0], $1;", "l,r", loc, ip)
 
 
 class StreamRead:
@@ -96,8 +98,8 @@ def _kernel(threads, width, unroll, check=False):
     key = (threads, width, unroll, check)
     if key not in _kernels:
         op = StreamRead(threads, width, unroll, check)
-        fn = dsl_compile(op, (cutlass.Int64(0), cutlass.Int32(1), cutlass.Int64(0), cutlass.Int32(1), _CUstream(0)))
-        _kernels[key] = _Kernel(fn, torch.cuda.current_device(), op)
+        fn = dsl_compile(op, (cutlass.Int64(0), cutlass.Int32(1), cutlass.Int64(0), cutlass.Int32(1), CUstream(0)))
+        _kernels[key] = Kernel(fn, torch.cuda.current_device(), op)
     return _kernels[key]
 
 
@@ -113,7 +115,7 @@ def reader(buf, threads, width, ctas_per_sm, unroll=4, check=False, out_init=0):
     dev = buf.device.index
 
     def run():
-        stream = _current_stream(dev)
+        stream = current_stream(dev)
         if kern.ffi is not None:
             kern.ffi(*args, stream)
         else:

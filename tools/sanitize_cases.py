@@ -13,7 +13,8 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 import inputs  # noqa: E402
-import submission  # noqa: E402
+from nvfp4_gemv import leaderboard  # noqa: E402
+from nvfp4_gemv.tuning import make_op, pick_tuning  # noqa: E402
 
 with open(os.path.join(ROOT, "task.yml")) as f:
     spec = yaml.safe_load(f)
@@ -30,14 +31,14 @@ if shapes is None:
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 for m, k, l in shapes:
     for cpu_scales in (False, True):
-        tuning = submission.pick_tuning(k, m, l, sms, cpu_scales)
-        kernel = type(submission.make_op(k, cpu_scales, **dict(tuning))).__name__
+        tuning = pick_tuning(k, m, l, sms, cpu_scales)
+        kernel = type(make_op(k, cpu_scales, **dict(tuning))).__name__
         data = inputs.random_inputs(m, k, l, seed=m + k)
         if cpu_scales:
             data = (*data[:2], data[2].cpu(), data[3].cpu(), *data[4:])
         # the first call makes the plan; the second takes its cached hit path (guard, inlined launch)
         for call in ("plan", "hit"):
-            out = submission.custom_kernel(inputs.poisoned(data))
+            out = leaderboard.custom_kernel(inputs.poisoned(data))
             torch.cuda.synchronize()
             ok, msg = inputs.check_exact(data, out)
             print(f"{m}x{k}x{l} cpu_scales={cpu_scales} {kernel} {dict(tuning)} {call}: "

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import inputs  # noqa: E402
 import reference  # noqa: E402
-import submission  # noqa: E402
+from nvfp4_gemv import leaderboard  # noqa: E402
 import torch  # noqa: E402
 from bench import time_leaderboard  # noqa: E402
 
@@ -34,15 +34,15 @@ def main():
         data = {n: f(reference.generate_input(m, k, l, 1111)) for n, f in LAYOUTS.items()}
         for name, make in LAYOUTS.items():
             signed = make(inputs.random_inputs(m, k, l, seed=5))
-            ok, msg = inputs.check_exact(signed, submission.custom_kernel(inputs.poisoned(signed)))
+            ok, msg = inputs.check_exact(signed, leaderboard.custom_kernel(inputs.poisoned(signed)))
             print(f"{m}x{k}x{l} {name} check: {'ok' if ok else 'WRONG ' + msg}", flush=True)
         times = {n: [] for n in (*LAYOUTS, "separate, sfa in L2")}
         for _ in range(3):
             for name, d in data.items():
-                times[name].append(time_leaderboard(lambda d=d: submission.custom_kernel(d), 50))
+                times[name].append(time_leaderboard(lambda d=d: leaderboard.custom_kernel(d), 50))
             sfa = data["separate"][2].view(torch.uint8)
             times["separate, sfa in L2"].append(time_leaderboard(
-                lambda: submission.custom_kernel(data["separate"]), 50,
+                lambda: leaderboard.custom_kernel(data["separate"]), 50,
                 after_flush=lambda: sfa.sum(dtype=torch.int32)))
         for name, ts in times.items():
             print(f"{m}x{k}x{l} {name}: {min(ts):.2f} us (passes {' / '.join(f'{t:.2f}' for t in ts)})", flush=True)

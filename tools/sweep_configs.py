@@ -13,10 +13,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import inputs  # noqa: E402
 import reference  # noqa: E402
-import submission  # noqa: E402
+from nvfp4_gemv import launch, leaderboard, streaming  # noqa: E402
+from nvfp4_gemv.tuning import BULK_MIN_K, bulk_suits, make_op, pick_tuning  # noqa: E402
 from bench import time_leaderboard  # noqa: E402
 
-G = submission.Nvfp4Gemv
+G = streaming.Nvfp4Gemv
 
 
 def variants(m, k, l):
@@ -40,7 +41,7 @@ def variants(m, k, l):
         for rows in (1, 2, 4):
             if rows * 32 * split <= 1024:
                 out.append({"split": split, "rows": rows, "min_blocks": max(1, 1024 // (rows * 32 * split))})
-    if submission.BULK_MIN_K <= k and submission.Nvfp4GemvBulk.suits(k):
+    if BULK_MIN_K <= k and bulk_suits(k):
         out.append({"bulk": 1})
     return out
 
@@ -54,7 +55,7 @@ def main():
     for m, k, l in (tuple(int(v) for v in s.split("x")) for s in sys.argv[1].split(",")):
         data = reference.generate_input(m, k, l, 1111)
         signed = inputs.random_inputs(m, k, l, seed=5)
-        shape = submission.check_inputs(data)
+        shape = leaderboard.check_inputs(data)
         seen, res = set(), []
         for v in explicit or variants(m, k, l):
             t = tuple(sorted(v.items()))
@@ -62,15 +63,15 @@ def main():
                 continue
             seen.add(t)
             try:
-                submission.make_op(k, False, **v)
+                make_op(k, False, **v)
             except ValueError:
                 continue
             ok, _ = inputs.check_exact(
-                signed, submission.run_cute(inputs.poisoned(signed), *shape, tuning=t))
-            us = time_leaderboard(lambda t=t: submission.run_cute(data, *shape, tuning=t), 50)
+                signed, leaderboard.run_cute(inputs.poisoned(signed), *shape, tuning=t))
+            us = time_leaderboard(lambda t=t: leaderboard.run_cute(data, *shape, tuning=t), 50)
             res.append((us, t, ok))
-        chosen = dict(submission.pick_tuning(k, m, l, submission.device_info(0)[1], False))
-        print(f"{m}x{k}x{l}: custom_kernel {time_leaderboard(lambda: submission.custom_kernel(data), 50):.2f} us"
+        chosen = dict(pick_tuning(k, m, l, launch.device_info(0)[1], False))
+        print(f"{m}x{k}x{l}: custom_kernel {time_leaderboard(lambda: leaderboard.custom_kernel(data), 50):.2f} us"
               f" (chooses {chosen or 'the streaming default'})")
         for us, t, ok in sorted(res):
             print(f"   {us:7.2f} {'ok' if ok else 'WRONG'} {dict(t)}")

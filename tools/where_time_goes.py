@@ -20,7 +20,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
 import torch  # noqa: E402
 
 import reference  # noqa: E402
-import submission  # noqa: E402
+from nvfp4_gemv import launch, leaderboard  # noqa: E402
+from nvfp4_gemv.tuning import pick_tuning  # noqa: E402
 from bench import bytes_moved, time_leaderboard  # noqa: E402
 from read_floor import reader, zero_buffer  # noqa: E402
 
@@ -35,8 +36,8 @@ def floor(nbytes):
 
 def cases(m, k, l):
     data = reference.generate_input(m, k, l, 1111)
-    shape = submission.check_inputs(data)
-    tune = submission.pick_tuning(k, m, l, submission.device_info(0)[1], False)
+    shape = leaderboard.check_inputs(data)
+    tune = pick_tuning(k, m, l, launch.device_info(0)[1], False)
     probe = tuple(sorted(dict(tune, probe=1).items()))
     sfa = data[2].view(torch.uint8)
 
@@ -44,10 +45,10 @@ def cases(m, k, l):
         sfa.sum(dtype=torch.int32)
 
     def kernel():
-        submission.custom_kernel(data)
+        leaderboard.custom_kernel(data)
 
     def probe_run():
-        submission.run_cute(data, *shape, tuning=probe)
+        leaderboard.run_cute(data, *shape, tuning=probe)
 
     return dict(tune), {
         "floor, all bytes": floor(bytes_moved(m, k, l)),

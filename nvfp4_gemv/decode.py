@@ -1,0 +1,221 @@
+"""The arithmetic every kernel shares: e2m1 and e4m3 decode, exact block dot products, the scale layouts.
+
+The fp4 (e2m1) values are read as integers: no fp4 instruction is needed, so the same code runs on sm_90a,
+which has none. ``2 * e2m1`` is an integer in [-12, 12], so a 16-value block's dot product is exact in
+int32: a ``prmt`` byte lookup turns four nibbles into four int8 magnitudes (a nibble with its sign bit set
+selects in sign-replicate mode and yields 0), a second lookup on the nibbles with their sign bits flipped
+yields the magnitudes of the negative ones, and two ``dp4a`` against the int8 copy of ``b`` give the
+positive and the negative part. Each block's integer dot is then scaled once by ``sfa * sfb / 4`` (exactly:
+the product fits fp32's mantissa) and added to an fp64 sum (``custom_kernel``'s kernels) or an fp32 one (the
+op's, whose accuracy contract allows it).
+
+Scales: plain ``[rows, K/16]`` with a row stride, or the 128x4 blocked layout of cuBLAS (``to_blocked``; the
+permuted tensors' memory order): ``blocked_row`` and ``scale_offset`` address both.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .ptx import asm, ldg_u16, ldg_v4
+
+E2M1_TIMES2_LO = 0x03020100  # 2 * e2m1 magnitude codes 0..3; codes 4..7 give 0x0C080604
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decode and block dot products (inline PTX: prmt byte lookups, dp4a)
+# ----------------------------------------------------------------------------------------------------
+
+
+@dsl_user_op
+def e4m3x2_to_f32x2(v, *, loc=None, ip=None):
+    """Two e4m3 scale bytes (low 16 bits of ``v``) to two fp32, NaN kept: ``cvt.rn.f16x2.e4m3x2`` (sm_89+)
+    and two ``cvt.f32.f16``; ``cute.arch`` has no e4m3 conversion on DSL 4.3."""
+    r = asm([T.f32(), T.f32()], [cutlass.Int32(v)],
+            "{\n.reg .b16 s, lo, hi;\n.reg .b32 h;\ncvt.u16.u32 s, $2;\ncvt.rn.f16x2.e4m3x2 h, s;\n"
+            "mov.b32 {lo, hi}, h;\ncvt.f32.f16 $0, lo;\ncvt.f32.f16 $1, hi;\n}", "=f,=f,r", loc, ip)
+    return cutlass.Float32(r[0]), cutlass.Float32(r[1])
+
+
+@dsl_user_op
+def fp4x16_dot_i8(x0, x1, w0, w1, w2, w3, tbl, *, loc=None, ip=None):
+    """Exact ``sum(2a * 2b)`` over 16 values: ``x0, x1`` hold 16 e2m1 nibbles of ``a`` (value order),
+    ``w0..w3`` the 16 int8 values ``2b``; ``tbl`` is ``E2M1_TIMES2_LO``, passed in so that one register
+    serves every lookup.
+
+    ``prmt`` with the table {0,1,2,3,4,6,8,12} maps a nibble's magnitude to ``2|v|``; a nibble whose
+    sign bit is set selects in sign-replicate mode and gives 0 (the table bytes are positive). So the
+    lookup of ``x`` keeps the positive values, the lookup of ``x ^ 0x88888888`` the negative ones.
+    """
+    r = asm([T.i32()], [cutlass.Int32(v) for v in (x0, x1, w0, w1, w2, w3, tbl)],
+            "{\n.reg .b32 n0, n1, h, p, q, s;\n"
+            "xor.b32 n0, $1, 0x88888888;\nxor.b32 n1, $2, 0x88888888;\n"
+            "prmt.b32 s, $7, 0x0C080604, $1;\ndp4a.s32.s32 p, s, $3, 0;\n"
+            "prmt.b32 s, $7, 0x0C080604, n0;\ndp4a.s32.s32 q, s, $3, 0;\n"
+            "shr.b32 h, $1, 16;\nprmt.b32 s, $7, 0x0C080604, h;\ndp4a.s32.s32 p, s, $4, p;\n"
+            "shr.b32 h, n0, 16;\nprmt.b32 s, $7, 0x0C080604, h;\ndp4a.s32.s32 q, s, $4, q;\n"
+            "prmt.b32 s, $7, 0x0C080604, $2;\ndp4a.s32.s32 p, s, $5, p;\n"
+            "prmt.b32 s, $7, 0x0C080604, n1;\ndp4a.s32.s32 q, s, $5, q;\n"
+            "shr.b32 h, $2, 16;\nprmt.b32 s, $7, 0x0C080604, h;\ndp4a.s32.s32 p, s, $6, p;\n"
+            "shr.b32 h, n1, 16;\nprmt.b32 s, $7, 0x0C080604, h;\ndp4a.s32.s32 q, s, $6, q;\n"
+            "sub.s32 $0, p, q;\n}", "=r,r,r,r,r,r,r,r", loc, ip)
+    return cutlass.Int32(r[0])
+
+
+@dsl_user_op
+def fp4x8_to_i8(x, *, loc=None, ip=None):
+    """8 e2m1 nibbles to 8 signed int8 ``2v`` (two words), for the one-time decode of ``b``."""
+    r = asm([T.i32(), T.i32()], [cutlass.Int32(x)],
+            "{\n.reg .b32 t0, t1, n, h, p, q;\n"
+            "mov.b32 t0, 0x03020100;\nmov.b32 t1, 0x0C080604;\nxor.b32 n, $2, 0x88888888;\n"
+            "prmt.b32 p, t0, t1, $2;\nprmt.b32 q, t0, t1, n;\n"
+            "or.b32 p, p, 0x80808080;\nsub.u32 p, p, q;\nxor.b32 $0, p, 0x80808080;\n"
+            "shr.b32 h, $2, 16;\nshr.b32 n, n, 16;\nprmt.b32 p, t0, t1, h;\nprmt.b32 q, t0, t1, n;\n"
+            "or.b32 p, p, 0x80808080;\nsub.u32 p, p, q;\nxor.b32 $1, p, 0x80808080;\n}",
+            "=r,=r,r", loc, ip)
+    return cutlass.Int32(r[0]), cutlass.Int32(r[1])
+
+
+@dsl_user_op
+def fp4x16_lookups(x0, x1, tbl, *, loc=None, ip=None):
+    """The byte lookups of 16 e2m1 nibbles that ``fp4x16_dot_i8`` makes, kept for reuse across tokens:
+    ``(p, q)`` for each group of four values, ``p`` the magnitudes ``2|v|`` of the positive values, ``q``
+    of the negative ones."""
+    r = asm([T.i32()] * 8, [cutlass.Int32(v) for v in (x0, x1, tbl)],
+            "{\n.reg .b32 n0, n1, h;\n"
+            "xor.b32 n0, $8, 0x88888888;\nxor.b32 n1, $9, 0x88888888;\n"
+            "prmt.b32 $0, $10, 0x0C080604, $8;\nprmt.b32 $1, $10, 0x0C080604, n0;\n"
+            "shr.b32 h, $8, 16;\nprmt.b32 $2, $10, 0x0C080604, h;\n"
+            "shr.b32 h, n0, 16;\nprmt.b32 $3, $10, 0x0C080604, h;\n"
+            "prmt.b32 $4, $10, 0x0C080604, $9;\nprmt.b32 $5, $10, 0x0C080604, n1;\n"
+            "shr.b32 h, $9, 16;\nprmt.b32 $6, $10, 0x0C080604, h;\n"
+            "shr.b32 h, n1, 16;\nprmt.b32 $7, $10, 0x0C080604, h;\n}",
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+# The integer dot products start from the bits of 1.5 * 2^23: the sum's bits are then those of the fp32
+# 1.5 * 2^23 + dot (|dot| <= 2304 < 2^22), and one exact fp32 subtraction gives float(dot) (no I2F, whose
+# quarter-rate pipe bounds several tokens a block).
+MAGIC, MAGIC_F = "0x4B400000", "0f4B400000"
+
+
+@dsl_user_op
+def lookups_dot(s, w, *, loc=None, ip=None):
+    """``float(sum(2a * 2b))`` over 16 values (exact) from ``fp4x16_lookups``' eight words and ``b``'s
+    four int8 words."""
+    r = asm([T.f32()], [cutlass.Int32(v) for v in (*s, *w)],
+            "{\n.reg .b32 p, q;\n.reg .f32 f;\n"
+            f"dp4a.s32.s32 p, $1, $9, {MAGIC};\ndp4a.s32.s32 q, $2, $9, 0;\n"
+            "dp4a.s32.s32 p, $3, $10, p;\ndp4a.s32.s32 q, $4, $10, q;\n"
+            "dp4a.s32.s32 p, $5, $11, p;\ndp4a.s32.s32 q, $6, $11, q;\n"
+            "dp4a.s32.s32 p, $7, $12, p;\ndp4a.s32.s32 q, $8, $12, q;\n"
+            f"sub.s32 p, p, q;\nmov.b32 f, p;\nsub.f32 $0, f, {MAGIC_F};\n}}", "=f,r,r,r,r,r,r,r,r,r,r,r,r", loc, ip)
+    return cutlass.Float32(r[0])
+
+
+@dsl_user_op
+def lookups_signed(s, *, loc=None, ip=None):
+    """The four signed int8 words ``2a`` of a block from its eight lookup words (``p - q`` a byte: at most
+    one of the two is non-zero, so the bytes never borrow from each other)."""
+    r = asm([T.i32()] * 4, [cutlass.Int32(v) for v in s],
+            "{\n.reg .b32 t;\n"
+            "or.b32 t, $4, 0x80808080;\nsub.u32 t, t, $5;\nxor.b32 $0, t, 0x80808080;\n"
+            "or.b32 t, $6, 0x80808080;\nsub.u32 t, t, $7;\nxor.b32 $1, t, 0x80808080;\n"
+            "or.b32 t, $8, 0x80808080;\nsub.u32 t, t, $9;\nxor.b32 $2, t, 0x80808080;\n"
+            "or.b32 t, $10, 0x80808080;\nsub.u32 t, t, $11;\nxor.b32 $3, t, 0x80808080;\n}",
+            "=r,=r,=r,=r,r,r,r,r,r,r,r,r", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def signed_dot(a, w, *, loc=None, ip=None):
+    """``float(sum(2a * 2b))`` over 16 values (exact) from four signed int8 words of each."""
+    r = asm([T.f32()], [cutlass.Int32(v) for v in (*a, *w)],
+            "{\n.reg .b32 p;\n.reg .f32 f;\n"
+            f"dp4a.s32.s32 p, $1, $5, {MAGIC};\ndp4a.s32.s32 p, $2, $6, p;\n"
+            "dp4a.s32.s32 p, $3, $7, p;\ndp4a.s32.s32 p, $4, $8, p;\n"
+            f"mov.b32 f, p;\nsub.f32 $0, f, {MAGIC_F};\n}}", "=f,r,r,r,r,r,r,r,r", loc, ip)
+    return cutlass.Float32(r[0])
+
+
+def chunk_lookups(v, tbl, signed):
+    """A chunk's two blocks of 16 e2m1 values (four words) decoded once for every token: their
+    ``fp4x16_lookups``, or where ``signed`` their signed int8 words."""
+    lk = (fp4x16_lookups(v[0], v[1], tbl), fp4x16_lookups(v[2], v[3], tbl))
+    return tuple(lookups_signed(b) for b in lk) if signed else lk
+
+
+def chunk_dots(lk, xv, signed):
+    """The two blocks' exact dot products (``chunk_lookups``) with a token's eight int8 words of the chunk."""
+    dot = signed_dot if signed else lookups_dot
+    return dot(lk[0], xv[0:4]), dot(lk[1], xv[4:8])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scale layouts
+# ----------------------------------------------------------------------------------------------------
+
+
+def blocked_row(base, row64, tile_stride):
+    """Address of a row's first scale in the 128x4 blocked layout (``to_blocked``; the permuted scales'
+    memory order) from ``base``: 128-row tiles ``tile_stride`` bytes apart, in a tile 32 rows of 16 bytes,
+    the four 32-row groups 4 bytes apart."""
+    return base + (row64 >> 7) * tile_stride + (row64 & 31) * 16 + ((row64 >> 5) & 3) * 4
+
+
+def scale_offset(c, blocked):
+    """Byte offset, from a row's first scale, of the two scales of its 16-byte chunk ``c`` (scales 2c and
+    2c + 1): adjacent, and in the blocked layout in groups of four 512 bytes apart."""
+    if blocked:
+        return cutlass.Int64((c >> 1) * 512 + (c & 1) * 2)
+    return cutlass.Int64(2 * c)
+
+
+# ----------------------------------------------------------------------------------------------------
+# custom_kernel's kernels: a chunk's scaled dot, b in registers, the group sum
+# ----------------------------------------------------------------------------------------------------
+
+
+def scaled_chunk_dot(acc, x, s16, w, sb0, sb1, tbl):
+    """``acc`` (fp64) plus the scaled dot of one 16-byte chunk of ``a`` (32 values, 2 blocks; ``x`` its
+    words, ``s16`` its two scale bytes) with ``b`` (``w`` 8 words of int8 ``2b``, ``sb0``/``sb1`` its
+    scales / 4). Each block's term is exact in fp32 (an int below 2^12 times a product of two e4m3
+    scales), so a row's only roundings are those of its fp64 sum, each at most 2^-53 of the running sum:
+    rows whose blocks cancel keep their small remainder (an fp32 Kahan sum did not:
+    tests/test_gpu_accuracy.py)."""
+    sa0, sa1 = e4m3x2_to_f32x2(s16)
+    d0 = fp4x16_dot_i8(x[0], x[1], w[0], w[1], w[2], w[3], tbl)
+    d1 = fp4x16_dot_i8(x[2], x[3], w[4], w[5], w[6], w[7], tbl)
+    acc = acc + cutlass.Float64(cutlass.Float32(d0) * (sa0 * sb0))
+    return acc + cutlass.Float64(cutlass.Float32(d1) * (sa1 * sb1))
+
+
+def b_in_registers(b_base, sfb_base, first, step, n, scale_offset, last=None):
+    """Chunks ``first, first + step, ...`` (``n`` of them) of ``b`` as int8 ``2b`` (8 words a chunk) and
+    their two scales / 4 as fp32: the share of ``b`` a lane keeps in registers. With ``last`` (the row's
+    last chunk), the final one is clamped to it: a tail lane reads real scales, which its zero ``a``
+    words and scales then cancel (a read past the row could decode an e4m3 NaN)."""
+    wb, sb = [], []
+    for i in range(n):
+        ch = first + i * step
+        if last is not None and i == n - 1:
+            ch = cutlass.min(ch, last)
+        x = ldg_v4(b_base + cutlass.Int64(ch) * 16)
+        for w in range(4):
+            wb += list(fp4x8_to_i8(x[w]))
+        s0, s1 = e4m3x2_to_f32x2(ldg_u16(sfb_base + scale_offset(ch)))
+        sb += [s0 * 0.25, s1 * 0.25]
+    return wb, sb
+
+
+def probe_sum(acc, x, s16):
+    """The probe's stand-in for the arithmetic: keeps the loads alive, computes nothing useful."""
+    return acc + cutlass.Float64(cutlass.Float32(x[0] ^ x[1] ^ x[2] ^ x[3] ^ s16))
+
+
+def group_sum(acc, offsets):
+    """Butterfly fp64 sum over the lanes that ``offsets`` span; every lane gets the total."""
+    for off in offsets:
+        acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off)
+    return acc
