@@ -8,7 +8,11 @@ arguments.
 Human mode: ``python eval.py [MODE] [TESTFILE] [--submission PATH] [--json F] [--plot F.png]`` prints
 progress, then a table with the median time, achieved bandwidth and the speed-of-light time per case.
 MODE defaults to benchmark; TESTFILE to task.yml's benchmarks (for benchmark, leaderboard, profile) or
-tests (for test).
+tests (for test). The bandwidth column is a share of the DRAM read ceiling (an fp32 ``torch.sum`` over
+2 GiB), not of the case's read floor: bench.py measures that floor with a CuTe DSL read kernel, which this
+harness cannot assume. Without a CUDA device, a submission that imports the CuTe DSL (``cutlass``; ours
+does) is refused before any case runs, with exit code 114; other submissions run on CPU inputs, and one
+whose first case fails for want of CUDA stops there (exit code 112, the case's failure).
 
 Every case runs in a spawned one-process pool, so a crash in the submission fails that case only.
 """
@@ -25,6 +29,7 @@ import math
 import multiprocessing
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -32,6 +37,7 @@ import time
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MODES = ("test", "benchmark", "leaderboard", "profile")
 EXIT_FAIL, EXIT_NO_FD, EXIT_BAD_FILE = 112, 111, 113
+EXIT_NO_CUDA = 114  # human mode only: the submission needs a CUDA GPU and this machine has none
 BENCH_MAX_RUNS, LEADERBOARD_MAX_RUNS = 100, 1000
 TIME_BUDGET_NS = 10e9
 WALL_LIMIT_S = 120.0
@@ -292,12 +298,12 @@ def protocol_main(mode, cases, submission, out):
 
 
 def sol_us(nbytes, bw_tbps):
-    """Time to read ``nbytes`` at the measured bandwidth, in us."""
+    """Time to read ``nbytes`` at the measured read ceiling, in us."""
     return nbytes / (bw_tbps * 1e12) * 1e6
 
 
 def is_suspect(best_us, nbytes, bw_tbps):
-    """A best time below the bytes' read time at the measured bandwidth: the kernel cannot have read them
+    """A best time below the bytes' read time at the measured read ceiling: the kernel cannot have read them
     all (a cached result, an unwritten output, a timer around nothing)."""
     return best_us < sol_us(nbytes, bw_tbps)
 
@@ -308,7 +314,9 @@ def bytes_moved(case):
 
 
 def measure_read_bandwidth():
-    """Median DRAM read rate (TB/s) of an fp32 sum over 2 GiB, L2 flushed before each of 20 runs."""
+    """The DRAM read ceiling: the median read rate (TB/s) of an fp32 sum over 2 GiB, L2 flushed before each
+    of 20 runs. Reads of a case's size (tens of MB) cannot reach it (launch, ramp-up and the flush's dirty L2
+    cost microseconds), so a kernel's share of it is not its share of the case's read floor (bench.py)."""
     import torch
 
     from utils import clear_l2_cache
@@ -362,9 +370,20 @@ class Row:
     message: str = ""
     stats: dict = None
     tbps: float = None
-    pct: float = None
+    pct_of_ceiling: float = None
     sol_us: float = None
     suspect: bool = False
+
+
+NEEDS_CUDA = ("This submission needs a CUDA GPU. Without one you can run the CPU tests (python -m pytest -q) "
+              "or evaluate a CPU-capable submission, e.g.\n"
+              "  python eval.py test --submission tests/submissions/cpu_ok.py")
+
+
+def imports_cute_dsl(path):
+    """Whether the submission imports the CuTe DSL (``cutlass``), whose kernels run only on a CUDA GPU."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return re.search(r"^\s*(import|from)\s+cutlass\b", f.read(), re.MULTILINE) is not None
 
 
 def human_main(mode, cases, submission, args):
@@ -372,10 +391,14 @@ def human_main(mode, cases, submission, args):
 
     cuda = torch.cuda.is_available()
     if not cuda:
-        print("No CUDA device: inputs are made on the CPU and the submission runs there.")
+        if imports_cute_dsl(submission):
+            print(f"No CUDA device here, and {os.path.basename(submission)} imports the CuTe DSL.\n{NEEDS_CUDA}",
+                  file=sys.stderr)
+            return EXIT_NO_CUDA
+        print("No CUDA device: inputs are made on the CPU and the submission (no CuTe DSL import) runs there.")
     bw = measure_read_bandwidth() if cuda and mode != "test" else None
     if bw:
-        print(f"measured DRAM read bandwidth: {bw:.2f} TB/s")
+        print(f"measured DRAM read ceiling: {bw:.2f} TB/s (fp32 torch.sum over 2 GiB)")
     rows = []
     for i, case in enumerate(cases):
         print(f"[{i + 1}/{len(cases)}] {spec_line(case)} ...", flush=True)
@@ -384,9 +407,7 @@ def human_main(mode, cases, submission, args):
             msg = r.get("error") or r.get("message", "")
             if not cuda and "CUDA" in msg:
                 # every other case would fail the same way: say it once and stop
-                print(f"  FAIL: {msg}\n\nThis submission needs a CUDA GPU. Without one you can run the CPU "
-                      "tests (pytest) or evaluate a CPU-capable submission, e.g.\n"
-                      "  python eval.py test --submission tests/submissions/cpu_ok.py", file=sys.stderr)
+                print(f"  FAIL: {msg}\n\n{NEEDS_CUDA}", file=sys.stderr)
                 return EXIT_FAIL
             rows.append(Row(case, "FAIL", msg))
             print(f"  FAIL: {msg}")
@@ -397,7 +418,7 @@ def human_main(mode, cases, submission, args):
             nbytes = bytes_moved(case)
             row.tbps = nbytes / (row.stats["median"] * 1e-6) / 1e12
             if bw:
-                row.pct = 100 * row.tbps / bw
+                row.pct_of_ceiling = 100 * row.tbps / bw
                 row.sol_us = sol_us(nbytes, bw)
                 row.suspect = is_suspect(row.stats["best"], nbytes, bw)
         if "report" in r:
@@ -406,7 +427,7 @@ def human_main(mode, cases, submission, args):
     print_table(rows, mode)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"system": system_info(submission), "mode": mode, "read_bandwidth_TBps": bw,
+            json.dump({"system": system_info(submission), "mode": mode, "read_ceiling_TBps": bw,
                        "cases": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
     if args.plot:
         plot(rows, bw, args.plot)
@@ -420,7 +441,7 @@ def print_table(rows, mode):
             print(f"{spec_line(r.case):45s} {r.status}{'  ' + r.message if r.message else ''}")
         return
     head = f"{'case':34s} {'status':6s} {'median':>8s} {'p20/p80':>15s} {'mean +- err':>16s} {'best':>8s} " \
-           f"{'TB/s':>6s} {'% bw':>5s} {'SOL':>7s}"
+           f"{'TB/s':>6s} {'% ceil':>6s} {'SOL':>7s}"
     print(head + "\n" + "-" * len(head))
     for r in rows:
         name = f"{r.case['m']}x{r.case['k']}x{r.case['l']} seed {r.case.get('seed', '')}"
@@ -428,12 +449,13 @@ def print_table(rows, mode):
             print(f"{name:34s} {r.status:6s}  {r.message}")
             continue
         st = r.stats
-        pct = f"{r.pct:4.0f}%" if r.pct else "    -"
+        pct = f"{r.pct_of_ceiling:5.0f}%" if r.pct_of_ceiling else "     -"
         sol = f"{r.sol_us:7.2f}" if r.sol_us else "      -"
-        flag = "  SUSPECT: faster than the bandwidth allows" if r.suspect else ""
+        flag = "  SUSPECT: faster than the read ceiling allows" if r.suspect else ""
         print(f"{name:34s} {r.status:6s} {st['median']:8.2f} {st['p20']:7.2f}/{st['p80']:<7.2f} "
               f"{st['mean']:8.2f} +- {st['err']:5.2f} {st['best']:8.2f} {r.tbps:6.2f} {pct} {sol}{flag}")
-    print("(times in us; SOL = bytes / measured read bandwidth)")
+    print("(times in us; % ceil: TB/s as a share of the DRAM read ceiling; SOL: bytes / that ceiling)\n"
+          "(reads of these sizes cannot reach the ceiling: python bench.py gives each case's share of its read floor)")
 
 
 def plot(rows, bw, path):
@@ -447,7 +469,7 @@ def plot(rows, bw, path):
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4))
     ax.bar(names, [r.tbps for r in rows], color="#4472c4", label="achieved")
     if bw:
-        ax.axhline(bw, color="#c00000", linestyle="--", label=f"measured read bandwidth {bw:.2f} TB/s")
+        ax.axhline(bw, color="#c00000", linestyle="--", label=f"DRAM read ceiling (torch.sum, 2 GiB) {bw:.2f} TB/s")
     ax.set_ylabel("TB/s")
     ax.set_title("nvfp4_gemv: achieved bandwidth per case")
     ax.legend(loc="lower right")

@@ -123,7 +123,7 @@ def _nvdisasm():
 def test_bulk_loops_keep_the_decode_table_in_one_register(arch, k, extra, tmp_path):
     """ptxas kept a constant (or warp-uniform) ``prmt`` table in a uniform register and copied it into a
     fresh register before each ``prmt``: 10-18% of the bulk kernels' loop instructions, 4.6% of the op's
-    N = 4 time on H200 (docs/perf-notes.md, sixth session). A lane's own copy from shared memory is neither."""
+    N = 4 time on H200 (docs/history/perf-notes.md, sixth session). A lane's own copy from shared memory is neither."""
     nvdisasm = _nvdisasm()
     if nvdisasm is None:
         pytest.skip("nvdisasm not installed (the test extra has nvidia-cuda-nvdisasm)")

@@ -43,7 +43,7 @@ def test_long_rows_beyond_one_wave_take_the_bulk_kernel(m, k, l, seed):
                                                (8192, 6144, 2, 4, 3), (4096, 5120, 4, 2, None),
                                                (4096, 3072, 4, 2, None)])
 def test_streaming_units_of_4_or_2_chunks_load_scales_wide(m, k, l, batch, ctas):
-    """Measured on H200 (docs/perf-notes.md): two-byte scale loads cost the streaming kernel more than their
+    """Measured on H200 (docs/history/perf-notes.md): two-byte scale loads cost the streaming kernel more than their
     bytes; units of 4 chunks then run 3 CTAs a SM (4 spill on DSL 4.8), but for K = 1024 on DSL 4.4+. Where a
     lane's share of the row divides in fours (K = 4096, 6144) its units hold 4 chunks (a row's scales in 128-byte
     pieces, not 64: 0.35-1.0 us faster on 8 of 9 shapes, 16384x4096x1 mixed); elsewhere (K = 3072, 5120) 2."""
@@ -173,7 +173,7 @@ def test_split_takes_the_largest_that_fits_one_wave_else_two_waves(m, k, l, spli
 ])
 def test_latency_config_yields_to_streaming_where_its_tail_is_longer(m, k, l, latency):
     """One unit of 8+ chunks a lane on more CTAs than SMs computes everything after its last byte; the
-    streaming kernel overlaps its units of 3+ chunks (measured on H200, docs/perf-notes.md)."""
+    streaming kernel overlaps its units of 3+ chunks (measured on H200, docs/history/perf-notes.md)."""
     assert (LATENCY(k, m, l, H200_SMS) is not None) == latency
     assert submission.pick_tuning(k, m, l, H200_SMS, False) == (LATENCY(k, m, l, H200_SMS) or submission.Streaming())
 

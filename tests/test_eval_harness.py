@@ -111,21 +111,51 @@ def test_human_mode_on_cpu_prints_a_table(tmp_path):
     assert '"submission_sha256"' in (tmp_path / "r.json").read_text()
 
 
-def test_cuda_only_submission_on_cpu_says_a_gpu_is_needed(tmp_path):
-    pytest.importorskip("cutlass")
+def _human(*args):
+    env = {k: v for k, v in os.environ.items() if k != "POPCORN_FD"}
+    return subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _skip_on_a_gpu():
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("only meaningful without a GPU")
+
+
+@pytest.mark.parametrize("mode", ["benchmark", "test"])
+def test_our_submission_on_cpu_is_refused_at_once(mode):
+    """`python eval.py` without CUDA: said before any case runs, with its own exit code (not a case's 112)."""
+    _skip_on_a_gpu()
+    proc = _human(mode)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == harness.EXIT_NO_CUDA, said
+    assert said.count("needs a CUDA GPU") == 1 and "imports the CuTe DSL" in said, said
+    assert "[1/" not in said and "runs there" not in said and "FAIL" not in said, said
+    assert "python -m pytest" in said and "tests/submissions/cpu_ok.py" in said
+
+
+def test_cuda_only_submission_on_cpu_says_a_gpu_is_needed(tmp_path):
+    """A submission that needs CUDA but does not import the DSL is found out by its first case, once."""
+    _skip_on_a_gpu()
     (tmp_path / "cases.txt").write_text("m: 128; k: 64; l: 1; seed: 2\nm: 256; k: 128; l: 1; seed: 3\n")
-    env = {k: v for k, v in os.environ.items() if k != "POPCORN_FD"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "test", str(tmp_path / "cases.txt")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = _human("test", str(tmp_path / "cases.txt"), "--submission", os.path.join(SUBS, "cuda_only.py"))
     assert proc.returncode == harness.EXIT_FAIL
     said = proc.stdout + proc.stderr
     # said once, then it stops: the second case would fail the same way
     assert said.count("needs a CUDA GPU") == 1 and said.count("expected a CUDA tensor") == 1, said
     assert "tests/submissions/cpu_ok.py" in said and "[2/2]" not in said
+
+
+def test_the_cute_dsl_import_is_what_marks_a_gpu_only_submission(tmp_path):
+    assert harness.imports_cute_dsl(os.path.join(ROOT, "submission.py"))
+    for name in ("cpu_ok.py", "cuda_only.py", "raises.py"):
+        assert not harness.imports_cute_dsl(os.path.join(SUBS, name)), name
+    (tmp_path / "s.py").write_text("import torch\n# import cutlass, in a comment\nx = 'from cutlass import cute'\n")
+    assert not harness.imports_cute_dsl(str(tmp_path / "s.py"))
+    (tmp_path / "t.py").write_text("try:\n    from cutlass.cute import nvgpu\nexcept ImportError:\n    pass\n")
+    assert harness.imports_cute_dsl(str(tmp_path / "t.py"))
 
 
 def test_harness_runs_where_cute_dsl_is_missing(tmp_path):
@@ -176,6 +206,7 @@ def test_a_time_faster_than_the_bandwidth_allows_is_suspect():
 def test_a_suspect_row_is_flagged_in_the_table(capsys):
     case = {"m": 7168, "k": 16384, "l": 1, "seed": 1}
     stats = {"median": 1.0, "p20": 1.0, "p80": 1.0, "mean": 1.0, "err": 0.0, "best": 1.0, "runs": 10}
-    row = harness.Row(case, "pass", stats=stats, tbps=60.0, pct=1500.0, sol_us=15.0, suspect=True)
+    row = harness.Row(case, "pass", stats=stats, tbps=60.0, pct_of_ceiling=1500.0, sol_us=15.0, suspect=True)
     harness.print_table([row], "benchmark")
-    assert "SUSPECT" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "SUSPECT" in out and "% ceil" in out and "1500%" in out and "read floor" in out

@@ -10,7 +10,7 @@ A third case times the generator's layout with ``sfa`` read into L2 after the fl
 range): what the kernel would take if the scales cost nothing to fetch from DRAM.
 
 Prints ``shape layout: us`` lines (median of 50 runs the leaderboard's way, three passes alternating the
-layouts) and ``shape layout check: ok``. The thirteenth session's results are in docs/perf-notes.md: the layout
+layouts) and ``shape layout check: ok``. The thirteenth session's results are in docs/history/perf-notes.md: the layout
 moves 0.1-0.5 us, ``sfa`` in L2 1.0-3.7 us.
 """
 
