@@ -46,6 +46,9 @@ def main():
     p.add_argument("--tune", default="", help="e.g. batch=4,min_blocks=3,group=16")
     p.add_argument("--tokens", type=int, default=0, help="compile the op's kernel for this many tokens")
     p.add_argument("--mma", type=int, default=0, help="with --tokens: the tensor-core kernel, this many 8-row groups")
+    p.add_argument("--w4a16", type=int, default=0, help="with --tokens: the W4A16 kernel (bf16 x), this many groups")
+    p.add_argument("--f16", action="store_true", help="with --w4a16: fp16 x")
+    p.add_argument("--quantize", action="store_true", help="the activation quantizer (bf16 x; --f16: fp16)")
     args = p.parse_args()
     # CuTe DSL compiles for --gpu-arch only when CUTE_DSL_ARCH names another arch.
     os.environ["CUTE_DSL_ARCH"] = "sm_80" if args.arch != "sm_80" else "sm_86"
@@ -60,7 +63,16 @@ def main():
     os.makedirs(dump, exist_ok=True)
     tuning = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.tune.split(",") if kv}
     options = f"--gpu-arch {args.arch} --keep-cubin --keep-ptx --dump-dir {dump}"
-    if args.tokens and args.mma:  # the op's tensor-core kernel (nvfp4_gemv.mma), alpha and bf16 out
+    if args.quantize:  # nvfp4_gemv.quant_kernel
+        from nvfp4_gemv import quant_kernel
+
+        _, fn = quant_kernel.compile_quantize(args.k, not args.f16, options=options)
+    elif args.tokens and args.w4a16:  # the W4A16 kernel (nvfp4_gemv.w4a16), alpha and bf16 out
+        from nvfp4_gemv import w4a16
+
+        _, fn = w4a16.compile_w4a16(args.k, args.tokens, args.w4a16, not args.f16, args.blocked, True, True,
+                                    options=options, **tuning)
+    elif args.tokens and args.mma:  # the op's tensor-core kernel (nvfp4_gemv.mma), alpha and bf16 out
         from nvfp4_gemv import mma
 
         _, fn = mma.compile_mma(args.k, args.tokens, args.mma, args.blocked, args.blocked, True, True, options=options,

@@ -105,6 +105,28 @@ def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, tune, blocked, tmp
                                   *(["--blocked"] if blocked else [])))
 
 
+@pytest.mark.parametrize("arch,k,tokens,groups,extra", [
+    ("sm_90a", 16384, 1, 4, ("--tune", "threads=256,ctas=2")),  # the op's one-token tuning (x in shared memory)
+    ("sm_90a", 4096, 8, 7, ("--tune", "threads=256,x_smem=0")),
+    ("sm_90a", 14336, 16, 6, ("--f16", "--blocked", "--tune", "threads=256,x_smem=0")),
+    # K % 128 == 64, two A tiles; known: DSL 4.8.1 spills 48 bytes a thread here for sm_100a (4.3.5: none)
+    ("sm_100a", 4160, 32, 2, ("--tune", "threads=256,x_smem=0")),
+    ("sm_100a", 64, 3, 1, ("--f16", "--tune", "threads=256,x_smem=0"))])
+def test_w4a16_kernel_compiles_without_gpu_and_without_spills(arch, k, tokens, groups, extra, tmp_path):
+    """The W4A16 kernel as the op routes it (``w4a16.default_tuning``, ``pick_groups``' caps): no stack frame."""
+    info = compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--w4a16", str(groups), *extra)
+    assert info["elf"] and info["launch"] == "tvm-ffi" and info["fp4_cvt"] == [], info
+    known = tokens == 32 and arch == "sm_100a" and not info["dsl"].startswith("4.3.")
+    assert info["lds_before_bar"] == 0 and info["frame_bytes"] <= (64 if known else 0), info
+
+
+@pytest.mark.parametrize("arch,k,extra", [("sm_90a", 16384, ()), ("sm_100a", 4096, ("--f16",))])
+def test_quantize_kernel_compiles_without_gpu(arch, k, extra, tmp_path):
+    """No e2m1 conversion (sm_90a has none): the codes come from comparisons."""
+    info = compile_check(arch, k, tmp_path, "--quantize", *extra)
+    assert info["elf"] and info["launch"] == "tvm-ffi" and info["fp4_cvt"] == [] and info["frame_bytes"] == 0, info
+
+
 def _nvdisasm():
     import glob
 
