@@ -26,12 +26,10 @@ scales plain [rows, K/16] K-contiguous or 128x4 blocked; ``out`` [N, M] unit str
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .decode import blocked_row
+from .decode import blocked_row, scaled_f16x8
 from .ptx import (
     SmemAllocator,
-    asm,
     cp_async_8,
     cp_async_commit,
     cp_async_wait,
@@ -50,32 +48,6 @@ from .tokens import OpLaunch, compile_op
 
 TWO_POW_28 = 268435456.0
 MAX_GROUPS = 8  # accumulators and loads in flight of a thread grow with it (registers)
-
-
-@dsl_user_op
-def scaled_f16x8(q0, q1, s8, *, loc=None, ip=None):
-    """16 e2m1 nibbles (two words, value order) times their block's e4m3 scale byte ``s8``: eight f16x2
-    ``v * s * 2^-14``, in MMA-slot order: word 0's pairs (0,4), (1,5), (2,6), (3,7), then word 1's.
-
-    A nibble ``s e1 e0 m`` is the high byte ``s000 e1e0m0`` of its f16 (the low byte is zero): with the odd
-    nibbles at bits 4..7 of each byte (``h``), ``(h >> 3) ^ h`` puts e1e0m at bits 1..3 and keeps s at bit 7;
-    the even nibbles likewise after a shift by 4; one ``prmt`` with zero then places two such bytes a pair."""
-    body = ["{", ".reg .b32 t, u, s, z;", ".reg .b16 h;",
-            "prmt.b32 t, $9, 0, 0x0000;", "cvt.u16.u32 h, t;", "cvt.rn.f16x2.e4m3x2 s, h;", "mov.b32 z, 0;"]
-    for w, q in enumerate(("$8", "$10")):
-        o = [f"${4 * w + j}" for j in range(4)]
-        # u: the odd nibbles' f16 high bytes (n1, n3, n5, n7), t: the even ones' (n0, n2, n4, n6)
-        body += [f"and.b32 u, {q}, 0xF0F0F0F0;", "shr.b32 t, u, 3;", "xor.b32 t, t, u;",
-                 "and.b32 u, t, 0x8E8E8E8E;", f"shl.b32 t, {q}, 4;", "and.b32 t, t, 0xF0F0F0F0;",
-                 f"shr.b32 {o[0]}, t, 3;", f"xor.b32 t, t, {o[0]};", "and.b32 t, t, 0x8E8E8E8E;",
-                 f"prmt.b32 {o[0]}, t, z, 0x2404;", f"prmt.b32 {o[1]}, u, z, 0x2404;",
-                 f"prmt.b32 {o[2]}, t, z, 0x3414;", f"prmt.b32 {o[3]}, u, z, 0x3414;"]
-        body += [f"mul.rn.f16x2 {o[j]}, {o[j]}, s;" for j in range(4)]
-    body.append("}")
-    # operands: $0..$7 out, $8 q0, $9 s8, $10 q1
-    r = asm([T.i32()] * 8, [cutlass.Int32(q0), cutlass.Int32(s8), cutlass.Int32(q1)], "\n".join(body),
-            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", loc, ip)
-    return [cutlass.Int32(v) for v in r]
 
 
 def pick_groups(m, sms, ctas_per_sm=1):

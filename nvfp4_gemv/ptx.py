@@ -370,3 +370,54 @@ def mma_f16(a, b, c, *, loc=None, ip=None):
             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
             "{$10, $11, $12, $13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip)
     return [cutlass.Float32(v) for v in r]
+
+
+@dsl_user_op
+def ldg_v4_if(addr, pred, *, loc=None, ip=None):
+    """``ld.global.nc.v4`` where ``pred`` is non-zero, else zeros and no memory access (through the caches:
+    W4A16's ``x``, read by every CTA, stays in L2). ``cute.arch`` has no predicated vector load."""
+    r = asm([T.i32()] * 4, [cutlass.Int64(addr), cutlass.Int32(pred)],
+             "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
+             "mov.b32 $3, 0;\n@p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];\n}", "=r,=r,=r,=r,l,r", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def lds_v4_if(addr, pred, *, loc=None, ip=None):
+    """16-byte shared load where ``pred`` is non-zero, else zeros (``x`` rows past N are not stored);
+    ordered after the barrier that follows the copy of ``x`` (side effects)."""
+    r = asm([T.i32()] * 4, [cutlass.Int32(addr), cutlass.Int32(pred)],
+             "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
+             "mov.b32 $3, 0;\n@p ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];\n}", "=r,=r,=r,=r,r,r", loc, ip,
+             volatile=True)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def ldg_w_v4(addr, *, loc=None, ip=None):
+    """``ld.global.nc.L1::no_allocate.v4``: W4A16's ``w``, each byte read once (no ``cute.arch`` form takes
+    the L1 hint)."""
+    r = asm([T.i32()] * 4, [cutlass.Int64(addr)], "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
+             "=r,=r,=r,=r,l", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def pair_halves(a, b, *, loc=None, ip=None):
+    """Two ``prmt``: from ``a = (x0, x1)`` and ``b = (x4, x5)`` (16-bit halves) the pairs ``(x0, x4)`` and
+    ``(x1, x5)``, the W4A16 A operand's value order (no ``cute.arch`` byte permute)."""
+    r = asm([T.i32()] * 2, [cutlass.Int32(a), cutlass.Int32(b)],
+             "prmt.b32 $0, $2, $3, 0x5410;\nprmt.b32 $1, $2, $3, 0x7632;", "=r,=r,r,r", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def mma_16816(a, b, c, bf16, *, loc=None, ip=None):
+    """``mma.sync.aligned.m16n8k16.row.col`` with bf16 or f16 operands (``a`` four registers, ``b`` two), fp32
+    ``c``, on raw registers (``cute``'s MMA atoms take tensors in its fragment layouts, not these packed
+    words)."""
+    kind = "bf16.bf16" if bf16 else "f16.f16"
+    r = asm([T.f32()] * 4, [*[cutlass.Int32(v) for v in (*a, *b)], *[cutlass.Float32(v) for v in c]],
+             f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.f32 {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, "
+             "{$8, $9}, {$10, $11, $12, $13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip)
+    return [cutlass.Float32(v) for v in r]

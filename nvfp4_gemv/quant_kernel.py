@@ -40,7 +40,7 @@ def widen8(v0, v1, v2, v3, bf16, *, loc=None, ip=None):
     if bf16:
         body = []
         for i in range(4):
-            body += [f"shl.b32 $%d, $%d, 16;" % (2 * i, 8 + i), f"and.b32 $%d, $%d, 0xFFFF0000;" % (2 * i + 1, 8 + i)]
+            body += [f"shl.b32 ${2 * i}, ${8 + i}, 16;", f"and.b32 ${2 * i + 1}, ${8 + i}, 0xFFFF0000;"]
         text = "\n".join(body)
     else:
         body = ["{", ".reg .b16 lo, hi;"]

@@ -6,7 +6,7 @@ tokens launch once per group of at most 32.
 
 Exact operands for the tensor cores (``mma.sync.m16n8k16``, fp32 accumulation):
 
-* fp16 ``x``: an e2m1 nibble placed as the f16 of ``v * 2^-14`` (``mma.scaled_f16x8``), times the block's
+* fp16 ``x``: an e2m1 nibble placed as the f16 of ``v * 2^-14`` (``decode.scaled_f16x8``), times the block's
   e4m3 scale in one ``HMUL2``: ``v * s * 2^-14`` has at most 6 significant bits and is at least 2^-24
   (f16's least subnormal), so it is exact; ``2^14`` scales the sum back.
 * bf16 ``x``: the nibble's three magnitude bits go to bf16 bits 6..8 and its sign to bit 15, which is the
@@ -44,14 +44,31 @@ K-contiguous with even row strides, or 128x4 blocked; ``out`` [N, M] unit stride
 on the device, or none.
 """
 
+import threading
+
 import cutlass
 import cutlass.cute as cute
-from cutlass.cutlass_dsl import T, dsl_user_op
+import torch
 
-from .decode import blocked_row, scale_offset
-from .mma import scaled_f16x8
-from .ptx import SMEM_A_SM, SmemAllocator, ldg_f32, ldg_u16, ldg_v4, lds_stage_f32, stg_as, sts_f32x4, sts_v4
-from .ptx import asm as _asm
+from .decode import blocked_row, scale_offset, scaled_bf16x8, scaled_f16x8
+from .launch import MAX_PLANS, Kernel, current_device, current_stream
+from .ptx import (
+    SMEM_A_SM,
+    SmemAllocator,
+    ldg_f32,
+    ldg_u16,
+    ldg_v4,
+    ldg_v4_if,
+    ldg_w_v4,
+    lds_stage_f32,
+    lds_v4_if,
+    mma_16816,
+    pair_halves,
+    stg_as,
+    sts_f32x4,
+    sts_v4,
+)
+from .reference import fail_gemv
 from .tokens import OpLaunch, compile_op
 
 MAX_TOKENS = 32  # tokens a launch takes: two A tiles of 16
@@ -59,86 +76,6 @@ MAX_GROUPS = 8
 SMEM_CTA = SMEM_A_SM - 1024  # the most one CTA may use on sm_90 and sm_100 (1 KiB of a SM reserved a CTA)
 BF16_SUM_SCALE = 128.0  # 2^7: undoes the 2^-7 of the bf16 weights
 F16_SUM_SCALE = 16384.0  # 2^14: undoes the 2^-14 of the f16 weights
-
-
-@dsl_user_op
-def ldg_v4_if(addr, pred, *, loc=None, ip=None):
-    """16-byte load through the caches (``x``, read by every CTA: kept in L2) where ``pred`` is non-zero,
-    else zeros and no memory access."""
-    r = _asm([T.i32()] * 4, [cutlass.Int64(addr), cutlass.Int32(pred)],
-             "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
-             "mov.b32 $3, 0;\n@p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];\n}", "=r,=r,=r,=r,l,r", loc, ip)
-    return [cutlass.Int32(v) for v in r]
-
-
-@dsl_user_op
-def lds_v4_if(addr, pred, *, loc=None, ip=None):
-    """16-byte shared load where ``pred`` is non-zero, else zeros (``x`` rows past N are not stored);
-    ordered after the barrier that follows the copy of ``x`` (side effects)."""
-    r = _asm([T.i32()] * 4, [cutlass.Int32(addr), cutlass.Int32(pred)],
-             "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
-             "mov.b32 $3, 0;\n@p ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];\n}", "=r,=r,=r,=r,r,r", loc, ip,
-             volatile=True)
-    return [cutlass.Int32(v) for v in r]
-
-
-@dsl_user_op
-def ldg_w_v4(addr, *, loc=None, ip=None):
-    """16-byte load of ``w`` that does not allocate in L1 (each byte is read once)."""
-    r = _asm([T.i32()] * 4, [cutlass.Int64(addr)], "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
-             "=r,=r,=r,=r,l", loc, ip)
-    return [cutlass.Int32(v) for v in r]
-
-
-@dsl_user_op
-def pair_halves(a, b, *, loc=None, ip=None):
-    """``prmt``: from ``a = (x0, x1)`` and ``b = (x4, x5)`` (16-bit halves) the pairs ``(x0, x4)`` and
-    ``(x1, x5)``: the A operand's value order."""
-    r = _asm([T.i32()] * 2, [cutlass.Int32(a), cutlass.Int32(b)],
-             "prmt.b32 $0, $2, $3, 0x5410;\nprmt.b32 $1, $2, $3, 0x7632;", "=r,=r,r,r", loc, ip)
-    return [cutlass.Int32(v) for v in r]
-
-
-@dsl_user_op
-def scaled_bf16x8(q0, q1, s8, *, loc=None, ip=None):
-    """16 e2m1 nibbles (two words, value order) times their block's e4m3 scale byte ``s8``: eight bf16x2
-    ``v * s * 2^-7``, in the order of ``mma.scaled_f16x8`` (word 0's pairs (0,4), (1,5), (2,6), (3,7), then
-    word 1's).
-
-    Pair ``(i, i + 4)`` of a word: shifting by ``6 - 4i`` puts both magnitudes at bf16 bits 6..8 of their
-    halves, shifting by ``12 - 4i`` both signs at bit 15; that is ``v * 2^-126``. The scale: the byte's bits
-    shifted so that e4m3's exponent and mantissa sit at fp32's lowest exponent bits (fp32 of ``s * 2^-120``,
-    subnormal scales included), times 2^120 and 2^119 (no flush: plain ``mul.rn.f32``), packed to bf16x2
-    (exact: 4 significant bits); one ``mul.rn.bf16x2`` a pair (bf16 subnormals are kept)."""
-    body = ["{", ".reg .b32 a, b, p;", ".reg .f32 f;",
-            "shl.b32 a, $9, 24;", "shr.s32 a, a, 4;", "and.b32 a, a, 0x87F00000;", "mov.b32 f, a;",
-            "mul.rn.f32 f, f, 0f7B800000;", "mul.rn.f32 f, f, 0f7B000000;", "cvt.rn.bf16x2.f32 p, f, f;"]
-    for w, q in enumerate(("$8", "$10")):
-        for i in range(4):
-            o = f"${4 * w + i}"
-            ms, ss = 6 - 4 * i, 12 - 4 * i
-            body.append(f"shl.b32 a, {q}, {ms};" if ms >= 0 else f"shr.b32 a, {q}, {-ms};")
-            body.append("and.b32 a, a, 0x01C001C0;")
-            if ss:
-                body.append(f"shl.b32 b, {q}, {ss};")
-                body.append(f"lop3.b32 {o}, a, b, 0x80008000, 0xF8;")  # a | (b & c)
-            else:
-                body.append(f"lop3.b32 {o}, a, {q}, 0x80008000, 0xF8;")
-            body.append(f"mul.rn.bf16x2 {o}, {o}, p;")
-    body.append("}")
-    r = _asm([T.i32()] * 8, [cutlass.Int32(q0), cutlass.Int32(s8), cutlass.Int32(q1)], "\n".join(body),
-             "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", loc, ip)
-    return [cutlass.Int32(v) for v in r]
-
-
-@dsl_user_op
-def mma_16816(a, b, c, bf16, *, loc=None, ip=None):
-    """``mma.sync.m16n8k16`` row.col with bf16 or f16 operands (``a`` four registers, ``b`` two), fp32 ``c``."""
-    kind = "bf16.bf16" if bf16 else "f16.f16"
-    r = _asm([T.f32()] * 4, [*[cutlass.Int32(v) for v in (*a, *b)], *[cutlass.Float32(v) for v in c]],
-             f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.f32 {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, "
-             "{$8, $9}, {$10, $11, $12, $13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip)
-    return [cutlass.Float32(v) for v in r]
 
 
 def pick_groups(n_tok, m, sms):
@@ -379,13 +316,7 @@ def compile_w4a16(k, n_tok, groups, x_bf16, w_blocked, has_alpha, out_bf16, opti
 # Host side: validation, exact reference, launch plans
 # ----------------------------------------------------------------------------------------------------
 
-import threading  # noqa: E402
 
-import torch  # noqa: E402
-
-from .launch import MAX_PLANS, Kernel, current_device, current_stream  # noqa: E402
-
-ACT_DTYPES = (torch.bfloat16, torch.float16)
 # from this many tokens on, w is dequantized into x's dtype and multiplied by torch.mm (cuBLAS, tensor cores):
 # the kernel reads w once a group of 32 tokens, so prefill-sized N would read it N / 32 times
 DEQUANT_MIN_TOKENS = 129
@@ -394,20 +325,6 @@ _compiled = {}
 _plans = {}
 _sms = {}
 _lock = threading.RLock()
-
-
-def is_w4a16(x):
-    """Whether ``x`` is an unquantized activation (bf16 or fp16 tensor): the op's W4A16 form."""
-    return isinstance(x, torch.Tensor) and x.dtype in ACT_DTYPES
-
-
-def reference(x, w64, alpha, out_dtype, round_to):
-    """float64 sums of the exact products ``x * w64`` (``w64``: the dequantized weights, float64), times
-    ``alpha``, rounded once to ``out_dtype``."""
-    res = x.to(torch.float64) @ w64.T
-    if alpha is not None:
-        res = res * alpha.reshape(()).to(torch.float64)
-    return round_to(res, out_dtype)
 
 
 def _sm_count(dev):
@@ -440,10 +357,6 @@ def _get_kernel(dev, key):
     return kern
 
 
-def _fail(exc, name, expected, got):
-    raise exc(f"nvfp4_gemv.gemv: argument '{name}': expected {expected}, got {got}")
-
-
 class W4A16Plan:
     """What the tensors' metadata fixes for the W4A16 launches (kernels, grid, strides, token groups), so
     that a call only reads the data pointers and the stream. ``dims`` comes from ``reference.check_args``."""
@@ -455,15 +368,15 @@ class W4A16Plan:
         self.out_template = torch.empty((1, 1), dtype=out_dtype, device=w.device).expand(n, m)
         for t, name, es in ((x, "x", 2), (w, "w", 1)):
             if t.stride(1) != 1 or (t.stride(0) * es) % 16 or t.data_ptr() % 16:
-                _fail(ValueError, name, "K-contiguous rows (stride(1) == 1) at 16-byte aligned addresses",
+                fail_gemv(ValueError, name, "K-contiguous rows (stride(1) == 1) at 16-byte aligned addresses",
                       f"strides {t.stride()} at address {t.data_ptr():#x}")
         if not wb and (w_scale.stride(1) != 1 or w_scale.stride(0) % 2 or w_scale.data_ptr() % 2):
-            _fail(ValueError, "w_scale", "K-contiguous scales (stride(1) == 1) with even row strides at even "
+            fail_gemv(ValueError, "w_scale", "K-contiguous scales (stride(1) == 1) with even row strides at even "
                   "addresses", f"strides {w_scale.stride()} at address {w_scale.data_ptr():#x}")
         out_rs = m
         if out is not None:
             if out.stride(1) != 1 and m > 1:
-                _fail(ValueError, "out", "unit stride along M", f"strides {out.stride()}")
+                fail_gemv(ValueError, "out", "unit stride along M", f"strides {out.stride()}")
             out_rs = out.stride(0)
         self.dequant = n >= DEQUANT_MIN_TOKENS
         self.k = k
@@ -493,7 +406,7 @@ class W4A16Plan:
         px, pw, pws = x.data_ptr(), w.data_ptr(), w_scale.data_ptr()
         if (px | pw) & 15 or pws & 1:
             bad = [nm for nm, p, mask in (("x", px, 15), ("w", pw, 15), ("w_scale", pws, 1)) if p & mask][0]
-            _fail(ValueError, bad, "16-byte aligned rows of x and w, an even address of w_scale",
+            fail_gemv(ValueError, bad, "16-byte aligned rows of x and w, an even address of w_scale",
                   f"address {dict(x=px, w=pw, w_scale=pws)[bad]:#x}")
         if self.dequant:
             return dequant_mm(x, w, w_scale, alpha, out, out_dtype, self.k, self.wb)
