@@ -35,6 +35,11 @@ REF = "nvfp4_gemv/reference.py"
 TOK = "nvfp4_gemv/tokens.py"
 MMA = "nvfp4_gemv/mma.py"
 TOK_BULK = "nvfp4_gemv/tokens_bulk.py"
+W4A16 = "nvfp4_gemv/w4a16.py"
+QUANT = "nvfp4_gemv/quant.py"
+QKERN = "nvfp4_gemv/quant_kernel.py"
+LINEAR = "nvfp4_gemv/linear.py"
+MODELOPT = "nvfp4_gemv/modelopt.py"
 
 # (name, file, old, new, tests, gpu)
 MUTANTS = [
@@ -216,7 +221,7 @@ MUTANTS = [
      ["tests/test_gpu_op.py"], True),
     ("op: second token group at the first's x", OP, "offsets = (t0 * x.stride(0),", "offsets = (0,",
      ["tests/test_gpu_op.py::test_token_groups_beyond_shared_memory"], True),
-    ("mma: odd nibbles' signs lost in the decode", MMA, '"and.b32 u, t, 0x8E8E8E8E;"', '"and.b32 u, t, 0x0E0E0E0E;"',
+    ("mma: odd nibbles' signs lost in the decode", DECODE, '"and.b32 u, t, 0x8E8E8E8E;"', '"and.b32 u, t, 0x0E0E0E0E;"',
      ["tests/test_gpu_op_kernels.py"], True),
     ("mma: the last tile not moved back", MMA, "row0 = cutlass.min(tile * (GR * 8), m - GR * 8)",
      "row0 = tile * (GR * 8)", ["tests/test_gpu_op_kernels.py"], True),
@@ -233,6 +238,37 @@ MUTANTS = [
      "                    p = p - 4 * (vi // NT) * NT\n", ["tests/test_gpu_op_kernels.py::test_bulk_rows_a_thread"], True),
     ("op: bf16 stored as fp16", PTX, 'cvt = "cvt.rn.bf16.f32" if bf16 else "cvt.rn.f16.f32"', 'cvt = "cvt.rn.f16.f32"',
      ["tests/test_gpu_op.py"], True),
+    # -- W4A16 (bf16/fp16 x): the contract on the CPU --
+    ("w4a16: x_scale with bf16 x accepted", REF, "        if x_scale is not None:\n            fail_gemv(TypeError",
+     "        if False:\n            fail_gemv(TypeError", ["tests/test_op_w4a16.py"], False),
+    ("w4a16: missing x_scale of NVFP4 x not named", REF, "    elif x_scale is None:\n", "    elif False:\n",
+     ["tests/test_op_w4a16.py"], False),
+    ("w4a16: reference rounds x", REF, "xv = x.to(torch.float64) if x_scale is None",
+     "xv = x.to(torch.float64).round() if x_scale is None", ["tests/test_op_w4a16.py"], False),
+    ("w4a16: one-token tuning for two tokens", W4A16, "    if n_tok == 1:\n", "    if n_tok <= 2:\n",
+     ["tests/test_op_w4a16.py"], False),
+    ("w4a16: groups cap of 32 tokens raised", W4A16, "4 if n_tok <= 24 else 2", "4",
+     ["tests/test_op_w4a16.py"], False),
+    ("w4a16: x in shared memory without the fit check", W4A16,
+     "fits = self.red_bytes + n_tok * self.x_row_bytes <= SMEM_CTA", "fits = True", ["tests/test_op_w4a16.py"], False),
+    # -- quantize, NVFP4Linear, ModelOpt checkpoints (CPU) --
+    ("quantize: 0.75 ties away from even", QUANT, "(0.75, True), (1.25", "(0.75, False), (1.25",
+     ["tests/test_quantize.py"], False),
+    ("linear: in_features of x unchecked", LINEAR, "if x.dim() == 0 or x.shape[-1] != self.in_features:",
+     "if x.dim() == 0:", ["tests/test_linear.py"], False),
+    ("modelopt: any group size accepted", MODELOPT, "or group != GROUP_SIZE:", "or group < 0:",
+     ["tests/test_modelopt.py"], False),
+    # -- W4A16 and quantize kernels (GPU) --
+    ("w4a16: bf16 decode drops a magnitude bit", DECODE, '            body.append("and.b32 a, a, 0x01C001C0;")',
+     '            body.append("and.b32 a, a, 0x01C000C0;")', ["tests/test_gpu_w4a16.py"], True),
+    ("w4a16: bf16 scale off by 2", DECODE, "mul.rn.f32 f, f, 0f7B000000;", "mul.rn.f32 f, f, 0f7A800000;",
+     ["tests/test_gpu_w4a16.py"], True),
+    ("w4a16: K % 128 == 64 tail not zeroed", W4A16, "            live = cutlass.Int32(chunk < self.k // 32)\n",
+     "            live = cutlass.Int32(1)\n", ["tests/test_gpu_w4a16.py"], True),
+    ("quantize kernel: 0.75 ties away from even", QKERN, "(0.75, True), (1.25", "(0.75, False), (1.25",
+     ["tests/test_gpu_quantize.py"], True),
+    ("quantize kernel: NaN dropped from amax", QKERN, '"max.NaN.f32 $0, $1, $2;"', '"max.f32 $0, $1, $2;"',
+     ["tests/test_gpu_quantize.py"], True),
 ]
 
 
