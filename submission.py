@@ -403,6 +403,57 @@ def mma_f16(a, b, c, *, loc=None, ip=None):
     return [cutlass.Float32(v) for v in r]
 
 
+@dsl_user_op
+def ldg_v4_if(addr, pred, *, loc=None, ip=None):
+    """``ld.global.nc.v4`` where ``pred`` is non-zero, else zeros and no memory access (through the caches:
+    W4A16's ``x``, read by every CTA, stays in L2). ``cute.arch`` has no predicated vector load."""
+    r = asm([T.i32()] * 4, [cutlass.Int64(addr), cutlass.Int32(pred)],
+             "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
+             "mov.b32 $3, 0;\n@p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];\n}", "=r,=r,=r,=r,l,r", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def lds_v4_if(addr, pred, *, loc=None, ip=None):
+    """16-byte shared load where ``pred`` is non-zero, else zeros (``x`` rows past N are not stored);
+    ordered after the barrier that follows the copy of ``x`` (side effects)."""
+    r = asm([T.i32()] * 4, [cutlass.Int32(addr), cutlass.Int32(pred)],
+             "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
+             "mov.b32 $3, 0;\n@p ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];\n}", "=r,=r,=r,=r,r,r", loc, ip,
+             volatile=True)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def ldg_w_v4(addr, *, loc=None, ip=None):
+    """``ld.global.nc.L1::no_allocate.v4``: W4A16's ``w``, each byte read once (no ``cute.arch`` form takes
+    the L1 hint)."""
+    r = asm([T.i32()] * 4, [cutlass.Int64(addr)], "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
+             "=r,=r,=r,=r,l", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def pair_halves(a, b, *, loc=None, ip=None):
+    """Two ``prmt``: from ``a = (x0, x1)`` and ``b = (x4, x5)`` (16-bit halves) the pairs ``(x0, x4)`` and
+    ``(x1, x5)``, the W4A16 A operand's value order (no ``cute.arch`` byte permute)."""
+    r = asm([T.i32()] * 2, [cutlass.Int32(a), cutlass.Int32(b)],
+             "prmt.b32 $0, $2, $3, 0x5410;\nprmt.b32 $1, $2, $3, 0x7632;", "=r,=r,r,r", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def mma_16816(a, b, c, bf16, *, loc=None, ip=None):
+    """``mma.sync.aligned.m16n8k16.row.col`` with bf16 or f16 operands (``a`` four registers, ``b`` two), fp32
+    ``c``, on raw registers (``cute``'s MMA atoms take tensors in its fragment layouts, not these packed
+    words)."""
+    kind = "bf16.bf16" if bf16 else "f16.f16"
+    r = asm([T.f32()] * 4, [*[cutlass.Int32(v) for v in (*a, *b)], *[cutlass.Float32(v) for v in c]],
+             f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.f32 {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, "
+             "{$8, $9}, {$10, $11, $12, $13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip)
+    return [cutlass.Float32(v) for v in r]
+
+
 # ====================================================================================================
 # nvfp4_gemv/decode.py
 # ====================================================================================================
@@ -627,6 +678,64 @@ def group_sum(acc, offsets):
     for off in offsets:
         acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off)
     return acc
+
+
+@dsl_user_op
+def scaled_f16x8(q0, q1, s8, *, loc=None, ip=None):
+    """16 e2m1 nibbles (two words, value order) times their block's e4m3 scale byte ``s8``: eight f16x2
+    ``v * s * 2^-14``, in MMA-slot order: word 0's pairs (0,4), (1,5), (2,6), (3,7), then word 1's.
+
+    A nibble ``s e1 e0 m`` is the high byte ``s000 e1e0m0`` of its f16 (the low byte is zero): with the odd
+    nibbles at bits 4..7 of each byte (``h``), ``(h >> 3) ^ h`` puts e1e0m at bits 1..3 and keeps s at bit 7;
+    the even nibbles likewise after a shift by 4; one ``prmt`` with zero then places two such bytes a pair."""
+    body = ["{", ".reg .b32 t, u, s, z;", ".reg .b16 h;",
+            "prmt.b32 t, $9, 0, 0x0000;", "cvt.u16.u32 h, t;", "cvt.rn.f16x2.e4m3x2 s, h;", "mov.b32 z, 0;"]
+    for w, q in enumerate(("$8", "$10")):
+        o = [f"${4 * w + j}" for j in range(4)]
+        # u: the odd nibbles' f16 high bytes (n1, n3, n5, n7), t: the even ones' (n0, n2, n4, n6)
+        body += [f"and.b32 u, {q}, 0xF0F0F0F0;", "shr.b32 t, u, 3;", "xor.b32 t, t, u;",
+                 "and.b32 u, t, 0x8E8E8E8E;", f"shl.b32 t, {q}, 4;", "and.b32 t, t, 0xF0F0F0F0;",
+                 f"shr.b32 {o[0]}, t, 3;", f"xor.b32 t, t, {o[0]};", "and.b32 t, t, 0x8E8E8E8E;",
+                 f"prmt.b32 {o[0]}, t, z, 0x2404;", f"prmt.b32 {o[1]}, u, z, 0x2404;",
+                 f"prmt.b32 {o[2]}, t, z, 0x3414;", f"prmt.b32 {o[3]}, u, z, 0x3414;"]
+        body += [f"mul.rn.f16x2 {o[j]}, {o[j]}, s;" for j in range(4)]
+    body.append("}")
+    # operands: $0..$7 out, $8 q0, $9 s8, $10 q1
+    r = asm([T.i32()] * 8, [cutlass.Int32(q0), cutlass.Int32(s8), cutlass.Int32(q1)], "\n".join(body),
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", loc, ip)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def scaled_bf16x8(q0, q1, s8, *, loc=None, ip=None):
+    """16 e2m1 nibbles (two words, value order) times their block's e4m3 scale byte ``s8``: eight bf16x2
+    ``v * s * 2^-7``, in the order of ``scaled_f16x8`` (word 0's pairs (0,4), (1,5), (2,6), (3,7), then
+    word 1's).
+
+    Pair ``(i, i + 4)`` of a word: shifting by ``6 - 4i`` puts both magnitudes at bf16 bits 6..8 of their
+    halves, shifting by ``12 - 4i`` both signs at bit 15; that is ``v * 2^-126``. The scale: the byte's bits
+    shifted so that e4m3's exponent and mantissa sit at fp32's lowest exponent bits (fp32 of ``s * 2^-120``,
+    subnormal scales included), times 2^120 and 2^119 (no flush: plain ``mul.rn.f32``), packed to bf16x2
+    (exact: 4 significant bits); one ``mul.rn.bf16x2`` a pair (bf16 subnormals are kept)."""
+    body = ["{", ".reg .b32 a, b, p;", ".reg .f32 f;",
+            "shl.b32 a, $9, 24;", "shr.s32 a, a, 4;", "and.b32 a, a, 0x87F00000;", "mov.b32 f, a;",
+            "mul.rn.f32 f, f, 0f7B800000;", "mul.rn.f32 f, f, 0f7B000000;", "cvt.rn.bf16x2.f32 p, f, f;"]
+    for w, q in enumerate(("$8", "$10")):
+        for i in range(4):
+            o = f"${4 * w + i}"
+            ms, ss = 6 - 4 * i, 12 - 4 * i
+            body.append(f"shl.b32 a, {q}, {ms};" if ms >= 0 else f"shr.b32 a, {q}, {-ms};")
+            body.append("and.b32 a, a, 0x01C001C0;")
+            if ss:
+                body.append(f"shl.b32 b, {q}, {ss};")
+                body.append(f"lop3.b32 {o}, a, b, 0x80008000, 0xF8;")  # a | (b & c)
+            else:
+                body.append(f"lop3.b32 {o}, a, {q}, 0x80008000, 0xF8;")
+            body.append(f"mul.rn.bf16x2 {o}, {o}, p;")
+    body.append("}")
+    r = asm([T.i32()] * 8, [cutlass.Int32(q0), cutlass.Int32(s8), cutlass.Int32(q1)], "\n".join(body),
+             "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", loc, ip)
+    return [cutlass.Int32(v) for v in r]
 
 
 # ====================================================================================================
