@@ -25,9 +25,10 @@ fuzz = [(128, 64, 1), (1152, 960, 5), (640, 2752, 3), (128, 32768, 2), (3968, 16
 # only K = 2048 (4 over 16, one unit a row)
 wide = [(4096, 1024, 2), (2048, 3072, 2), (1024, 4096, 4)]
 # `task` = every task.yml shape (benchmarks included) and the wide ones, with the configuration pick_tuning gives it
-shapes = {"all": task + wide + fuzz, "task": task + wide, "wide": wide}.get(sys.argv[1] if sys.argv[1:] else "", None)
+section = sys.argv[1] if sys.argv[1:] else ""
+shapes = {"all": task + wide + fuzz, "task": task + wide, "wide": wide, "w4a16": []}.get(section, None)
 if shapes is None:
-    raise SystemExit("usage: sanitize_cases.py all|task|wide")
+    raise SystemExit("usage: sanitize_cases.py all|task|wide|w4a16")
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 for m, k, l in shapes:
     for cpu_scales in (False, True):
@@ -44,12 +45,14 @@ for m, k, l in shapes:
             print(f"{m}x{k}x{l} cpu_scales={cpu_scales} {kernel} {dict(tuning)} {call}: "
                   f"{'ok' if ok else 'MISMATCH ' + msg}", flush=True)
             assert ok
+if section == "w4a16":  # only the W4A16 and quantize kernels (below)
+    shapes = None
 # the op for model code: both kernels (tokens: dp4a with x in shared memory; mma: tensor cores, partials summed
 # in shared memory after a barrier), plain and blocked scales, a tile moved back (M / 8 not a multiple of groups)
 from nvfp4_gemv import op  # noqa: E402
 
 # and the bulk-copy dp4a kernel (a tuning: mbarrier stages, partials in shared memory read by the producer)
-for n, m, k, mma, groups, blocked, bulk in ((4, 384, 2368, 0, None, False, 0), (16, 1152, 7168, 1, None, False, 0),
+for n, m, k, mma, groups, blocked, bulk in () if shapes is None else ((4, 384, 2368, 0, None, False, 0), (16, 1152, 7168, 1, None, False, 0),
                                             (9, 384, 1024, 1, 5, True, 0), (20, 7168, 2048, 1, None, True, 0),
                                             (3, 512, 4096, 0, None, False, 1), (4, 384, 7168, 0, None, False, 1)):
     x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=n + m)
@@ -68,7 +71,7 @@ for n, m, k, mma, groups, blocked, bulk in ((4, 384, 2368, 0, None, False, 0), (
 
 # the routed op through gemv's own entry: the first call makes the plan, the later ones take its hit path
 # (allocating and with out=); plain and blocked scales
-for n, m, k, blocked in ((1, 256, 2048, False), (4, 384, 7168, True), (12, 1152, 4096, False)):
+for n, m, k, blocked in () if shapes is None else ((1, 256, 2048, False), (4, 384, 7168, True), (12, 1152, 4096, False)):
     x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=n + m)
     args = (x, inputs.blocked_scales(xs, n, k) if blocked else xs, w, inputs.blocked_scales(ws, m, k) if blocked else ws)
     exact, terms = inputs.op_exact(x, xs, w, ws, a)
@@ -79,3 +82,26 @@ for n, m, k, blocked in ((1, 256, 2048, False), (4, 384, 7168, True), (12, 1152,
         bad, msg = inputs.op_violations(out, exact, terms)
         print(f"gemv N={n} {m}x{k} blocked={blocked} {call}: {'ok' if bad == 0 else 'MISMATCH ' + msg}", flush=True)
         assert bad == 0
+
+# W4A16 (bf16/fp16 x): x in shared memory (one token), K % 128 == 64, two A tiles with blocked scales, the
+# last tile moved back; then the quantize kernel (both dtypes, a strided x)
+from w4a16_inputs import w4a16_exact, w4a16_inputs, w4a16_violations  # noqa: E402
+
+from nvfp4_gemv import quant  # noqa: E402
+
+for n, m, k, dtype, blocked in ((1, 512, 4096, torch.bfloat16, False), (4, 384, 4160, torch.bfloat16, False),
+                                (20, 640, 2112, torch.float16, True), (32, 1152, 1024, torch.bfloat16, False)):
+    x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n + m, dtype=dtype, blocked=blocked)
+    out = op.gemv(x, None, w, ws, a, out=torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda"))
+    torch.cuda.synchronize()
+    bad, msg = w4a16_violations(out, *w4a16_exact(x, w, ws, a, blocked))
+    print(f"w4a16 N={n} {m}x{k} {dtype} blocked={blocked}: {'ok' if bad == 0 else 'MISMATCH ' + msg}", flush=True)
+    assert bad == 0
+for rows, k, dtype in ((3, 4096, torch.bfloat16), (5, 1024, torch.float16)):
+    x = torch.randn(rows, 2 * k, dtype=dtype, device="cuda")[:, k:]
+    gs = torch.tensor([7.0], device="cuda")
+    q, s = quant.quantize(x, gs)
+    rq, rs = quant.quantize_reference(x, gs)
+    ok = torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))
+    print(f"quantize {rows}x{k} {dtype}: {'ok' if ok else 'MISMATCH'}", flush=True)
+    assert ok
