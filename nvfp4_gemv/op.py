@@ -123,9 +123,9 @@ class _TokensPlan:
         self.out_shape = (n, m)
         # what the tensors' metadata leaves out: which optional tensors come, the result's dtype without out
         self.signature = (alpha is not None, out is not None, out_dtype)
-        # torch.empty_like of this zero-stride view allocates a dense [n, m] result in less host time than
-        # w.new_empty(shape, dtype=) (docs/results.md)
-        self.out_template = torch.empty((1, 1), dtype=out_dtype, device=w.device).expand(n, m)
+        # the result is allocated each call (torch.empty): a device tensor kept here would be allocated in a
+        # CUDA graph tree's pool where the plan is first made under torch.compile(mode="reduce-overhead"), and
+        # stay alive there untracked (which that mode refuses)
         for t, name in ((x, "x"), (w, "w")):
             if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
                 fail_gemv(ValueError, name, "K-contiguous rows (stride(1) == 1) at 16-byte aligned addresses",
@@ -208,7 +208,7 @@ class _TokensPlan:
             x_scale = unswizzle_scales(x_scale.view(torch.uint8), self.out_shape[0], self.k).contiguous()
             pxs = x_scale.data_ptr()
         if out is None:
-            out = torch.empty_like(self.out_template)
+            out = torch.empty(self.out_shape, dtype=out_dtype, device=self.device)
         pout = out.data_ptr()
         pa = alpha.data_ptr() if alpha is not None else 0
         dev_ok = launch.current_device() == self.dev
@@ -228,8 +228,8 @@ class _TokensPlan:
         has_alpha, has_out, dtype = self.signature
         kern, (dx, dxs, dout), static = self.launches[0] if len(self.launches) == 1 else (None, (0, 0, 0), ())
         ffi = kern.ffi if kern is not None and not self.unswizzle_x else None
-        dev, ws_mask, template = self.dev, self.ws_mask, self.out_template
-        get_device, stream, empty_like = launch.current_device, launch.current_stream, torch.empty_like
+        dev, ws_mask, shape, device = self.dev, self.ws_mask, self.out_shape, self.device
+        get_device, stream, empty = launch.current_device, launch.current_stream, torch.empty
 
         def call(x, x_scale, w, w_scale, alpha, out, out_dtype):
             if (alpha is None) == has_alpha or (out is None) == has_out or (out is None and out_dtype != dtype):
@@ -254,7 +254,7 @@ class _TokensPlan:
             if ffi is None or (px | pw) & 15 or pxs & 1 or pws & ws_mask or get_device() != dev:
                 return self(x, x_scale, w, w_scale, alpha, out, dtype if out is None else out.dtype)
             if out is None:
-                out = empty_like(template)
+                out = empty(shape, dtype=dtype, device=device)
             ffi(pw, px + dx, pws, pxs + dxs, out.data_ptr() + dout, alpha.data_ptr() if has_alpha else 0,
                 *static, stream(dev))
             return out

@@ -365,7 +365,7 @@ class W4A16Plan:
         n, m, k, _, wb = dims
         self.dev = w.device.index
         self.out_shape = (n, m)
-        self.out_template = torch.empty((1, 1), dtype=out_dtype, device=w.device).expand(n, m)
+        self.device = w.device  # the result is allocated each call: see op._TokensPlan
         for t, name, es in ((x, "x", 2), (w, "w", 1)):
             if t.stride(1) != 1 or (t.stride(0) * es) % 16 or t.data_ptr() % 16:
                 fail_gemv(ValueError, name, "K-contiguous rows (stride(1) == 1) at 16-byte aligned addresses",
@@ -411,7 +411,7 @@ class W4A16Plan:
         if self.dequant:
             return dequant_mm(x, w, w_scale, alpha, out, out_dtype, self.k, self.wb)
         if out is None:
-            out = torch.empty_like(self.out_template)
+            out = torch.empty(self.out_shape, dtype=out_dtype, device=self.device)
         pout = out.data_ptr()
         pa = alpha.data_ptr() if alpha is not None else 0
         dev_ok = current_device() == self.dev

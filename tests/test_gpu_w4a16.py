@@ -93,3 +93,23 @@ def test_compiled_fullgraph_runs_the_op():
     x, _, w, ws, a = w4a16_inputs(3, 256, 512, 4)
     f = torch.compile(lambda x: gemv(x, None, w, ws, a), fullgraph=True)
     assert torch.equal(f(x), gemv(x, None, w, ws, a))
+
+
+@pytest.mark.parametrize("form", ["w4a16", "w4a4"])
+def test_reduce_overhead_compile_captures_the_op(form):
+    """torch.compile(mode="reduce-overhead") (CUDA graph trees, as transformers' static-cache generate uses)
+    refuses device memory allocated in its pool that outlives a run: the op's launch plans, first made there,
+    must hold none (they once kept a result template)."""
+    import inputs
+
+    torch._dynamo.reset()
+    if form == "w4a16":
+        x, xs, w, ws, a = w4a16_inputs(2, 384, 1024, 30)
+    else:
+        x, xs, w, ws, a = inputs.op_inputs(2, 384, 1024, seed=30)
+    f = torch.compile(lambda x: gemv(x, xs, w, ws, a) * 2, mode="reduce-overhead")
+    want = gemv(x, xs, w, ws, a) * 2
+    for _ in range(3):  # warm-up, recording, replay
+        got = f(x)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)

@@ -326,7 +326,7 @@ for i in range(7):
 class OpPlan:
     variants = ()
     hit_path = op._TokensPlan.hit_path
-    launches, unswizzle_x, dev, ws_mask, out_template = [], False, -1, 1, None
+    launches, unswizzle_x, dev, ws_mask, out_shape, device = [], False, -1, 1, None, None
     signature = (True, True, torch.bfloat16)
 
 args = list(inputs.op_inputs(2, 128, 256, seed=1, device="cpu")) + [torch.empty(2, 128, dtype=torch.bfloat16)]
@@ -387,7 +387,7 @@ def test_gemv_with_a_recent_calls_metadata_skips_the_key(monkeypatch):
         """The real hit path over a plan that launches nothing."""
         variants = ()
         hit_path = op._TokensPlan.hit_path
-        launches, unswizzle_x, dev, ws_mask, out_template = [], False, -1, 1, None
+        launches, unswizzle_x, dev, ws_mask, out_shape, device = [], False, -1, 1, None, None
 
         def __init__(self, *signature):
             self.signature = signature
@@ -433,7 +433,7 @@ def test_a_sparse_alpha_never_reaches_a_dense_alphas_plan(monkeypatch):
     class UnusablePlan:
         variants = ()
         hit_path = op._TokensPlan.hit_path
-        launches, unswizzle_x, dev, ws_mask, out_template = [], False, -1, 1, None
+        launches, unswizzle_x, dev, ws_mask, out_shape, device = [], False, -1, 1, None, None
         signature = (True, False, torch.bfloat16)
 
         def __call__(self, *args):
@@ -466,7 +466,7 @@ def test_gemv_inlined_launch_passes_the_checked_tensors_pointers(monkeypatch):
         launches = [(Kern, (16, 2, 4), (7, 8))]
         unswizzle_x, dev, ws_mask = False, 0, 1
         signature = (True, False, torch.bfloat16)
-        out_template = torch.empty((1, 1), dtype=torch.bfloat16).expand(2, 128)
+        out_shape, device = (2, 128), torch.device("cpu")
 
         def __call__(self, *args):
             slow.append(1)
