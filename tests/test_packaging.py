@@ -37,7 +37,9 @@ def source_files():
     """The tracked files of a git checkout; outside one (an unpacked archive, tools/mutants.py's copies of
     the tree) every file under the root but caches, build outputs and dot-folders."""
     try:
-        proc = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+        # untracked files too: a copy of the tree may carry an index older than its files
+        proc = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                              capture_output=True, text=True)
         if proc.returncode == 0 and proc.stdout.strip():
             return proc.stdout.split()
     except FileNotFoundError:  # no git on this machine
