@@ -3,13 +3,13 @@
 # (default $OUT or ./gpu-logs). Two device calls of under 10 minutes each (H200; on two GPUs the cuda:1
 # tests run too): `tools/gpu_checks.sh $OUT pytest`, then `tools/gpu_checks.sh $OUT mutants,sanitize,fuzz,fuzzop`
 # (this session: pytest 8.3 min on two GPUs; mutants 2.2, sanitizer 2.0, fuzz 1.0, op fuzz 2.9).
-# STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop (default all). Prints each step's last lines.
+# STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop,fuzzw4a16 (default all). Prints each step's last lines.
 # SHARDS=N runs the suite as N concurrent pytest processes, one set of files each (logs pytest-shardI.txt;
 # at most one shard a test file), then the device-memory test alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-${OUT:-gpu-logs}}
-STEPS=${2:-pytest,mutants,sanitize,fuzz,fuzzop}
+STEPS=${2:-pytest,mutants,sanitize,fuzz,fuzzop,fuzzw4a16}
 mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1
 step() {  # name, seconds, command...
@@ -57,3 +57,4 @@ step mutants 150 python tools/mutants.py --gpu
 step sanitize 150 tools/sanitize.sh
 step fuzz 70 python tools/fuzz.py --cases 500 --max-values 3e7
 step fuzzop 200 python tools/fuzz_op.py --cases 300
+step fuzzw4a16 200 python tools/fuzz_op.py --cases 300 --w4a16
