@@ -454,6 +454,19 @@ def mma_16816(a, b, c, bf16, *, loc=None, ip=None):
     return [cutlass.Float32(v) for v in r]
 
 
+@dsl_user_op
+def stg_u32x2(addr, v0, v1, *, loc=None, ip=None):
+    """``st.global.v2.u32`` at a 64-bit address (``cute.arch`` stores take tensors, not raw addresses)."""
+    asm_store([cutlass.Int64(addr), cutlass.Int32(v0), cutlass.Int32(v1)], "st.global.v2.u32 [$0], {$1, $2};",
+              "l,r,r", loc, ip)
+
+
+@dsl_user_op
+def stg_u8(addr, v, *, loc=None, ip=None):
+    """``st.global.u8`` of a register's low byte at a 64-bit address."""
+    asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "st.global.u8 [$0], $1;", "l,r", loc, ip)
+
+
 # ====================================================================================================
 # nvfp4_gemv/decode.py
 # ====================================================================================================

@@ -22,9 +22,10 @@ fp32 operation rounded to nearest even, in this order, for each block of 16 valu
 only, never on the host.
 """
 
-import warnings
 
 import torch
+
+from .launch import warn_once
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -169,20 +170,14 @@ def dequantize(q, scale, scale_2=None):
 # The op
 # ----------------------------------------------------------------------------------------------------
 
-_warned = set()
-
-
-def _warn_once(key, message):
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
 def _cuda_kernel():
-    """The GPU kernel ``quantize_cuda(x, global_scale, out_q, out_s)`` where it exists, else None."""
+    """The GPU kernel ``quantize_cuda(x, global_scale, out_q, out_s)`` (``nvfp4_gemv.quant_kernel``), or None
+    where it cannot be imported."""
     try:
         from .quant_kernel import quantize_cuda
-    except ImportError:
+    except ImportError as e:
+        warn_once("quantize-kernel", f"nvfp4_gemv.quantize: the GPU kernel could not be imported ({e}); the exact "
+                  "reference runs on the GPU tensors instead, about 15 torch kernels a call")
         return None
     return quantize_cuda
 
@@ -198,8 +193,6 @@ def _quantize_impl(x, global_scale):
             out_s = torch.empty((rows, k // BLOCK), dtype=torch.float8_e4m3fn, device=x.device)
             kernel(x, global_scale, out_q, out_s)
             return out_q, out_s
-        _warn_once("cuda", "nvfp4_gemv.quantize: no GPU kernel (nvfp4_gemv.quant_kernel) yet; the exact "
-                   "reference runs on the GPU tensors instead, about 15 torch kernels a call")
     return quantize_reference(x, global_scale)
 
 

@@ -28,8 +28,7 @@ from cuda.bindings.driver import CUstream
 
 from .launch import Kernel, current_device, current_stream, dsl_compile
 from .ptx import asm as _asm
-from .ptx import asm_store as _asm_store
-from .ptx import ldg_f32, ldg_v4
+from .ptx import ldg_f32, ldg_v4, stg_u8, stg_u32x2
 
 THREADS = 256
 
@@ -87,17 +86,6 @@ def e2m1_code(x, gs, sd, *, loc=None, ip=None):
     r = _asm([T.i32()], [cutlass.Float32(x), cutlass.Float32(gs), cutlass.Float32(sd)], "\n".join(t),
              "=r,f,f,f", loc, ip)
     return cutlass.Int32(r[0])
-
-
-@dsl_user_op
-def stg_u32x2(addr, v0, v1, *, loc=None, ip=None):
-    _asm_store([cutlass.Int64(addr), cutlass.Int32(v0), cutlass.Int32(v1)], "st.global.v2.u32 [$0], {$1, $2};",
-               "l,r,r", loc, ip)
-
-
-@dsl_user_op
-def stg_u8(addr, v, *, loc=None, ip=None):
-    _asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "st.global.u8 [$0], $1;", "l,r", loc, ip)
 
 
 class Nvfp4Quantize:

@@ -69,4 +69,4 @@ def test_the_op_runs_the_kernel_on_cuda(recwarn):
     q, s = quant.quantize(x, gs)
     rq, rs = quant.quantize_reference(x, gs)
     assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))
-    assert not [w for w in recwarn if "no GPU kernel" in str(w.message)]
+    assert not [w for w in recwarn if "could not be imported" in str(w.message)]
