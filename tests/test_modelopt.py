@@ -437,3 +437,17 @@ def test_gpu_loaded_model_matches_the_cpu_one_in_logits_and_greedy_tokens(export
         # tokens). The prompt's own step is the same on both: its first new token must agree.
         n = PROMPT.shape[1]
         assert out_gpu.shape == out_cpu.shape and torch.equal(out_gpu[:, : n + 1], out_cpu[:, : n + 1])
+
+
+def test_the_readmes_example_runs(export):
+    """README.md's "Use in a model" code, on a tiny export, on the CPU (its ``.cuda()`` calls dropped)."""
+    import re
+
+    mode, path, _, _ = export
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        code = re.search(r"## Use in a model.*?```python\n(.*?)```", f.read(), re.S).group(1)
+    code = code.replace(".cuda()", "").replace('mode="w4a16"', f'mode="{mode}"')
+    ns = {"path": path, "prompt_ids": PROMPT}
+    exec(code, ns)  # noqa: S102 - our own README
+    assert ns["out"].shape[0] == 2 and ns["out"].shape[1] > PROMPT.shape[1]
+    assert any(isinstance(m, NVFP4Linear) for m in ns["model"].modules())
