@@ -253,16 +253,20 @@ class NVFP4Linear(torch.nn.Module):
             raise ValueError(f"NVFP4Linear: argument 'x': expected a tensor on {self.weight.device} (where 'weight' "
                              f"is), got one on {x.device}")
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        # a view at an odd offset: the kernels read 16-byte aligned rows (traced code has no addresses; its
+        # own allocations are aligned)
+        if not torch.compiler.is_compiling() and x2.data_ptr() % 16:
+            x2 = x2.clone()
         if x2.shape[0] == 0:
             out = x.new_empty((0, self.out_features))
         elif self.mode == "w4a16":
-            out = gemv(x2.contiguous(), None, self.weight, self.weight_scale, alpha=self.weight_scale_2,
+            out = gemv(x2, None, self.weight, self.weight_scale, alpha=self.weight_scale_2,
                        out_dtype=x.dtype)
         else:
             if self._inv_input_scale is None:
                 raise ValueError("NVFP4Linear: mode 'w4a4' needs 'input_scale' (None here): set it, or use mode 'w4a16'")
-            xq, xs = quantize(x2.contiguous(), self._inv_input_scale)
+            xq, xs = quantize(x2, self._inv_input_scale)
             out = gemv(xq, xs, self.weight, self.weight_scale, alpha=self._alpha, out_dtype=x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)

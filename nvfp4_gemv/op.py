@@ -372,7 +372,9 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
     direct = (type(w) in _PLAIN and type(x) in _PLAIN and not torch.compiler.is_compiling()
               and not torch._C._len_torch_dispatch_stack())
     if direct and x_scale is None and w.is_cuda:  # W4A16 (check_args names a missing x_scale for fp4 x)
-        return w4a16.run_cuda(x, w, w_scale, alpha, out, getattr(out, "dtype", out_dtype), check_args)
+        if out is not None and (not isinstance(out, torch.Tensor) or out.dtype not in OUT_DTYPES):
+            fail_gemv(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor", getattr(out, "dtype", type(out).__name__))
+        return w4a16.run_cuda(x, w, w_scale, alpha, out, out_dtype if out is None else out.dtype, check_args)
     if direct:
         hit = _recent.hits.get(id(w))
         res = hit(x, x_scale, w, w_scale, alpha, out, out_dtype) if hit is not None else None

@@ -154,12 +154,22 @@ def quantize_weight(w):
 _E2M1_TABLE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
+def e2m1_decode(q):
+    """fp32 values of the e2m1 nibbles of ``q`` (uint8 [R, B] -> [R, 2B], the low nibble first), computed
+    from the codes' bits by elementwise ops on q's device: no lookup table, so no host-to-device copy (a
+    sync) and nothing a CUDA graph capture would refuse."""
+    u = q.view(torch.uint8)
+    c = torch.stack((u & 0xF, u >> 4), dim=-1).reshape(u.shape[0], -1)
+    e = ((c >> 1) & 3).to(torch.float32)
+    m = (c & 1).to(torch.float32)
+    v = torch.where(e == 0, 0.5 * m, torch.exp2(e - 1) * (1 + 0.5 * m))
+    return torch.where((c & 8) != 0, -v, v)
+
+
 def dequantize(q, scale, scale_2=None):
     """fp32 values of NVFP4 data: ``e2m1(q) * scale`` (exact in fp32), times ``scale_2`` (one rounding)
-    where given. ``q`` [R, K/2] uint8, ``scale`` [R, K/16] float8_e4m3fn (plain layout)."""
-    u = q.view(torch.uint8)
-    table = torch.tensor(_E2M1_TABLE, dtype=torch.float32, device=u.device)
-    v = torch.stack((table[(u & 0xF).long()], table[(u >> 4).long()]), dim=-1).reshape(u.shape[0], -1)
+    where given. ``q`` [R, K/2] uint8, ``scale`` [R, K/16] float8_e4m3fn (plain layout). No host sync."""
+    v = e2m1_decode(q)
     v = (_block_view(v) * scale.view(torch.float8_e4m3fn).to(torch.float32).unsqueeze(-1)).reshape(v.shape)
     if scale_2 is not None:
         v = v * scale_2.reshape(()).to(torch.float32)

@@ -152,12 +152,13 @@ def compile_quantize(k, x_bf16, options=None, tvm_ffi=None):
 
 def quantize_cuda(x, global_scale, out_q, out_s):
     """Writes ``quantize(x, global_scale)`` into ``out_q`` (uint8 [R, K/2]) and ``out_s`` (e4m3 [R, K/16]) on
-    torch's current stream. Rows of x that are not 16-byte aligned K-contiguous go through a contiguous copy."""
+    torch's current stream. Rows of x that are not 16-byte aligned and K-contiguous are copied first (a new
+    allocation: ``contiguous()`` keeps a contiguous tensor at a misaligned address where it is)."""
     rows, k = x.shape
     if rows == 0:
         return
-    if x.stride(1) != 1 or (x.stride(0) * 2) % 16 or x.data_ptr() % 16:
-        x = x.contiguous()
+    if x.stride(1) != 1 or (rows > 1 and (x.stride(0) * 2) % 16) or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)  # a new, aligned allocation (contiguous() may not move)
     dev = x.device.index
     key = (dev, k, x.dtype == torch.bfloat16)
     kern = _compiled.get(key)

@@ -13,6 +13,9 @@ Exact operands for the tensor cores (``mma.sync.m16n8k16``, fp32 accumulation):
   bf16 of ``v * 2^-126`` (0.5 lands on the subnormal 2^-127); one ``HMUL2`` by the bf16 of ``s * 2^119``
   gives ``v * s * 2^-7``, in [2^-17, 21]: normal and exact. ``2^7`` scales the sum back.
 
+(The bf16 path builds the scale from its bits, so the e4m3 NaN bytes 0x7F / 0xFF decode as +-480 there;
+the fp16 path and the reference give NaN. Checkpoints hold no NaN scales.)
+
 The products ``x * w'`` are then exact in fp32 (8 + 6 or 11 + 6 significant bits), for bf16 ``x`` as long as
 they stay in fp32's normal range (``|x| >= 2^-109``, far below any activation; ``|x| < 2^123``).
 
@@ -81,8 +84,9 @@ F16_SUM_SCALE = 16384.0  # 2^14: undoes the 2^-14 of the f16 weights
 def pick_groups(n_tok, m, sms):
     """Groups of 8 rows a CTA owns at a time: as many as fill the SMs evenly (up to ``MAX_GROUPS``), fewer
     for more tokens, whose ``x`` and accumulators take the registers (a lane holds ``5 * groups`` words of
-    ``w`` and 16 of ``x`` per 8 tokens, twice: the slice computed and the next in flight; with 8 warps
-    ptxas spills from 8 / 6 / 4 / 2 groups on at 8 / 16 / 24 / 32 tokens)."""
+    ``w`` and 16 of ``x`` per 8 tokens, twice: the slice computed and the next in flight). With 8 warps 4
+    groups spill at 25-32 tokens (sm_90a, DSL 4.3.5), hence 2 there; the caps of 6 and 4 at 9-16 and 17-24
+    tokens are set, not measured limits (8 groups compile without spills at 16 tokens)."""
     cap = MAX_GROUPS if n_tok <= 8 else 6 if n_tok <= 16 else 4 if n_tok <= 24 else 2
     total = m // 8
 
@@ -334,11 +338,12 @@ def _sm_count(dev):
     return sms
 
 
-def default_tuning(n_tok):
+def default_tuning(n_tok, m, sms):
     """8 warps a CTA (with 16, at most 128 registers a thread, ptxas spills a lane's two slices of loads). One
-    token: two CTAs a SM of 4 groups each, x in shared memory where it fits; more tokens: one CTA a SM, x in
-    registers with w (H200 sweep, docs/results.md: shared-memory x was slower from 4 tokens on)."""
-    if n_tok == 1:
+    token where the 4-group tiles outnumber the SMs: two CTAs a SM of 4 groups each, x in shared memory where
+    it fits; otherwise one CTA a SM, x in registers with w (H200, docs/results.md: two CTAs won at 7168 and
+    28672 rows, lost at 4096; shared-memory x was slower from 4 tokens on)."""
+    if n_tok == 1 and m // 32 > sms:
         return {"threads": 256, "ctas": 2, "groups": 4}
     return {"threads": 256, "x_smem": 0}
 
@@ -367,7 +372,7 @@ class W4A16Plan:
         self.out_shape = (n, m)
         self.device = w.device  # the result is allocated each call: see op._TokensPlan
         for t, name, es in ((x, "x", 2), (w, "w", 1)):
-            if t.stride(1) != 1 or (t.stride(0) * es) % 16 or t.data_ptr() % 16:
+            if t.stride(1) != 1 or (t.shape[0] > 1 and (t.stride(0) * es) % 16) or t.data_ptr() % 16:
                 fail_gemv(ValueError, name, "K-contiguous rows (stride(1) == 1) at 16-byte aligned addresses",
                       f"strides {t.stride()} at address {t.data_ptr():#x}")
         if not wb and (w_scale.stride(1) != 1 or w_scale.stride(0) % 2 or w_scale.data_ptr() % 2):
@@ -377,6 +382,8 @@ class W4A16Plan:
         if out is not None:
             if out.stride(1) != 1 and m > 1:
                 fail_gemv(ValueError, "out", "unit stride along M", f"strides {out.stride()}")
+            if n > 1 and out.stride(0) < m:
+                fail_gemv(ValueError, "out", f"rows that do not overlap (stride(0) >= {m})", f"strides {out.stride()}")
             out_rs = out.stride(0)
         self.dequant = n >= DEQUANT_MIN_TOKENS
         self.k = k
@@ -392,7 +399,7 @@ class W4A16Plan:
         x_rs = x.stride(0) * 2
         for t0 in range(0, n, g):
             nt = min(g, n - t0)
-            tune = {**default_tuning(nt), **tuning}
+            tune = {**default_tuning(nt, m, sms), **tuning}
             groups = tune.pop("groups", None) or pick_groups(nt, m, sms)
             key = ("w4a16", self.dev, k, nt, groups, x.dtype == torch.bfloat16, wb, alpha is not None,
                    out_dtype == torch.bfloat16, tuple(sorted(tune.items())))
@@ -427,23 +434,24 @@ class W4A16Plan:
 
 def dequantized(w, w_scale, k, blocked, dtype):
     """``w * w_scale`` in ``dtype`` (bf16 or fp16: exact, e2m1 x e4m3 has at most 6 significant bits), by
-    torch ops on w's device."""
-    from .reference import E2M1_VALUES, unswizzle_scales
+    elementwise torch ops on w's device (no host sync; about 12 bytes of temporaries a weight value)."""
+    from .quant import e2m1_decode
+    from .reference import unswizzle_scales
 
     m = w.shape[0]
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
-    u = w.view(torch.uint8)
-    v = torch.stack((table[(u & 0xF).long()], table[(u >> 4).long()]), dim=-1).reshape(m, k)
     s = w_scale.view(torch.float8_e4m3fn)
     if blocked:
         s = unswizzle_scales(s, m, k)
-    return (v * s.to(torch.float32).repeat_interleave(16, dim=1)).to(dtype)
+    v = e2m1_decode(w).view(m, k // 16, 16) * s.to(torch.float32).unsqueeze(-1)
+    return v.view(m, k).to(dtype)
 
 
 def dequant_mm(x, w, w_scale, alpha, out, out_dtype, k, blocked):
     """Many tokens (prefill): ``w`` dequantized into x's dtype, then one fp32-output ``torch.mm`` (cuBLAS
-    tensor cores, fp32 accumulation), ``alpha`` and a single rounding to the output dtype. Costs the
-    dequantization (reads w, writes 2 bytes a value) besides the GEMM."""
+    tensor cores, fp32 accumulation in cuBLAS's order: its error bound is cuBLAS's, tested to 2^-12 of the
+    sum of |terms|), ``alpha`` (one fp32 rounding) and the rounding to the output dtype. Besides the GEMM it
+    costs the dequantization's torch kernels (tens of bytes of memory traffic a weight value; not yet
+    measured, nor the 129-token threshold)."""
     wd = dequantized(w, w_scale, k, blocked, x.dtype)
     res = torch.mm(x, wd.T, out_dtype=torch.float32)
     if alpha is not None:
@@ -458,7 +466,7 @@ def dequant_mm(x, w, w_scale, alpha, out, out_dtype, k, blocked):
 def _key(x, w, w_scale, alpha, out, out_dtype):
     return (x.shape, x.stride(), x.dtype, x.get_device(), w.shape, w.stride(), w.dtype, w.get_device(),
             w_scale.shape, w_scale.stride(), w_scale.dtype, w_scale.get_device(),
-            None if alpha is None else (alpha.shape, alpha.dtype, alpha.get_device()),
+            None if alpha is None else (alpha.shape, alpha.dtype, alpha.layout, alpha.get_device()),
             None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()), out_dtype)
 
 

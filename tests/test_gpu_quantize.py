@@ -22,7 +22,8 @@ def run_kernel(x, gs):
 
 def assert_same(x, gs):
     q, s = run_kernel(x, gs)
-    rq, rs = quant.quantize_reference(x, gs)
+    rq, rs = quant.quantize_reference(x.cpu(), gs.cpu())  # the exact reference on the CPU
+    q, s = q.cpu(), s.cpu()
     assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), (s.view(torch.uint8) != rs.view(torch.uint8)).nonzero()[:5]
     assert torch.equal(q, rq), (q != rq).nonzero()[:5]
 
@@ -51,22 +52,33 @@ def test_midpoints_saturation_zeros_and_specials(dtype):
     x[:, 50] = float("nan")
     x[:, 64:80] = 2.0
     x[:, 70] = float("inf")
-    x[:, 80:96] = torch.linspace(-1, 1, 16) * 2.0 ** -12
+    x[:, 80:96] = torch.linspace(-1, 1, 16) * 0.05  # amax / 6 = 0.0083 < 2^-6: an e4m3 subnormal scale at gs = 1
     x[:, 96:112] = 3000.0 if dtype == torch.bfloat16 else 600.0
     gs = torch.tensor([1.0], dtype=torch.float32)
     assert_same(x.to(dtype).cuda(), gs.cuda())
     assert_same(x.to(dtype).cuda(), torch.tensor([5.0], dtype=torch.float32).cuda())
 
 
-def test_strided_rows_are_copied_first():
-    x = torch.randn(8, 2048, dtype=torch.bfloat16, device="cuda")[:, 1024:]
-    assert_same(x, torch.tensor([3.0], device="cuda"))
+def test_misaligned_and_strided_x_are_copied_first():
+    """A contiguous x at an address 16 does not divide (``contiguous()`` would not move it), a transposed one,
+    and rows 1024 values apart."""
+    buf = torch.randn(4 * 1024 + 4, dtype=torch.bfloat16, device="cuda")
+    x = buf[4:].view(4, 1024)
+    assert x.is_contiguous() and x.data_ptr() % 16
+    gs = torch.tensor([3.0], device="cuda")
+    assert_same(x, gs)
+    assert_same(torch.randn(1024, 8, dtype=torch.float16, device="cuda").t(), gs)
+    assert_same(torch.randn(8, 2048, dtype=torch.bfloat16, device="cuda")[:, 1024:], gs)
 
 
-def test_the_op_runs_the_kernel_on_cuda(recwarn):
+def test_the_op_runs_the_kernel_on_cuda(recwarn, monkeypatch):
+    calls = []
+    real = quant_kernel.quantize_cuda
+    monkeypatch.setattr(quant_kernel, "quantize_cuda", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(4, 1024, dtype=torch.bfloat16, device="cuda")
     gs = torch.tensor([2.0], device="cuda")
     q, s = quant.quantize(x, gs)
+    assert calls == [1]
     rq, rs = quant.quantize_reference(x, gs)
     assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))
     assert not [w for w in recwarn if "could not be imported" in str(w.message)]

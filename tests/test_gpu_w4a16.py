@@ -96,20 +96,70 @@ def test_compiled_fullgraph_runs_the_op():
 
 
 @pytest.mark.parametrize("form", ["w4a16", "w4a4"])
-def test_reduce_overhead_compile_captures_the_op(form):
+def test_reduce_overhead_compile_captures_the_op(form, monkeypatch):
     """torch.compile(mode="reduce-overhead") (CUDA graph trees, as transformers' static-cache generate uses)
-    refuses device memory allocated in its pool that outlives a run: the op's launch plans, first made there,
-    must hold none (they once kept a result template)."""
+    refuses device memory allocated in its pool that outlives a run: the op's launch plans, first made there
+    (the plan caches are emptied first), must hold none (they once kept a result template)."""
     import inputs
+    from nvfp4_gemv import op
 
     torch._dynamo.reset()
+    monkeypatch.setattr(op, "_plans", {})
+    monkeypatch.setattr(w4a16, "_plans", {})
+    monkeypatch.setattr(op, "_recent", type(op._recent)())
     if form == "w4a16":
         x, xs, w, ws, a = w4a16_inputs(2, 384, 1024, 30)
+        exact, terms = w4a16_exact(x, w, ws, a)
     else:
         x, xs, w, ws, a = inputs.op_inputs(2, 384, 1024, seed=30)
-    f = torch.compile(lambda x: gemv(x, xs, w, ws, a) * 2, mode="reduce-overhead")
-    want = gemv(x, xs, w, ws, a) * 2
-    for _ in range(3):  # warm-up, recording, replay
-        got = f(x)
+        exact, terms = inputs.op_exact(x, xs, w, ws, a)
+    f = torch.compile(lambda x: gemv(x, xs, w, ws, a), mode="reduce-overhead")
+    for _ in range(3):  # warm-up (the plan is made here, in the pool), recording, replay
+        got = f(x).clone()
     torch.cuda.synchronize()
-    assert torch.equal(got, want)
+    assert w4a16_violations(got, exact, terms)[0] == 0
+
+
+def test_prefill_sized_n_never_syncs_and_is_capturable():
+    """From DEQUANT_MIN_TOKENS on, w is dequantized by torch ops: none may copy from the host (a sync) or
+    break a CUDA graph capture."""
+    n = w4a16.DEQUANT_MIN_TOKENS
+    x, _, w, ws, a = w4a16_inputs(n, 256, 2048, 31)
+    out = torch.empty(n, 256, dtype=torch.bfloat16, device="cuda")
+    gemv(x, None, w, ws, a, out=out)  # the plan, outside
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gemv(x, None, w, ws, a, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gemv(x, None, w, ws, a, out=out)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    exact, terms = w4a16_exact(x, w, ws, a)
+    assert w4a16_violations(out, exact, terms, slack=2.0 ** -12)[0] == 0
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_strided_x_and_out_rows(n):
+    """x rows K + 64 values apart, out rows M + 128 apart: the row strides reach the kernel."""
+    xs_, _, w, ws, a = w4a16_inputs(n, 384, 1024, 32)
+    x = torch.zeros(n, 1024 + 64, dtype=torch.bfloat16, device="cuda")[:, :1024]
+    x.copy_(xs_)
+    big = torch.full((n, 384 + 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = big[:, :384]
+    gemv(x, None, w, ws, a, out=out)
+    torch.cuda.synchronize()
+    exact, terms = w4a16_exact(x, w, ws, a)
+    assert w4a16_violations(out, exact, terms)[0] == 0
+    assert big[:, 384:].isnan().all()  # nothing written between the rows
+
+
+def test_overlapping_out_rows_are_refused():
+    x, _, w, ws, a = w4a16_inputs(3, 256, 512, 33)
+    out = torch.empty(3 * 256, dtype=torch.bfloat16, device="cuda").as_strided((3, 256), (128, 1))
+    with pytest.raises(ValueError, match="argument 'out': expected rows that do not overlap"):
+        gemv(x, None, w, ws, a, out=out)

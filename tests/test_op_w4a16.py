@@ -106,11 +106,14 @@ def test_compiles_fullgraph_with_the_same_result():
     assert torch.equal(torch.compile(layer, fullgraph=True)(x), layer(x))
 
 
-def test_default_tunings_are_the_measured_ones():
-    """One token: two CTAs a SM of 4 groups (x in shared memory where it fits); more: x in registers."""
-    assert w4a16.default_tuning(1) == {"threads": 256, "ctas": 2, "groups": 4}
+@pytest.mark.parametrize("m,two_ctas", [(4096, False), (6144, True), (7168, True), (28672, True), (1024, False)])
+def test_one_token_takes_two_ctas_a_sm_only_where_its_tiles_outnumber_the_sms(m, two_ctas):
+    """One token: two CTAs a SM of 4 groups (x in shared memory where it fits) where the 4-group tiles outnumber
+    the SMs (H200: faster at 7168 and 28672 rows, slower at 4096); more tokens: x in registers, one CTA."""
+    one = {"threads": 256, "ctas": 2, "groups": 4} if two_ctas else {"threads": 256, "x_smem": 0}
+    assert w4a16.default_tuning(1, m, 132) == one
     for n in (2, 16, 32):
-        assert w4a16.default_tuning(n) == {"threads": 256, "x_smem": 0}
+        assert w4a16.default_tuning(n, m, 132) == {"threads": 256, "x_smem": 0}
 
 
 @pytest.mark.parametrize("n,cap", [(1, 8), (8, 8), (9, 6), (16, 6), (17, 4), (24, 4), (25, 2), (32, 2)])
@@ -127,3 +130,24 @@ def test_kernel_refuses_what_it_cannot_take():
         w4a16.Nvfp4GemvW4A16(32768, 32, 2, True, False, False, True, x_smem=1)
     assert not w4a16.Nvfp4GemvW4A16(32768, 32, 2, True, False, False, True).x_smem
     assert w4a16.Nvfp4GemvW4A16(16384, 1, 4, True, False, False, True).x_smem
+
+
+def test_e2m1_decode_gives_every_code_without_a_table():
+    """The dequantized product's decode (no host-to-device table, so no sync on CUDA) equals the e2m1 table,
+    -0.0 included, for every byte."""
+    from nvfp4_gemv.quant import e2m1_decode
+
+    u = torch.arange(256, dtype=torch.uint8).view(2, 128)
+    t = torch.tensor(reference.E2M1_VALUES, dtype=torch.float32)
+    want = torch.stack((t[(u & 15).long()], t[(u >> 4).long()]), -1).reshape(2, 256)
+    got = e2m1_decode(u)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_dequantized_weights_are_exact_in_both_dtypes(blocked):
+    _, _, w, ws, _ = w4a16_inputs(1, 256, 1024, seed=12, device="cpu", blocked=blocked)
+    exact = w4a16_exact(torch.eye(1024, dtype=torch.bfloat16), w, ws, None, blocked)[0].T  # [M, K]
+    for dtype in (torch.bfloat16, torch.float16):
+        got = w4a16.dequantized(w, ws, 1024, blocked, dtype)
+        assert got.dtype == dtype and torch.equal(got.double(), exact)
