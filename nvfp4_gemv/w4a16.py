@@ -374,10 +374,10 @@ class W4A16Plan:
         for t, name, es in ((x, "x", 2), (w, "w", 1)):
             if t.stride(1) != 1 or (t.shape[0] > 1 and (t.stride(0) * es) % 16) or t.data_ptr() % 16:
                 fail_gemv(ValueError, name, "K-contiguous rows (stride(1) == 1) at 16-byte aligned addresses",
-                      f"strides {t.stride()} at address {t.data_ptr():#x}")
+                          f"strides {t.stride()} at address {t.data_ptr():#x}")
         if not wb and (w_scale.stride(1) != 1 or w_scale.stride(0) % 2 or w_scale.data_ptr() % 2):
             fail_gemv(ValueError, "w_scale", "K-contiguous scales (stride(1) == 1) with even row strides at even "
-                  "addresses", f"strides {w_scale.stride()} at address {w_scale.data_ptr():#x}")
+                      "addresses", f"strides {w_scale.stride()} at address {w_scale.data_ptr():#x}")
         out_rs = m
         if out is not None:
             if out.stride(1) != 1 and m > 1:
@@ -414,7 +414,7 @@ class W4A16Plan:
         if (px | pw) & 15 or pws & 1:
             bad = [nm for nm, p, mask in (("x", px, 15), ("w", pw, 15), ("w_scale", pws, 1)) if p & mask][0]
             fail_gemv(ValueError, bad, "16-byte aligned rows of x and w, an even address of w_scale",
-                  f"address {dict(x=px, w=pw, w_scale=pws)[bad]:#x}")
+                      f"address {dict(x=px, w=pw, w_scale=pws)[bad]:#x}")
         if self.dequant:
             return dequant_mm(x, w, w_scale, alpha, out, out_dtype, self.k, self.wb)
         if out is None:
