@@ -3,6 +3,7 @@
     python tools/mutants.py --cpu          # the CPU mutants (CI runs these; every one must be killed)
     python tools/mutants.py --gpu          # the GPU mutants (on a GPU machine)
     python tools/mutants.py --only NAME    # one mutant
+    python tools/mutants.py --gpu --jobs 4 # four at a time (each its own pytest process and tree copy)
 
 Each mutant replaces one exact piece of text (found exactly once) in a copy of the tree (tracked and
 untracked, not ignored, files), regenerates ``submission.py`` there when one of its modules changed, runs
@@ -11,6 +12,7 @@ test, or a mutant that changes nothing (then drop it, saying why). Exit status 1
 """
 
 import argparse
+import concurrent.futures
 import os
 import shutil
 import subprocess
@@ -327,18 +329,24 @@ def main():
     g.add_argument("--cpu", action="store_true")
     g.add_argument("--gpu", action="store_true")
     g.add_argument("--only")
+    p.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
     args = p.parse_args()
     chosen = [m for m in MUTANTS if (args.only and m[0] == args.only) or (args.cpu and not m[5])
               or (args.gpu and m[5])]
     if not chosen:
         raise SystemExit(f"no mutant selected; names: {[m[0] for m in MUTANTS]}")
     files = tree_files()
-    rows = []
-    for name, path, old, new, tests, _ in chosen:
+
+    def one(m):
+        name, path, old, new, tests, _ = m
         t0 = time.time()
         result = run_mutant(name, path, old, new, tests, files)
-        rows.append((name, " ".join(t.replace("tests/", "") for t in tests), result))
         print(f"{result:9s} {name}  ({time.time() - t0:.0f} s)", flush=True)
+        return name, " ".join(t.replace("tests/", "") for t in tests), result
+
+    # each mutant is a subprocess in its own copy of the tree, so threads are enough; rows keep the list's order
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        rows = list(pool.map(one, chosen))
     print("\n| mutant | tests run | result |\n|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} |")
