@@ -51,6 +51,8 @@ def main():
     rnd = random.Random(args.seed)
     bad = 0
     for i in range(args.cases):
+        if i and i % 25 == 0:  # progress (each new configuration compiles first: a case can take seconds)
+            print(f"{i} cases, {bad} with mismatches", flush=True)
         if args.w4a16:
             what, n_bad, msg = w4a16_case(rnd)
             if n_bad:
