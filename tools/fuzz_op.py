@@ -3,12 +3,15 @@ each output must be within half an ulp of its dtype plus 2^-14 of the sum of |te
 (``--w4a16``: bf16/fp16 x as it is, signed scales over the whole e4m3 range, subnormals included).
 
     python tools/fuzz_op.py --cases 300            # must print 'mismatches: 0'
-    python tools/fuzz_op.py --cases 300 --w4a16
+    python tools/fuzz_op.py --cases 300 --w4a16 --jobs 6   # six processes (seeds seed .. seed + 5)
+
+Each new configuration compiles on its first case (CPU-bound, seconds), so processes in parallel finish sooner.
 """
 
 import argparse
 import os
 import random
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +50,10 @@ def main():
     p.add_argument("--cases", type=int, default=300)
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--w4a16", action="store_true", help="bf16/fp16 x (the W4A16 form)")
+    p.add_argument("--jobs", type=int, default=1, help="processes, the cases split between them (seeds seed + i)")
     args = p.parse_args()
+    if args.jobs > 1:
+        return fan_out(args)
     rnd = random.Random(args.seed)
     bad = 0
     for i in range(args.cases):
@@ -75,6 +81,28 @@ def main():
             print(f"case {i}: N={n} M={m} K={k} {dtype} w_blocked={wb} x_blocked={xb} alpha={has_alpha}: {e}")
     print(f"cases: {args.cases}\nmismatches: {bad}")
     return 1 if bad else 0
+
+
+def fan_out(args):
+    """Runs ``--jobs`` copies of this script at once, each with its share of the cases and its own seed."""
+    shares = [c for c in (args.cases // args.jobs + (i < args.cases % args.jobs) for i in range(args.jobs)) if c]
+    procs = [subprocess.Popen([sys.executable, __file__, "--cases", str(c), "--seed", str(args.seed + i)]
+                              + (["--w4a16"] if args.w4a16 else []), stdout=subprocess.PIPE, text=True)
+             for i, c in enumerate(shares)]
+    bad, failed = 0, 0
+    for i, proc in enumerate(procs):
+        out = proc.communicate()[0]
+        lines = out.splitlines()
+        print(f"-- seed {args.seed + i}, {shares[i]} cases, exit {proc.returncode}")
+        print("\n".join(line for line in lines if line.startswith("case ")))
+        done = [line for line in lines if line.startswith("mismatches: ")]
+        if proc.returncode not in (0, 1) or not done:
+            failed += 1
+            print(out[-2000:])
+        else:
+            bad += int(done[-1].split()[1])
+    print(f"cases: {args.cases}\nmismatches: {bad}" + (f"\nprocesses that did not finish: {failed}" if failed else ""))
+    return 1 if bad or failed else 0
 
 
 if __name__ == "__main__":
