@@ -39,8 +39,8 @@ takes slices ``i, i + W, ...``), the loads of the next ``depth`` slices in fligh
 computes. ``x`` comes with ``w`` (registers), or, with ``x_smem`` where its N rows fit, from shared
 memory, copied there once per CTA. At the end the warps' partials meet in shared memory and are added in a
 fixed order. Where ``K % 128 == 64`` the last slice's lanes 2 and 3 read lane 1's chunk again and take
-zeros for ``x``. The decode is the bound at 1 token (about 940 instructions a warp per slice of 8 groups,
-against 20 loads): see docs/design.md.
+zeros for ``x``. At 1 token the decode is most of the work (about 940 instructions a warp per slice of 8
+groups, against 20 loads) and the kernel issues well below its peak: see docs/design.md.
 
 Layouts: ``w`` [M, K/2] uint8 and ``x`` [N, K] K-contiguous with 16-byte aligned rows; ``ws`` plain [M, K/16]
 K-contiguous with even row strides, or 128x4 blocked; ``out`` [N, M] unit stride along M; ``alpha`` one fp32
