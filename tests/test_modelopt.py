@@ -311,6 +311,32 @@ def test_a_fused_checkpoint_loads_into_a_models_separate_modules(tmp_path):
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
+def test_excluded_modules_load_dense_into_fused_or_separate_modules_either_way(tmp_path):
+    """Excluded (bf16) q/k/v and gate/up of a separate-module export stack into a fused model's dense
+    qkv_proj and gate_up_proj, and that model's export splits back into separate dense modules."""
+    torch.manual_seed(0)
+    skip = ("lm_head", "model.layers.0.self_attn.*", "model.layers.1.mlp.*")
+    llama = quantize_model(tiny_model("llama"), skip=skip)
+    save_modelopt(llama, str(tmp_path / "llama"))
+    phi = load_modelopt(fresh(str(tmp_path / "llama"), "phi3"), str(tmp_path / "llama"))
+    attn, mlp = phi.model.layers[0].self_attn, phi.model.layers[1].mlp
+    assert type(attn.qkv_proj) is torch.nn.Linear and type(mlp.gate_up_proj) is torch.nn.Linear
+    assert isinstance(phi.model.layers[1].self_attn.qkv_proj, NVFP4Linear)
+    src_attn, src_mlp = llama.model.layers[0].self_attn, llama.model.layers[1].mlp
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([src_attn.q_proj.weight, src_attn.k_proj.weight,
+                                                        src_attn.v_proj.weight]))
+    assert torch.equal(mlp.gate_up_proj.weight, torch.cat([src_mlp.gate_proj.weight, src_mlp.up_proj.weight]))
+    with torch.no_grad():
+        got, want = phi(PROMPT).logits.float(), llama(PROMPT).logits.float()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    save_modelopt(phi, str(tmp_path / "phi"))
+    back = load_modelopt(fresh(str(tmp_path / "phi"), "llama"), str(tmp_path / "phi"))
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert torch.equal(getattr(back.model.layers[0].self_attn, name).weight, getattr(src_attn, name).weight)
+    for name in ("gate_proj", "up_proj"):
+        assert torch.equal(getattr(back.model.layers[1].mlp, name).weight, getattr(src_mlp, name).weight)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Errors: each names the key or tensor, and the model is left as it was
 # ----------------------------------------------------------------------------------------------------

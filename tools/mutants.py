@@ -262,6 +262,10 @@ MUTANTS = [
      "if x.dim() == 0:", ["tests/test_linear.py"], False),
     ("modelopt: any group size accepted", MODELOPT, "or group != GROUP_SIZE:", "or group < 0:",
      ["tests/test_modelopt.py"], False),
+    ("modelopt: excluded parts not stacked into a fused dense module", MODELOPT, "                dense_fuse[k] = parts",
+     "                pass", ["tests/test_modelopt.py"], False),
+    ("modelopt: an excluded fused tensor not split into dense parts", MODELOPT, "                dense_split[k] = parts",
+     "                pass", ["tests/test_modelopt.py"], False),
     # -- W4A16 and quantize kernels (GPU) --
     ("w4a16: bf16 decode drops a magnitude bit", DECODE, '            body.append("and.b32 a, a, 0x01C001C0;")',
      '            body.append("and.b32 a, a, 0x01C000C0;")', ["tests/test_gpu_w4a16.py"], True),
