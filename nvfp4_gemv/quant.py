@@ -151,9 +151,6 @@ def quantize_weight(w):
     return _pack(_e2m1_codes(q, torch.signbit(wf))), scale.view(torch.float8_e4m3fn), ws2
 
 
-_E2M1_TABLE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
 def e2m1_decode(q):
     """fp32 values of the e2m1 nibbles of ``q`` (uint8 [R, B] -> [R, 2B], the low nibble first), computed
     from the codes' bits by elementwise ops on q's device: no lookup table, so no host-to-device copy (a
