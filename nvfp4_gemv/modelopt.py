@@ -62,9 +62,9 @@ class QuantConfig:
 
     def excludes(self, name):
         """Whether module ``name`` is in ``exclude_modules`` (exact names, ``.``-suffixes, fnmatch globs,
-        and a trailing ``*`` on a module path also covering the path itself)."""
+        and a trailing ``.*`` also covering the path before it: ``"a.b.*"`` excludes ``"a.b"``)."""
         pats = self.exclude_modules
-        return name_matches(name, pats) or any(p.endswith("*") and fnmatch.fnmatchcase(name, p[:-1]) for p in pats)
+        return name_matches(name, pats) or any(p.endswith(".*") and fnmatch.fnmatchcase(name, p[:-2]) for p in pats)
 
     def __repr__(self):
         return (f"QuantConfig(quant_algo={self.quant_algo!r}, group_size={self.group_size}, "

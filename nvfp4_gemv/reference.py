@@ -96,7 +96,7 @@ def check_args(x, x_scale, w, w_scale, alpha, out_dtype, out=None):
     if m == 0 or m % 128:
         fail_gemv(ValueError, "w", "M (dim 0) a positive multiple of 128", m)
     if k == 0 or k % 64:
-        fail_gemv(ValueError, "x", "K = 2 * dim 1 a positive multiple of 64", k)
+        fail_gemv(ValueError, "x", ("K (dim 1)" if act else "K = 2 * dim 1") + " a positive multiple of 64", k)
     if k > MAX_K:
         fail_gemv(ValueError, "x", f"K <= {MAX_K}", k)
     x_blocked = False if act else _scale_layout(x_scale, "x_scale", n, k)

@@ -453,3 +453,43 @@ def test_gpu_forward_matches_the_cpu_layer_without_syncs_and_in_a_graph(mode, n)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, out)
+
+
+# ----------------------------------------------------------------------------------------------------
+# More argument checks (each test breaks if its check is removed)
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_from_modelopt_takes_a_float4_typed_weight_as_uint8():
+    t, _ = modelopt_tensors()
+    t["weight"] = t["weight"].view(torch.float4_e2m1fn_x2)
+    assert NVFP4Linear.from_modelopt(t).weight.dtype == torch.uint8
+
+
+def test_from_modelopt_refuses_a_bias_given_twice_or_malformed_and_non_tensors():
+    t, _ = modelopt_tensors()
+    with pytest.raises(ValueError, match="'bias' given twice"):
+        NVFP4Linear.from_modelopt(dict(t, bias=torch.zeros(256)), bias=torch.zeros(256))
+    with pytest.raises(ValueError, match="tensor 'bias'"):
+        NVFP4Linear.from_modelopt(t, bias=torch.zeros(256, dtype=torch.int32))
+    with pytest.raises(ValueError, match="tensor 'bias'.*on"):
+        NVFP4Linear.from_modelopt(t, bias=torch.zeros(256, device="meta"))
+    with pytest.raises(TypeError, match="tensor 'weight_scale_2'"):
+        NVFP4Linear.from_modelopt(dict(t, weight_scale_2=0.5))
+
+
+def test_moving_and_casting_at_once_moves_the_format_buffers_and_casts_only_bias():
+    mod = NVFP4Linear.from_linear(linear(), mode="w4a4", input_scale=0.01)
+    mod.to("meta", torch.float16)
+    for name in ("weight", "weight_scale", "weight_scale_2", "input_scale", "_alpha", "_inv_input_scale"):
+        assert getattr(mod, name).device.type == "meta", name
+    assert mod.weight_scale_2.dtype == torch.float32 and mod.bias.dtype == torch.float16
+
+
+def test_quantize_weight_and_the_constructor_validate_their_arguments():
+    with pytest.raises(ValueError, match="argument 'w'"):
+        quantize_weight(torch.randn(2, 24))
+    with pytest.raises(TypeError, match="argument 'w'"):
+        quantize_weight(torch.randint(0, 3, (2, 32)))
+    with pytest.raises(ValueError, match="'in_features'"):
+        NVFP4Linear(100, 128)

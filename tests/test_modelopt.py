@@ -485,3 +485,82 @@ def test_the_readmes_example_runs(export):
     exec(code, ns)  # noqa: S102 - our own README
     assert ns["out"].shape[0] == 2 and ns["out"].shape[1] > PROMPT.shape[1]
     assert any(isinstance(m, NVFP4Linear) for m in ns["model"].modules())
+
+
+# ----------------------------------------------------------------------------------------------------
+# More error paths and config forms (each test breaks if its check is removed from the loader or parser)
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_a_model_bias_the_checkpoint_lacks_is_refused(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, attention_bias=True)).to(torch.bfloat16)
+    save_modelopt(quantize_model(model), str(tmp_path / "src"))
+    p = "model.layers.0.self_attn.q_proj"
+    dst = edit_checkpoint(str(tmp_path / "src"), str(tmp_path / "dst"), tensors=drop(f"{p}.bias"))
+    with pytest.raises(CheckpointError, match=rf"'{p}.bias': missing"):
+        load_modelopt(fresh(dst), dst)
+
+
+def test_a_quantized_linear_of_another_shape_is_refused(tmp_path):
+    qmodel, _ = quantized("w4a16")
+    save_modelopt(qmodel, str(tmp_path / "src"))
+
+    def shrink(state):
+        state[f"{Q}.weight"] = state[f"{Q}.weight"][:, :64].contiguous()
+        state[f"{Q}.weight_scale"] = state[f"{Q}.weight_scale"][:, :8].contiguous()
+
+    dst = edit_checkpoint(str(tmp_path / "src"), str(tmp_path / "dst"), tensors=shrink)
+    with pytest.raises(CheckpointError, match=r"128x128 \(out x in\) weight for the model's 128x256"):
+        load_modelopt(fresh(dst), dst)
+
+
+def test_an_export_with_a_layer_lacking_input_scale_is_weight_only(tmp_path):
+    qmodel, _ = quantized("w4a4")
+    qmodel.model.layers[0].mlp.down_proj.input_scale = None
+    save_modelopt(qmodel, str(tmp_path))
+    with open(tmp_path / "hf_quant_config.json") as f:
+        assert json.load(f)["quantization"]["quant_algo"] == "W4A16_NVFP4"
+    assert not any(k.endswith(".input_scale") for k in load_file(str(tmp_path / "model.safetensors")))
+
+
+def test_config_group_sizes_kv_scheme_and_algo_case():
+    base = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    where = "config.json: quantization_config"
+    groups = {"a": {"weights": {"group_size": 16}}, "b": {"weights": {"group_size": 32}}}
+    with pytest.raises(CheckpointError, match="different group sizes"):
+        parse_quant_config(dict(base, config_groups=groups), where)
+    cfg = parse_quant_config(dict(base, group_size=16, kv_cache_scheme={"num_bits": 8, "type": "float"}), where)
+    assert cfg.kv_cache_quant_algo == "FP8"
+    doc = {"quantization": {"quant_algo": "nvfp4", "group_size": 16}}
+    assert parse_quant_config(doc, "hf_quant_config.json").quant_algo == "NVFP4"
+
+
+def test_a_trailing_dot_star_exclude_covers_the_path_itself():
+    doc = {"quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["model.layers.0.mlp.*"]}}
+    cfg = parse_quant_config(doc, "hf_quant_config.json")
+    assert cfg.excludes("model.layers.0.mlp") and cfg.excludes("model.layers.0.mlp.down_proj")
+    assert not cfg.excludes("model.layers.0.mlpx") and not cfg.excludes("model.layers.1.mlp")
+
+
+def test_a_fused_tensor_of_the_wrong_row_count_is_refused(tmp_path):
+    torch.manual_seed(0)
+    save_modelopt(quantize_model(tiny_model("phi3")), str(tmp_path / "src"))
+    p = "model.layers.0.self_attn.qkv_proj"
+
+    def cut(state):
+        state[f"{p}.weight"] = state[f"{p}.weight"][:256].contiguous()
+        state[f"{p}.weight_scale"] = state[f"{p}.weight_scale"][:256].contiguous()
+
+    dst = edit_checkpoint(str(tmp_path / "src"), str(tmp_path / "dst"), tensors=cut)
+    with pytest.raises(CheckpointError, match=rf"'{p}.weight': 256 rows"):
+        load_modelopt(fresh(dst, "llama"), dst)
+
+
+def test_a_dense_tensor_of_an_integer_dtype_is_refused(tmp_path):
+    qmodel, _ = quantized("w4a16")
+    save_modelopt(qmodel, str(tmp_path / "src"))
+    dst = edit_checkpoint(str(tmp_path / "src"), str(tmp_path / "dst"),
+                          tensors=put("model.norm.weight", torch.ones(128, dtype=torch.int32)))
+    with pytest.raises(CheckpointError, match="'model.norm.weight': dtype"):
+        load_modelopt(fresh(dst), dst)

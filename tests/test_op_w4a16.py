@@ -74,6 +74,8 @@ def test_x_scale_must_be_given_for_nvfp4_x():
     (lambda x, w, ws: (x[0], w, ws), r"argument 'x': expected a 2-d tensor \[rows, K\]"),
     (lambda x, w, ws: (x[:, :63], w, ws), r"argument 'x': expected K \(dim 1\) a positive multiple of 64"),
     (lambda x, w, ws: (x, w, ws[:, :3]), r"argument 'w_scale'"),
+    (lambda x, w, ws: (x, w.to(torch.bfloat16), ws), r"argument 'w': expected dtype torch.float4_e2m1fn_x2 or torch.uint8"),
+    (lambda x, w, ws: (x[:, :96], w[:, :48], ws[:, :6]), r"argument 'x': expected K \(dim 1\) a positive multiple of 64, got 96"),
 ])
 def test_bad_inputs_name_the_argument(bad, match):
     x, _, w, ws, _ = w4a16_inputs(2, 128, 128, seed=8, device="cpu")
