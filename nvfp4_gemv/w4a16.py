@@ -13,8 +13,7 @@ Exact operands for the tensor cores (``mma.sync.m16n8k16``, fp32 accumulation):
   bf16 of ``v * 2^-126`` (0.5 lands on the subnormal 2^-127); one ``HMUL2`` by the bf16 of ``s * 2^119``
   gives ``v * s * 2^-7``, in [2^-17, 21]: normal and exact. ``2^7`` scales the sum back.
 
-(The bf16 path builds the scale from its bits, so the e4m3 NaN bytes 0x7F / 0xFF decode as +-480 there;
-the fp16 path and the reference give NaN. Checkpoints hold no NaN scales.)
+An e4m3 NaN scale byte (0x7F, 0xFF) makes its row's outputs NaN on both paths, as in the reference.
 
 The products ``x * w'`` are then exact in fp32 (8 + 6 or 11 + 6 significant bits), for bf16 ``x`` as long as
 they stay in fp32's normal range (``|x| >= 2^-109``, far below any activation; ``|x| < 2^123``).
@@ -101,7 +100,7 @@ class Nvfp4GemvW4A16(OpLaunch):
     """The W4A16 kernel; one instance per (K, tokens, groups, x dtype, scale layout, epilogue, tuning)."""
 
     def __init__(self, k: int, n_tok: int, groups: int, x_bf16: bool, w_blocked: bool, has_alpha: bool,
-                 out_bf16: bool, threads=None, depth=None, ctas=None, x_smem=None):
+                 out_bf16: bool, threads=None, depth=None, ctas=None, x_smem=None, chains=None):
         if not 1 <= n_tok <= MAX_TOKENS:
             raise ValueError(f"nvfp4_gemv: the W4A16 kernel takes 1..{MAX_TOKENS} tokens, not {n_tok}")
         if k % 64 or k <= 0:
@@ -124,6 +123,11 @@ class Nvfp4GemvW4A16(OpLaunch):
         self.warps = warps
         self.threads = 32 * warps
         self.depth = depth or 1
+        # accumulators a group and A tile: with 2, even and odd k-steps add into separate registers (two
+        # dependent HMMA chains of 4 a slice instead of one of 8), summed before the warps' partials meet
+        self.chains = int(chains or 1)
+        if self.chains not in (1, 2):
+            raise ValueError(f"nvfp4_gemv: chains={chains}: expected 1 or 2")
         self.halves = -(-n_tok // 8)  # 8-token halves of the A tiles
         self.a_tiles = -(-self.halves // 2)
         self.red_bytes = self.warps * groups * self.a_tiles * 512
@@ -223,14 +227,15 @@ class Nvfp4GemvW4A16(OpLaunch):
                     wb = scaled_f16x8(q[2 * blk], q[2 * blk + 1], s8)
                 for a in range(self.a_tiles):
                     h0, h1 = 2 * a, 2 * a + 1
-                    c = acc_g[a]
+                    cs = list(acc_g[a])
                     for s in range(4):
                         a0 = xa[h0][blk][2 * s]
                         a2 = xa[h0][blk][2 * s + 1]
                         a1 = xa[h1][blk][2 * s] if h1 < H else zero
                         a3 = xa[h1][blk][2 * s + 1] if h1 < H else zero
-                        c = mma_16816((a0, a1, a2, a3), (wb[2 * s], wb[2 * s + 1]), c, self.x_bf16)
-                    acc_g[a] = c
+                        ch = s % self.chains
+                        cs[ch] = mma_16816((a0, a1, a2, a3), (wb[2 * s], wb[2 * s + 1]), cs[ch], self.x_bf16)
+                    acc_g[a] = cs
             new_acc.append(acc_g)
         return new_acc
 
@@ -275,7 +280,7 @@ class Nvfp4GemvW4A16(OpLaunch):
             # (the same sums, stored twice)
             row0 = cutlass.min(tile * (GR * 8), m - GR * 8)
             ptrs = (w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs)
-            acc = [[[cutlass.Float32(0.0)] * 4 for _ in range(AT)] for _ in range(GR)]
+            acc = [[[[cutlass.Float32(0.0)] * 4 for _ in range(self.chains)] for _ in range(AT)] for _ in range(GR)]
             pipe = []
             for d in cutlass.range_constexpr(D):
                 pipe.append(self._load_slice(wid + d * W, g, t, row0, *ptrs))
@@ -291,7 +296,10 @@ class Nvfp4GemvW4A16(OpLaunch):
 
             for gr in cutlass.range_constexpr(GR):
                 for a in cutlass.range_constexpr(AT):
-                    sts_f32x4(s_red + (((wid * GR + gr) * AT + a) * 32 + lane) * 16, acc[gr][a])
+                    part = acc[gr][a][0]
+                    if cutlass.const_expr(self.chains == 2):
+                        part = [part[j] + acc[gr][a][1][j] for j in range(4)]
+                    sts_f32x4(s_red + (((wid * GR + gr) * AT + a) * 32 + lane) * 16, part)
             cute.arch.sync_threads()
             per_warp = GR * AT * 128
             for e in cutlass.range(tidx, per_warp, self.threads, unroll=1):

@@ -63,6 +63,25 @@ def test_subnormal_scales_and_half_values_are_exact(dtype):
     check(16, 256, 1024, seed=7, dtype=dtype, min_exp=0, max_exp=1, alpha=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nan_byte", [0x7F, 0xFF])
+def test_a_nan_scale_byte_makes_its_row_nan_as_the_reference_does(dtype, nan_byte):
+    """One e4m3 NaN scale byte: that row's outputs are NaN for every token (the float64 reference's answer),
+    every other output within the bound. The output is poisoned with a finite value here, not NaN."""
+    n, m, k, row = 3, 256, 1024, 77
+    x, _, w, ws, a = w4a16_inputs(n, m, k, seed=11, dtype=dtype)
+    ws.view(torch.uint8)[row, 5] = nan_byte
+    out = torch.full((n, m), 1234.0, dtype=torch.bfloat16, device="cuda")
+    gemv(x, None, w, ws, a, out=out)
+    exact, terms = w4a16_exact(x, w, ws, a)
+    assert torch.isnan(exact[:, row]).all()
+    got = out.cpu()
+    assert torch.isnan(got[:, row]).all(), got[:, row]
+    keep = torch.arange(m) != row
+    bad, msg = w4a16_violations(out[:, keep], exact[:, keep], terms[:, keep])
+    assert bad == 0, msg
+
+
 def test_many_tokens_take_launches_of_32_then_the_dequantized_product():
     check(70, 256, 1024, seed=21)  # three launches of 24 (a group of at most 32)
     check(w4a16.DEQUANT_MIN_TOKENS, 256, 1024, seed=22, slack=2.0 ** -12)  # dequantize + torch.mm
