@@ -100,7 +100,7 @@ class Nvfp4GemvW4A16(OpLaunch):
     """The W4A16 kernel; one instance per (K, tokens, groups, x dtype, scale layout, epilogue, tuning)."""
 
     def __init__(self, k: int, n_tok: int, groups: int, x_bf16: bool, w_blocked: bool, has_alpha: bool,
-                 out_bf16: bool, threads=None, depth=None, ctas=None, x_smem=None, chains=None):
+                 out_bf16: bool, threads=None, depth=None, ctas=None, x_smem=None, chains=None, w_a=None):
         if not 1 <= n_tok <= MAX_TOKENS:
             raise ValueError(f"nvfp4_gemv: the W4A16 kernel takes 1..{MAX_TOKENS} tokens, not {n_tok}")
         if k % 64 or k <= 0:
@@ -130,7 +130,13 @@ class Nvfp4GemvW4A16(OpLaunch):
             raise ValueError(f"nvfp4_gemv: chains={chains}: expected 1 or 2")
         self.halves = -(-n_tok // 8)  # 8-token halves of the A tiles
         self.a_tiles = -(-self.halves // 2)
-        self.red_bytes = self.warps * groups * self.a_tiles * 512
+        # w_a: w is the A operand (two groups, 16 rows, an MMA) and x the B operand (8 tokens): 256 weights an
+        # MMA instead of 128, for at most 8 tokens and an even number of groups
+        self.w_a = bool(w_a)
+        if self.w_a and (n_tok > 8 or groups % 2):
+            raise ValueError(f"nvfp4_gemv: w_a takes at most 8 tokens and even groups, not {n_tok} and {groups}")
+        self.units = groups // 2 if self.w_a else groups  # accumulator sets a warp holds (per A tile)
+        self.red_bytes = self.warps * self.units * self.a_tiles * 512
         # x copied once into shared memory (rows of K values, 16 bytes apart more than K * 2 so that the rows
         # of a warp's lanes fall in other banks) where it fits: a slice then holds only w in registers
         self.x_row_bytes = 2 * k + 16
@@ -214,6 +220,8 @@ class Nvfp4GemvW4A16(OpLaunch):
                     pairs += [p04, p15, p26, p37]
                 per_blk.append(pairs)
             xa.append(per_blk)
+        if self.w_a:
+            return self._slice_products_w_a(acc, cur, xa)
         new_acc = []
         for gr in range(GR):
             q = cur[5 * gr: 5 * gr + 4]
@@ -237,6 +245,30 @@ class Nvfp4GemvW4A16(OpLaunch):
                         cs[ch] = mma_16816((a0, a1, a2, a3), (wb[2 * s], wb[2 * s + 1]), cs[ch], self.x_bf16)
                     acc_g[a] = cs
             new_acc.append(acc_g)
+        return new_acc
+
+    def _decoded(self, cur, gr, blk):
+        """Group ``gr``'s 16 values of block ``blk`` as eight scaled bf16x2 / f16x2 words (MMA-slot order)."""
+        q = cur[5 * gr: 5 * gr + 4]
+        s8 = (cur[5 * gr + 4] >> (8 * blk)) & 0xFF
+        if cutlass.const_expr(self.x_bf16):
+            return scaled_bf16x8(q[2 * blk], q[2 * blk + 1], s8)
+        return scaled_f16x8(q[2 * blk], q[2 * blk + 1], s8)
+
+    def _slice_products_w_a(self, acc, cur, xa):
+        """``w_a``: groups ``2u`` and ``2u + 1`` are the A operand's rows ``g`` and ``g + 8``, token ``g``'s x
+        pairs the B operand (the k-slots x's A registers take otherwise); the sums in ``acc[u][0]``."""
+        new_acc = []
+        for u in range(self.units):
+            cs = list(acc[u][0])
+            for blk in range(2):
+                w0 = self._decoded(cur, 2 * u, blk)
+                w1 = self._decoded(cur, 2 * u + 1, blk)
+                for s in range(4):
+                    ch = s % self.chains
+                    cs[ch] = mma_16816((w0[2 * s], w1[2 * s], w0[2 * s + 1], w1[2 * s + 1]),
+                                       (xa[0][blk][2 * s], xa[0][blk][2 * s + 1]), cs[ch], self.x_bf16)
+            new_acc.append([cs])
         return new_acc
 
     @cute.jit
@@ -280,7 +312,8 @@ class Nvfp4GemvW4A16(OpLaunch):
             # (the same sums, stored twice)
             row0 = cutlass.min(tile * (GR * 8), m - GR * 8)
             ptrs = (w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs)
-            acc = [[[[cutlass.Float32(0.0)] * 4 for _ in range(self.chains)] for _ in range(AT)] for _ in range(GR)]
+            U = self.units
+            acc = [[[[cutlass.Float32(0.0)] * 4 for _ in range(self.chains)] for _ in range(AT)] for _ in range(U)]
             pipe = []
             for d in cutlass.range_constexpr(D):
                 pipe.append(self._load_slice(wid + d * W, g, t, row0, *ptrs))
@@ -294,24 +327,30 @@ class Nvfp4GemvW4A16(OpLaunch):
                 else:
                     acc = self._slice_products(acc, cur, zero)
 
-            for gr in cutlass.range_constexpr(GR):
+            for u in cutlass.range_constexpr(U):
                 for a in cutlass.range_constexpr(AT):
-                    part = acc[gr][a][0]
+                    part = acc[u][a][0]
                     if cutlass.const_expr(self.chains == 2):
-                        part = [part[j] + acc[gr][a][1][j] for j in range(4)]
-                    sts_f32x4(s_red + (((wid * GR + gr) * AT + a) * 32 + lane) * 16, part)
+                        part = [part[j] + acc[u][a][1][j] for j in range(4)]
+                    sts_f32x4(s_red + (((wid * U + u) * AT + a) * 32 + lane) * 16, part)
             cute.arch.sync_threads()
-            per_warp = GR * AT * 128
+            per_warp = U * AT * 128
             for e in cutlass.range(tidx, per_warp, self.threads, unroll=1):
                 total = lds_stage_f32(s_red + e * 4)
                 for w in cutlass.range_constexpr(1, W):
                     total = total + lds_stage_f32(s_red + (w * per_warp + e) * 4)
-                gr = e // (AT * 128)
+                u = e // (AT * 128)
                 a = (e // 128) % AT
                 ln = (e // 4) % 32
                 r = e % 4
-                tok = a * 16 + ln // 4 + 8 * (r // 2)
-                row = row0 + gr * 8 + 2 * (ln % 4) + r % 2
+                # C of an MMA: rows g, g + 8 (ln // 4) by columns 2t, 2t + 1 (ln % 4): tokens by w's rows, or
+                # with w_a w's rows (groups 2u, 2u + 1) by tokens
+                if cutlass.const_expr(self.w_a):
+                    tok = 2 * (ln % 4) + r % 2
+                    row = row0 + (2 * u + r // 2) * 8 + ln // 4
+                else:
+                    tok = a * 16 + ln // 4 + 8 * (r // 2)
+                    row = row0 + u * 8 + 2 * (ln % 4) + r % 2
                 if tok < NT:
                     stg_as(out_ptr + cutlass.Int64(tok) * out_rs + cutlass.Int64(row) * 2, total * scale,
                            self.out_bf16)

@@ -182,3 +182,24 @@ def test_overlapping_out_rows_are_refused():
     out = torch.empty(3 * 256, dtype=torch.bfloat16, device="cuda").as_strided((3, 256), (128, 1))
     with pytest.raises(ValueError, match="argument 'out': expected rows that do not overlap"):
         gemv(x, None, w, ws, a, out=out)
+
+
+@pytest.mark.parametrize("tuning", [
+    {"w_a": 1, "groups": 2}, {"w_a": 1, "groups": 8}, {"w_a": 1, "groups": 4, "threads": 256, "ctas": 2},
+    {"w_a": 1, "groups": 4, "x_smem": 0}, {"chains": 2}, {"chains": 2, "w_a": 1, "groups": 6}])
+@pytest.mark.parametrize("n,m,k", [(1, 1152, 4096), (3, 384, 4160), (8, 640, 2112)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tunings_not_routed_yet_match_float64(tuning, n, m, k, dtype):
+    """The experiment tunings (``w_a``: w as the MMA's A operand; ``chains``: two accumulator chains), forced
+    through a plan; the last tile moved back (M / 8 not a multiple of the groups), ``K % 128 == 64``."""
+    from nvfp4_gemv.reference import check_args
+
+    x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n * 31 + m, dtype=dtype)
+    out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dims = check_args(x, None, w, ws, a, torch.bfloat16, out)
+    plan = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16, dims, tuning=tuple(sorted(tuning.items())))
+    assert all(kern.op.w_a == bool(tuning.get("w_a")) for kern, _, _ in plan.launches)
+    plan(x, w, ws, a, out, torch.bfloat16)
+    torch.cuda.synchronize()
+    bad, msg = w4a16_violations(out, *w4a16_exact(x, w, ws, a))
+    assert bad == 0, msg

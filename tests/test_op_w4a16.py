@@ -153,3 +153,10 @@ def test_dequantized_weights_are_exact_in_both_dtypes(blocked):
     for dtype in (torch.bfloat16, torch.float16):
         got = w4a16.dequantized(w, ws, 1024, blocked, dtype)
         assert got.dtype == dtype and torch.equal(got.double(), exact)
+
+
+@pytest.mark.parametrize("kw", [{"n_tok": 9, "groups": 2, "w_a": 1}, {"n_tok": 4, "groups": 3, "w_a": 1},
+                                {"n_tok": 4, "groups": 2, "chains": 3}])
+def test_experiment_tunings_refuse_what_they_cannot_run(kw):
+    with pytest.raises(ValueError, match="w_a|chains"):
+        w4a16.Nvfp4GemvW4A16(4096, kw.pop("n_tok"), kw.pop("groups"), True, False, True, True, **kw)
