@@ -75,17 +75,19 @@ from .tokens import OpLaunch, compile_op
 
 MAX_TOKENS = 32  # tokens a launch takes: two A tiles of 16
 MAX_GROUPS = 8
+W_A_TOKENS = 8  # tokens up to which w is the A operand (x, as B, has 8 columns)
 SMEM_CTA = SMEM_A_SM - 1024  # the most one CTA may use on sm_90 and sm_100 (1 KiB of a SM reserved a CTA)
 BF16_SUM_SCALE = 128.0  # 2^7: undoes the 2^-7 of the bf16 weights
 F16_SUM_SCALE = 16384.0  # 2^14: undoes the 2^-14 of the f16 weights
 
 
-def pick_groups(n_tok, m, sms):
+def pick_groups(n_tok, m, sms, even=False):
     """Groups of 8 rows a CTA owns at a time: as many as fill the SMs evenly (up to ``MAX_GROUPS``), fewer
     for more tokens, whose ``x`` and accumulators take the registers (a lane holds ``5 * groups`` words of
     ``w`` and 16 of ``x`` per 8 tokens, twice: the slice computed and the next in flight). With 8 warps 4
     groups spill at 25-32 tokens (sm_90a, DSL 4.3.5), hence 2 there; the caps of 6 and 4 at 9-16 and 17-24
-    tokens are set, not measured limits (8 groups compile without spills at 16 tokens)."""
+    tokens are set, not measured limits (8 groups compile without spills at 16 tokens). ``even``: only even
+    counts (``w_a`` pairs the groups; M is a multiple of 128, so 16 groups at least)."""
     cap = MAX_GROUPS if n_tok <= 8 else 6 if n_tok <= 16 else 4 if n_tok <= 24 else 2
     total = m // 8
 
@@ -93,7 +95,7 @@ def pick_groups(n_tok, m, sms):
         tiles = -(-total // gr)
         return -(-tiles // sms) * (gr + 2), -gr
 
-    return min(range(1, cap + 1), key=cost)
+    return min(range(2 if even else 1, min(cap, total) + 1, 2 if even else 1), key=cost)
 
 
 class Nvfp4GemvW4A16(OpLaunch):
@@ -133,7 +135,7 @@ class Nvfp4GemvW4A16(OpLaunch):
         # w_a: w is the A operand (two groups, 16 rows, an MMA) and x the B operand (8 tokens): 256 weights an
         # MMA instead of 128, for at most 8 tokens and an even number of groups
         self.w_a = bool(w_a)
-        if self.w_a and (n_tok > 8 or groups % 2):
+        if self.w_a and (n_tok > W_A_TOKENS or groups % 2):
             raise ValueError(f"nvfp4_gemv: w_a takes at most 8 tokens and even groups, not {n_tok} and {groups}")
         self.units = groups // 2 if self.w_a else groups  # accumulator sets a warp holds (per A tile)
         self.red_bytes = self.warps * self.units * self.a_tiles * 512
@@ -302,9 +304,6 @@ class Nvfp4GemvW4A16(OpLaunch):
         t = lane % 4
         my_slices = (self.n_slices - wid + W - 1) // W
         n_tiles = (m // 8 + GR - 1) // GR
-        scale = cutlass.Float32(BF16_SUM_SCALE if self.x_bf16 else F16_SUM_SCALE)
-        if cutlass.const_expr(self.has_alpha):
-            scale = scale * ldg_f32(alpha_ptr)
         zero = cutlass.Int32(0)
 
         for tile in cutlass.range(bidx, n_tiles, gdimx, unroll=1):
@@ -334,6 +333,11 @@ class Nvfp4GemvW4A16(OpLaunch):
                         part = [part[j] + acc[u][a][1][j] for j in range(4)]
                     sts_f32x4(s_red + (((wid * U + u) * AT + a) * 32 + lane) * 16, part)
             cute.arch.sync_threads()
+            # read here, not before the main loop: nothing stays live across it (ptxas spilled such values
+            # at the two-CTA one-token configuration's 128 registers)
+            scale = cutlass.Float32(BF16_SUM_SCALE if self.x_bf16 else F16_SUM_SCALE)
+            if cutlass.const_expr(self.has_alpha):
+                scale = scale * ldg_f32(alpha_ptr)
             per_warp = U * AT * 128
             for e in cutlass.range(tidx, per_warp, self.threads, unroll=1):
                 total = lds_stage_f32(s_red + e * 4)
@@ -389,10 +393,13 @@ def default_tuning(n_tok, m, sms):
     """8 warps a CTA (with 16, at most 128 registers a thread, ptxas spills a lane's two slices of loads). One
     token where the 4-group tiles outnumber the SMs: two CTAs a SM of 4 groups each, x in shared memory where
     it fits; otherwise one CTA a SM, x in registers with w (H200, docs/results.md: two CTAs won at 7168 and
-    28672 rows, lost at 4096; shared-memory x was slower from 4 tokens on)."""
+    28672 rows, lost at 4096; shared-memory x was slower from 4 tokens on). Up to 8 tokens w is the MMA's A
+    operand (``w_a``: half the MMAs) with two accumulator chains (``chains``); both measured faster on H200
+    (docs/results.md)."""
+    w_a = {"w_a": 1} if n_tok <= W_A_TOKENS else {}
     if n_tok == 1 and m // 32 > sms:
-        return {"threads": 256, "ctas": 2, "groups": 4}
-    return {"threads": 256, "x_smem": 0}
+        return {"threads": 256, "ctas": 2, "groups": 4, "chains": 2, **w_a}
+    return {"threads": 256, "x_smem": 0, **w_a}
 
 
 def _get_kernel(dev, key):
@@ -447,7 +454,7 @@ class W4A16Plan:
         for t0 in range(0, n, g):
             nt = min(g, n - t0)
             tune = {**default_tuning(nt, m, sms), **tuning}
-            groups = tune.pop("groups", None) or pick_groups(nt, m, sms)
+            groups = tune.pop("groups", None) or pick_groups(nt, m, sms, even=bool(tune.get("w_a")))
             key = ("w4a16", self.dev, k, nt, groups, x.dtype == torch.bfloat16, wb, alpha is not None,
                    out_dtype == torch.bfloat16, tuple(sorted(tune.items())))
             kern = _get_kernel(self.dev, key)

@@ -106,8 +106,10 @@ def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, tune, blocked, tmp
 
 
 @pytest.mark.parametrize("arch,k,tokens,groups,extra", [
-    ("sm_90a", 16384, 1, 4, ("--tune", "threads=256,ctas=2")),  # the op's one-token tuning (x in shared memory)
-    ("sm_90a", 4096, 8, 7, ("--tune", "threads=256,x_smem=0")),
+    # the op's one-token two-CTA tuning (x in shared memory)
+    ("sm_90a", 16384, 1, 4, ("--tune", "threads=256,ctas=2,w_a=1,chains=2")),
+    ("sm_90a", 4096, 8, 8, ("--tune", "threads=256,x_smem=0,w_a=1")),
+    ("sm_100a", 7168, 2, 4, ("--f16", "--tune", "threads=256,x_smem=0,w_a=1")),
     ("sm_90a", 14336, 16, 6, ("--f16", "--blocked", "--tune", "threads=256,x_smem=0")),
     # K % 128 == 64, two A tiles; known: DSL 4.8.1 spills 48 bytes a thread here for sm_100a (4.3.5: none)
     ("sm_100a", 4160, 32, 2, ("--tune", "threads=256,x_smem=0")),
@@ -117,7 +119,11 @@ def test_w4a16_kernel_compiles_without_gpu_and_without_spills(arch, k, tokens, g
     info = compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--w4a16", str(groups), *extra)
     assert info["elf"] and info["launch"] == "tvm-ffi" and info["fp4_cvt"] == [], info
     known = tokens == 32 and arch == "sm_100a" and not info["dsl"].startswith("4.3.")
-    assert info["lds_before_bar"] == 0 and info["frame_bytes"] <= (64 if known else 0), info
+    # the two-CTA one-token build (128 registers a thread): DSL 4.3.5 keeps one epilogue address on the stack
+    # across the main loop (a store before it, a load after it); 4.8.1 16 bytes, one of them stored and
+    # reloaded inside the loop (docs/design.md, "W4A16")
+    two_cta = "ctas=2" in extra[-1]
+    assert info["lds_before_bar"] == 0 and info["frame_bytes"] <= (64 if known else 16 if two_cta else 0), info
 
 
 @pytest.mark.parametrize("arch,k,extra", [("sm_90a", 16384, ()), ("sm_100a", 4096, ("--f16",))])

@@ -186,12 +186,13 @@ def test_overlapping_out_rows_are_refused():
 
 @pytest.mark.parametrize("tuning", [
     {"w_a": 1, "groups": 2}, {"w_a": 1, "groups": 8}, {"w_a": 1, "groups": 4, "threads": 256, "ctas": 2},
-    {"w_a": 1, "groups": 4, "x_smem": 0}, {"chains": 2}, {"chains": 2, "w_a": 1, "groups": 6}])
+    {"w_a": 1, "groups": 4, "x_smem": 0}, {"chains": 2, "w_a": 0}, {"chains": 2, "w_a": 1, "groups": 6},
+    {"w_a": 0, "chains": 1, "groups": 3}])
 @pytest.mark.parametrize("n,m,k", [(1, 1152, 4096), (3, 384, 4160), (8, 640, 2112)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_tunings_not_routed_yet_match_float64(tuning, n, m, k, dtype):
-    """The experiment tunings (``w_a``: w as the MMA's A operand; ``chains``: two accumulator chains), forced
-    through a plan; the last tile moved back (M / 8 not a multiple of the groups), ``K % 128 == 64``."""
+def test_tunings_on_and_off_the_route_match_float64(tuning, n, m, k, dtype):
+    """``w_a`` (w as the MMA's A operand) and ``chains`` (two accumulator chains) on and off, whatever the route
+    picks, forced through a plan; the last tile moved back (M / 8 not a multiple of the groups), ``K % 128 == 64``."""
     from nvfp4_gemv.reference import check_args
 
     x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n * 31 + m, dtype=dtype)
