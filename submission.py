@@ -726,13 +726,12 @@ def scaled_bf16x8(q0, q1, s8, *, loc=None, ip=None):
     word 1's).
 
     Pair ``(i, i + 4)`` of a word: shifting by ``6 - 4i`` puts both magnitudes at bf16 bits 6..8 of their
-    halves, shifting by ``12 - 4i`` both signs at bit 15; that is ``v * 2^-126``. The scale: the byte's bits
-    shifted so that e4m3's exponent and mantissa sit at fp32's lowest exponent bits (fp32 of ``s * 2^-120``,
-    subnormal scales included), times 2^120 and 2^119 (no flush: plain ``mul.rn.f32``), packed to bf16x2
+    halves, shifting by ``12 - 4i`` both signs at bit 15; that is ``v * 2^-126``. The scale: the e4m3 byte to
+    f16 (exact, subnormal scales included; the NaN bytes stay NaN), to fp32, times 2^119, packed to bf16x2
     (exact: 4 significant bits); one ``mul.rn.bf16x2`` a pair (bf16 subnormals are kept)."""
-    body = ["{", ".reg .b32 a, b, p;", ".reg .f32 f;",
-            "shl.b32 a, $9, 24;", "shr.s32 a, a, 4;", "and.b32 a, a, 0x87F00000;", "mov.b32 f, a;",
-            "mul.rn.f32 f, f, 0f7B800000;", "mul.rn.f32 f, f, 0f7B000000;", "cvt.rn.bf16x2.f32 p, f, f;"]
+    body = ["{", ".reg .b32 a, b, p, s;", ".reg .f32 f;", ".reg .b16 h, l, u;",
+            "cvt.u16.u32 h, $9;", "cvt.rn.f16x2.e4m3x2 s, h;", "mov.b32 {l, u}, s;", "cvt.f32.f16 f, l;",
+            "mul.rn.f32 f, f, 0f7B000000;", "cvt.rn.bf16x2.f32 p, f, f;"]
     for w, q in enumerate(("$8", "$10")):
         for i in range(4):
             o = f"${4 * w + i}"
