@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU machine must confirm for a commit, each step under its own time limit, logs in $1
 # (default $OUT or ./gpu-logs). Three device calls of under 10 minutes each (H200; on two GPUs the cuda:1
-# tests run too): `SHARDS=6 tools/gpu_checks.sh $OUT pytest`, `tools/gpu_checks.sh $OUT mutants,sanitize`,
+# tests run too): `SHARDS=8 tools/gpu_checks.sh $OUT pytest`, `tools/gpu_checks.sh $OUT mutants,sanitize`,
 # `tools/gpu_checks.sh $OUT fuzz,fuzzop,fuzzw4a16`. Measured 2026-12-01 on one H200: the suite as 4 shards
-# 566 s (its largest shard 545 s: hence 6), GPU mutants 100 s with 4 jobs, memcheck + racecheck 170 s and
+# 566 s (its largest shard 545 s), as 8 shards 422 s; GPU mutants 100 s with 4 jobs, memcheck + racecheck 170 s and
 # synccheck 26 s, the W4A16 fuzz 91 s as six processes.
 # STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop,fuzzw4a16 (default all). Prints each step's last lines.
 # SHARDS=N runs the suite as N concurrent pytest processes, one set of files each (logs pytest-shardI.txt;
