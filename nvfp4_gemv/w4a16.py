@@ -19,27 +19,29 @@ The products ``x * w'`` are then exact in fp32 (8 + 6 or 11 + 6 significant bits
 they stay in fp32's normal range (``|x| >= 2^-109``, far below any activation; ``|x| < 2^123``).
 
 Error bound: the only roundings are the fp32 sums and the final store. A warp adds its ``K / (16 W)``
-MMA results for an output in order, then the ``W`` warps' partials are added in a fixed order
+MMA results for an output in order (with ``chains=2`` as two interleaved sums, then one addition), then the ``W`` warps' partials are added in a fixed order
 (deterministic), times ``2^7`` or ``2^14`` (exact) and ``alpha`` (one fp32 rounding), rounded once to the
 output dtype. Taking each MMA's fp32 accumulation (which truncates) to be within 2^-22 of the sum of |terms|
 so far, the result differs from the exact one by at most half an ulp of the output plus
-``(K / (16 W) + W + 2) * 2^-22`` of ``sum |terms|``: 2^-13.9 at K = 32768 with 8 warps, under the op's
+``(K / (16 W) + W + 3) * 2^-22`` of ``sum |terms|``: 2^-13.9 at K = 32768 with 8 warps, under the op's
 2^-12. The tests hold it to 2^-13 (random, cancelling and subnormal-scale inputs).
 
-Tiles: ``x`` is the A operand (16 token rows; a launch of more than 16 tokens has a second A tile), ``w``
-the B operand (8 rows of ``w``, "a group"). A slice is 128 values of K: lane ``t = lane % 4`` of row
+Tiles: up to 8 tokens (``w_a``, the route) ``w`` is the A operand (two groups of 8 rows, 16 rows an MMA)
+and ``x`` the B operand (8 token columns); from 9 tokens ``x`` is the A operand (16 token rows; a launch of
+more than 16 tokens has a second A tile) and ``w`` the B operand (8 rows of ``w``, "a group"). A slice is 128 values of K: lane ``t = lane % 4`` of row
 ``g = lane // 4`` loads the row's 16-byte chunk ``4 * slice + t`` (32 values, two scale blocks) and its two
 scale bytes. Within a block the four MMA k-steps take, in the slots ``2t, 2t+1, 2t+8, 2t+9``, the value
-pairs ``(i, i + 4)`` of its two 8-value words: the dot product does not depend on the order of k, and the A
-operand (``x`` pairs built by ``prmt`` from its natural order) uses the same order.
+pairs ``(i, i + 4)`` of its two 8-value words: the dot product does not depend on the order of k, and
+``x``'s operand (pairs built by ``prmt`` from its natural order) uses the same order.
 
 Work: a CTA owns ``groups`` groups (8 rows each) at a time; its ``W`` warps split K into slices (warp ``i``
 takes slices ``i, i + W, ...``), the loads of the next ``depth`` slices in flight in registers while one
 computes. ``x`` comes with ``w`` (registers), or, with ``x_smem`` where its N rows fit, from shared
 memory, copied there once per CTA. At the end the warps' partials meet in shared memory and are added in a
 fixed order. Where ``K % 128 == 64`` the last slice's lanes 2 and 3 read lane 1's chunk again and take
-zeros for ``x``. At 1 token the decode is most of the work (about 940 instructions a warp per slice of 8
-groups, against 20 loads) and the kernel issues well below its peak: see docs/design.md.
+zeros for ``x``. At 1 token the decode is most of the work (448 instructions a warp per slice of 4 groups
+in the routed build, 8 of them loads) and the warps wait on their loads at under half the issue rate
+(ncu): see docs/design.md, "W4A16".
 
 Layouts: ``w`` [M, K/2] uint8 and ``x`` [N, K] K-contiguous with 16-byte aligned rows; ``ws`` plain [M, K/16]
 K-contiguous with even row strides, or 128x4 blocked; ``out`` [N, M] unit stride along M; ``alpha`` one fp32
@@ -202,7 +204,8 @@ class Nvfp4GemvW4A16(OpLaunch):
         return words
 
     def _slice_products(self, acc, cur, zero, xw=None):
-        """Adds one slice's products to the accumulators ``acc[gr][a]`` (group, A tile); ``xw``: x's words
+        """Adds one slice's products to the accumulators ``acc[u][a][c]`` (group, or with ``w_a`` group pair;
+        A tile; chain); ``xw``: x's words
         where they come from shared memory, else they follow w's in ``cur``."""
         GR, H = self.groups, self.halves
         xo = 5 * GR
@@ -333,8 +336,8 @@ class Nvfp4GemvW4A16(OpLaunch):
                         part = [part[j] + acc[u][a][1][j] for j in range(4)]
                     sts_f32x4(s_red + (((wid * U + u) * AT + a) * 32 + lane) * 16, part)
             cute.arch.sync_threads()
-            # read here, not before the main loop: nothing stays live across it (ptxas spilled such values
-            # at the two-CTA one-token configuration's 128 registers)
+            # read here, not before the main loop: one value fewer live across it (ptxas spills at the two-CTA
+            # one-token build's 128 registers; what is left: tests/test_compile.py)
             scale = cutlass.Float32(BF16_SUM_SCALE if self.x_bf16 else F16_SUM_SCALE)
             if cutlass.const_expr(self.has_alpha):
                 scale = scale * ldg_f32(alpha_ptr)
@@ -392,10 +395,10 @@ def _sm_count(dev):
 def default_tuning(n_tok, m, sms):
     """8 warps a CTA (with 16, at most 128 registers a thread, ptxas spills a lane's two slices of loads). One
     token where the 4-group tiles outnumber the SMs: two CTAs a SM of 4 groups each, x in shared memory where
-    it fits; otherwise one CTA a SM, x in registers with w (H200, docs/results.md: two CTAs won at 7168 and
-    28672 rows, lost at 4096; shared-memory x was slower from 4 tokens on). Up to 8 tokens w is the MMA's A
-    operand (``w_a``: half the MMAs) with two accumulator chains (``chains``); both measured faster on H200
-    (docs/results.md)."""
+    it fits; otherwise one CTA a SM, x in registers with w (H200, docs/history/w4a16-sweep-s15.md: two CTAs
+    won at 7168 and 28672 rows, lost at 4096; shared-memory x was slower from 4 tokens on). Up to 8 tokens w
+    is the MMA's A operand (``w_a``: half the MMAs), and the two-CTA build adds two accumulator chains
+    (``chains``); both measured faster on H200 there (docs/results.md, "W4A16")."""
     w_a = {"w_a": 1} if n_tok <= W_A_TOKENS else {}
     if n_tok == 1 and m // 32 > sms:
         return {"threads": 256, "ctas": 2, "groups": 4, "chains": 2, **w_a}

@@ -111,7 +111,7 @@ def test_compiles_fullgraph_with_the_same_result():
 @pytest.mark.parametrize("m,two_ctas", [(4096, False), (6144, True), (7168, True), (28672, True), (1024, False)])
 def test_one_token_takes_two_ctas_a_sm_only_where_its_tiles_outnumber_the_sms(m, two_ctas):
     """One token: two CTAs a SM of 4 groups (x in shared memory where it fits) with two accumulator chains
-    where the 4-group tiles outnumber the SMs (H200: faster at 6144, 7168 and 28672 rows, slower at 4096);
+    where the 4-group tiles outnumber the SMs (H200: faster at 7168 and 28672 rows, slower at 4096);
     more tokens: x in registers, one CTA. Up to 8 tokens w is the MMA's A operand (docs/results.md)."""
     one = ({"threads": 256, "ctas": 2, "groups": 4, "chains": 2, "w_a": 1} if two_ctas
            else {"threads": 256, "x_smem": 0, "w_a": 1})
@@ -126,7 +126,7 @@ def test_one_token_takes_two_ctas_a_sm_only_where_its_tiles_outnumber_the_sms(m,
 @pytest.mark.parametrize("m", [128, 4096, 7168, 28672])
 def test_w_a_gets_an_even_group_count_within_the_rows(n, m):
     """``w_a`` pairs the groups (16 rows an MMA): the count the plan picks for it is even and never more than
-    the rows hold; 7168 rows take 8 (112 tiles, one round) where the odd-free count would be 7."""
+    the rows hold; 7168 rows take 8 (112 tiles, one round) where the unrestricted count is 7."""
     gr = w4a16.pick_groups(n, m, 132, even=True)
     assert gr % 2 == 0 and 2 <= gr <= min(8, m // 8)
     if m == 7168:
