@@ -175,3 +175,30 @@ def test_dequantized_weights_are_exact_in_both_dtypes(blocked):
 def test_experiment_tunings_refuse_what_they_cannot_run(kw):
     with pytest.raises(ValueError, match="w_a|chains"):
         w4a16.Nvfp4GemvW4A16(4096, kw.pop("n_tok"), kw.pop("groups"), True, False, True, True, **kw)
+
+
+class _FakeKernel:
+    def __init__(self, op):
+        self.op = op
+
+
+@pytest.mark.parametrize("m", [128, 4096, 7168, 28672])
+def test_every_routed_plan_builds_kernels_the_class_accepts(m, monkeypatch):
+    """The plan's route for 1..40 tokens (no GPU: the kernel objects are built, not compiled, on 132 SMs):
+    every launch's tuning is one ``Nvfp4GemvW4A16`` takes (``w_a`` with an even group count), ``w_a`` exactly
+    up to 8 tokens, and at most 32 tokens a launch."""
+    monkeypatch.setattr(w4a16, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(w4a16, "_get_kernel", lambda dev, key: _FakeKernel(
+        w4a16.Nvfp4GemvW4A16(key[2], key[3], key[4], key[5], key[6], key[7], key[8], **dict(key[9]))))
+    from nvfp4_gemv.reference import check_args
+
+    k = 512
+    w = torch.zeros(m, k // 2, dtype=torch.uint8)
+    ws = torch.zeros(m, k // 16, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    for n in range(1, 41):
+        x = torch.zeros(n, k, dtype=torch.bfloat16)
+        plan = w4a16.W4A16Plan(x, w, ws, None, None, torch.bfloat16,
+                               check_args(x, None, w, ws, None, torch.bfloat16, None))
+        ops = [kern.op for kern, _, _ in plan.launches]
+        assert sum(op.n_tok for op in ops) == n and all(op.n_tok <= 32 for op in ops)
+        assert all(op.w_a == (op.n_tok <= 8) and (not op.w_a or op.groups % 2 == 0) for op in ops), n

@@ -257,6 +257,8 @@ MUTANTS = [
      'w_a = {"w_a": 1} if n_tok <= 4 else {}', ["tests/test_op_w4a16.py"], False),
     ("w4a16: odd group counts for w_a", W4A16, "2 if even else 1), key=cost)", "1), key=cost)",
      ["tests/test_op_w4a16.py"], False),
+    ("w4a16: the plan picks groups without even=", W4A16, 'pick_groups(nt, m, sms, even=bool(tune.get("w_a")))',
+     "pick_groups(nt, m, sms)", ["tests/test_op_w4a16.py"], False),
     ("w4a16: one accumulator chain in the two-CTA route", W4A16, '"groups": 4, "chains": 2,', '"groups": 4,',
      ["tests/test_op_w4a16.py"], False),
     ("w4a16: x in shared memory without the fit check", W4A16,
