@@ -77,7 +77,8 @@ class NVFP4Linear(torch.nn.Module):
 
     ``forward(x)``: x [..., in] bf16 or fp16 -> [..., out] in x's dtype, any number of tokens. The device
     scalars it needs (``1 / input_scale`` and ``input_scale * weight_scale_2``) are computed once, on the
-    device, into non-persistent buffers (and again after ``load_state_dict``), so a forward launches only
+    device, into non-persistent buffers (again after ``load_state_dict`` or a reassignment of
+    ``input_scale`` / ``weight_scale_2``, not after an in-place edit of them), so a forward launches only
     the op(s) and never syncs; bad inputs raise from metadata alone.
 
     Construct with ``from_linear`` (quantize an ``nn.Linear``) or ``from_modelopt`` (a checkpoint's
@@ -215,6 +216,13 @@ class NVFP4Linear(torch.nn.Module):
         with torch.no_grad():
             self._inv_input_scale = torch.ones_like(s) / s
             self._alpha = s * self.weight_scale_2
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        # a reassigned scale renews the scalars forward reads (an in-place edit of one, .copy_ or .fill_,
+        # does not: reassign it, or load_state_dict, after one)
+        if name in ("input_scale", "weight_scale_2") and "_inv_input_scale" in self._buffers:
+            self._refresh()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

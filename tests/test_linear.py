@@ -236,6 +236,22 @@ def test_load_state_dict_refreshes_the_derived_scalars():
     assert mod._alpha.item() == (torch.tensor(0.5) * mod.weight_scale_2).item()
 
 
+def test_reassigning_a_scale_renews_the_derived_scalars():
+    """``input_scale`` or ``weight_scale_2`` reassigned (a tensor, or None for input_scale): the scalars
+    forward reads follow, and the forward equals a fresh layer's with those scales."""
+    mod = NVFP4Linear.from_linear(linear(), mode="w4a4", input_scale=0.02)
+    mod.input_scale = torch.tensor(0.5)
+    assert mod._inv_input_scale.item() == 2.0
+    mod.weight_scale_2 = mod.weight_scale_2 * 2
+    assert mod._alpha.item() == (torch.tensor(0.5) * mod.weight_scale_2).item()
+    fresh = NVFP4Linear.from_modelopt({n: getattr(mod, n) for n in ("weight", "weight_scale", "weight_scale_2",
+                                                                    "input_scale")}, bias=mod.bias, mode="w4a4")
+    x = torch.randn(3, mod.in_features, dtype=torch.bfloat16)
+    assert torch.equal(mod(x), fresh(x))
+    mod.input_scale = None
+    assert mod._alpha is None and mod._inv_input_scale is None
+
+
 def test_load_state_dict_with_a_wrong_shape_fails():
     mod = NVFP4Linear(128, 256)
     sd = NVFP4Linear.from_linear(linear(128, 384, bias=False)).state_dict()
