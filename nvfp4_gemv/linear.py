@@ -200,9 +200,8 @@ class NVFP4Linear(torch.nn.Module):
                              "take (out_features % 128 == 0, in_features % 64 == 0, in_features <= 32768)")
         mod = cls(in_f, out_f, mode=mode, device="meta")  # buffers replaced below, nothing allocated
         mod.weight, mod.weight_scale, mod.weight_scale_2 = w, ws, scalars["weight_scale_2"]
-        mod.input_scale = scalars.get("input_scale")
+        mod.input_scale = scalars.get("input_scale")  # __setattr__ computes the derived scalars
         mod.bias = bias
-        mod._refresh()
         return mod
 
     # -- state ---------------------------------------------------------------------------------------

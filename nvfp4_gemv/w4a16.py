@@ -229,15 +229,9 @@ class Nvfp4GemvW4A16(OpLaunch):
             return self._slice_products_w_a(acc, cur, xa)
         new_acc = []
         for gr in range(GR):
-            q = cur[5 * gr: 5 * gr + 4]
-            s16 = cur[5 * gr + 4]
             acc_g = list(acc[gr])
             for blk in range(2):
-                s8 = (s16 >> (8 * blk)) & 0xFF
-                if cutlass.const_expr(self.x_bf16):
-                    wb = scaled_bf16x8(q[2 * blk], q[2 * blk + 1], s8)
-                else:
-                    wb = scaled_f16x8(q[2 * blk], q[2 * blk + 1], s8)
+                wb = self._decoded(cur, gr, blk)
                 for a in range(self.a_tiles):
                     h0, h1 = 2 * a, 2 * a + 1
                     cs = list(acc_g[a])
