@@ -32,7 +32,7 @@ def w_bytes(m, k):
     return m * k // 2 + m * k // 16
 
 
-def bench_shape(m, k, ns, reps, tuning, floors, peers=True):
+def bench_shape(m, k, ns, reps, tuning, floors, peers=True, x_dtype=torch.bfloat16):
     rows = []
     w_bf16 = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     w_fp8 = (torch.randn(m, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
@@ -45,7 +45,7 @@ def bench_shape(m, k, ns, reps, tuning, floors, peers=True):
         floor = float("nan")
     base = None
     for n in ns:
-        x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n, min_exp=1, max_exp=12)
+        x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n, dtype=x_dtype, min_exp=1, max_exp=12)
         out = torch.empty(n, m, dtype=torch.bfloat16, device="cuda")
         key = w4a16._key(x, w, w_scale=ws, alpha=a, out=out, out_dtype=torch.bfloat16)
         if tuning:
@@ -118,6 +118,7 @@ def main():
     p.add_argument("--no-floor", action="store_true", help="skip the plain-read floors (faster)")
     p.add_argument("--no-peers", action="store_true", help="time ours only (tuning sweeps)")
     p.add_argument("--quantize", action="store_true", help="also time nvfp4_gemv.quantize (1, 4, 16 rows of 16384)")
+    p.add_argument("--x-dtype", default="bfloat16", choices=("bfloat16", "float16"), help="x's dtype (W4A16 rows)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     ns = [int(v) for v in args.n.split(",")]
@@ -125,12 +126,14 @@ def main():
     rows = []
     for shape in args.shapes.split(","):
         m, k = (int(v) for v in shape.split("x"))
-        rows += bench_shape(m, k, ns, args.reps, tuning, not args.no_floor, not args.no_peers)
+        rows += bench_shape(m, k, ns, args.reps, tuning, not args.no_floor, not args.no_peers,
+                            getattr(torch, args.x_dtype))
     quant_rows = bench_quantize(args.reps) if args.quantize else []
     import importlib.metadata as md
 
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "cutlass_dsl": md.version("nvidia-cutlass-dsl"), "tuning": tuning, "reps": args.reps}
+            "cutlass_dsl": md.version("nvidia-cutlass-dsl"), "tuning": tuning, "reps": args.reps,
+            "x_dtype": args.x_dtype}
     if args.out:
         with open(args.out + ".json", "w") as f:
             json.dump({"meta": meta, "rows": rows, "quantize": quant_rows}, f, indent=1)
