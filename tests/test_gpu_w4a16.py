@@ -199,8 +199,43 @@ def test_tunings_on_and_off_the_route_match_float64(tuning, n, m, k, dtype):
     out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
     dims = check_args(x, None, w, ws, a, torch.bfloat16, out)
     plan = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16, dims, tuning=tuple(sorted(tuning.items())))
-    assert all(kern.op.w_a == bool(tuning.get("w_a")) for kern, _, _ in plan.launches)
+    assert_built_as(plan, tuning)
     plan(x, w, ws, a, out, torch.bfloat16)
     torch.cuda.synchronize()
     bad, msg = w4a16_violations(out, *w4a16_exact(x, w, ws, a))
+    assert bad == 0, msg
+
+
+# tuning key -> the kernel attribute it sets
+BUILT_AS = {"w_a": "w_a", "groups": "groups", "threads": "threads", "ctas": "min_blocks", "x_smem": "x_smem",
+            "chains": "chains"}
+
+
+def assert_built_as(plan, tuning):
+    """Every launch of ``plan`` runs a kernel built with ``tuning``'s values (``w_a`` off when not given)."""
+    want = {"w_a": 0, **tuning}
+    for kern, _, _ in plan.launches:
+        got = {key: int(getattr(kern.op, BUILT_AS[key])) for key in want}
+        assert got == {key: int(v) for key, v in want.items()}, (got, want)
+
+
+@pytest.mark.parametrize("tuning", [
+    {"threads": 256, "ctas": 2, "groups": 4, "chains": 2, "w_a": 1, "x_smem": 1},  # the one-token route's build
+    {"chains": 2, "w_a": 0, "groups": 4}])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_two_accumulator_chains_on_cancelling_sums_stay_within_the_bound(tuning, dtype):
+    """Two chains add one more rounding an output; rows whose halves cancel to a remainder far below their
+    sum of |terms| still meet the bound."""
+    from nvfp4_gemv.reference import check_args
+
+    x, _, w, ws, a = w4a16_inputs(1, 256, 8192, seed=17, dtype=dtype, cancel=True)
+    out = torch.full((1, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dims = check_args(x, None, w, ws, a, torch.bfloat16, out)
+    plan = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16, dims, tuning=tuple(sorted(tuning.items())))
+    assert_built_as(plan, tuning)
+    plan(x, w, ws, a, out, torch.bfloat16)
+    torch.cuda.synchronize()
+    exact, terms = w4a16_exact(x, w, ws, a)
+    assert (exact.abs() < terms * 2.0 ** -6).float().mean() > 0.9  # the inputs do cancel
+    bad, msg = w4a16_violations(out, exact, terms)
     assert bad == 0, msg

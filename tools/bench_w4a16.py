@@ -18,7 +18,6 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import inputs  # noqa: E402
 from bench import time_graph, time_leaderboard  # noqa: E402
