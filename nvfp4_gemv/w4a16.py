@@ -39,9 +39,9 @@ takes slices ``i, i + W, ...``), the loads of the next ``depth`` slices in fligh
 computes. ``x`` comes with ``w`` (registers), or, with ``x_smem`` where its N rows fit, from shared
 memory, copied there once per CTA. At the end the warps' partials meet in shared memory and are added in a
 fixed order. Where ``K % 128 == 64`` the last slice's lanes 2 and 3 read lane 1's chunk again and take
-zeros for ``x``. At 1 token the decode is most of the work (448 instructions a warp per slice of 4 groups
-in the routed build, 8 of them loads) and the warps wait on their loads at under half the issue rate
-(ncu): see docs/design.md, "W4A16".
+zeros for ``x``. At 1 token the decode is most of the work (449 instructions a warp per slice of 4 groups
+in the routed build, 199 of them on the half-rate ALU pipe, 8 loads): the arithmetic alone, with no loads,
+takes longer than the read of the largest weights (docs/design.md, "W4A16").
 
 Layouts: ``w`` [M, K/2] uint8 and ``x`` [N, K] K-contiguous with 16-byte aligned rows; ``ws`` plain [M, K/16]
 K-contiguous with even row strides, or 128x4 blocked; ``out`` [N, M] unit stride along M; ``alpha`` one fp32
