@@ -21,7 +21,6 @@ same bytes in the same place. The first layer's GEMVs are checked against float6
 import argparse
 import json
 import os
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,20 +51,6 @@ def graph_of(calls):
     return g
 
 
-def replay_us(g, reps):
-    """Median us of one replay, replays back to back (CUDA events around each)."""
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
-
-
 def layer_weights(layers, device, seed=0):
     """NVFP4 weights (uint8 values, plain e4m3 scales with exponent fields 1..11, both signs of values) for
     every linear of every layer, made on the GPU."""
@@ -88,6 +73,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     from bench import time_leaderboard
+    from bench_model import time_us
     from read_floor import floor_us, reader, zero_buffer
     from w4a16_inputs import w4a16_exact, w4a16_violations
 
@@ -143,7 +129,7 @@ def main(argv=None):
     bytes_us = total_bytes / (args.tbps * 1e6)
     rows = {}
     for name, calls in variants.items():
-        us = replay_us(graph_of(calls), args.reps)
+        us = time_us(graph_of(calls).replay, args.reps, dev)  # replays back to back
         rows[name] = {"graph_us": us, "kernels": n_k}
     for name, r in rows.items():
         r["over_bytes_us"] = (r["graph_us"] - (0 if name == "empty" else bytes_us)) / n_k
