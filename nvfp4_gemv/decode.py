@@ -276,3 +276,36 @@ def scaled_bf16x8(q0, q1, s8, *, loc=None, ip=None):
     r = asm([T.i32()] * 8, [cutlass.Int32(q0), cutlass.Int32(s8), cutlass.Int32(q1)], "\n".join(body),
              "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", loc, ip)
     return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def scaled_bf16_chunk(q0, q1, q2, q3, s16, *, loc=None, ip=None):
+    """W4A16's bf16 decode in the builds with ``dec``: a chunk's 32 e2m1 nibbles (four words, value order)
+    times their two blocks' e4m3 scales (``s16``: block 0's byte low): sixteen bf16x2 ``v * s * 2^-7`` in
+    ``scaled_bf16x8``'s order, block 0's eight words then block 1's (the same bits as two calls of it).
+
+    Pair ``(i, i + 4)`` of a word in three operations: the two nibbles masked in place, one multiply by
+    ``2^(6 - 4i) + 2^(12 - 4i)`` (two copies of each nibble, at bits 6..9 and 12..15 of its half: they do not
+    overlap, so no carries), one AND keeping bits 6..8 (magnitude) and 15 (sign): the bf16 of ``v * 2^-126``.
+    Pairs 2 and 3 take the word shifted right by 8 first (``mul.hi``, on the FMA pipe). The two scales convert
+    together (one ``cvt.rn.f16x2.e4m3x2``)."""
+    body = ["{", ".reg .b32 n, t, s, p0, p1, w8;", ".reg .f32 f;", ".reg .b16 h, l, u;",
+            "cvt.u16.u32 h, $20;", "cvt.rn.f16x2.e4m3x2 s, h;", "mov.b32 {l, u}, s;",
+            "cvt.f32.f16 f, l;", "mul.rn.f32 f, f, 0f7B000000;", "cvt.rn.bf16x2.f32 p0, f, f;",
+            "cvt.f32.f16 f, u;", "mul.rn.f32 f, f, 0f7B000000;", "cvt.rn.bf16x2.f32 p1, f, f;"]
+    for w, q in enumerate(("$16", "$17", "$18", "$19")):
+        p = "p0" if w < 2 else "p1"
+        for i in range(4):
+            o = f"${4 * w + i}"
+            src = q if i < 2 else "w8"
+            if i == 2:
+                body.append(f"mul.hi.u32 w8, {q}, 16777216;")
+            j = i % 2
+            mask = 0x000F000F << (4 * j)
+            mult = (1 << (6 - 4 * j)) + (1 << (12 - 4 * j))
+            body += [f"and.b32 n, {src}, {mask:#010x};", f"mul.lo.u32 t, n, {mult};",
+                     f"and.b32 {o}, t, 0x81C081C0;", f"mul.rn.bf16x2 {o}, {o}, {p};"]
+    body.append("}")
+    r = asm([T.i32()] * 16, [cutlass.Int32(v) for v in (q0, q1, q2, q3, s16)], "\n".join(body),
+            ",".join(["=r"] * 16 + ["r"] * 5), loc, ip)
+    return [cutlass.Int32(v) for v in r]

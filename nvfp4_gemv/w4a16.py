@@ -54,7 +54,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
-from .decode import blocked_row, scale_offset, scaled_bf16x8, scaled_f16x8
+from .decode import blocked_row, scale_offset, scaled_bf16_chunk, scaled_bf16x8, scaled_f16x8
 from .launch import MAX_PLANS, Kernel, current_device, current_stream
 from .ptx import (
     SMEM_A_SM,
@@ -104,7 +104,8 @@ class Nvfp4GemvW4A16(OpLaunch):
     """The W4A16 kernel; one instance per (K, tokens, groups, x dtype, scale layout, epilogue, tuning)."""
 
     def __init__(self, k: int, n_tok: int, groups: int, x_bf16: bool, w_blocked: bool, has_alpha: bool,
-                 out_bf16: bool, threads=None, depth=None, ctas=None, x_smem=None, chains=None, w_a=None):
+                 out_bf16: bool, threads=None, depth=None, ctas=None, x_smem=None, chains=None, w_a=None,
+                 dec=None, xpair=None):
         if not 1 <= n_tok <= MAX_TOKENS:
             raise ValueError(f"nvfp4_gemv: the W4A16 kernel takes 1..{MAX_TOKENS} tokens, not {n_tok}")
         if k % 64 or k <= 0:
@@ -149,6 +150,12 @@ class Nvfp4GemvW4A16(OpLaunch):
         if self.x_smem and not fits:
             raise ValueError(f"nvfp4_gemv: {n_tok} rows of x (K={k}) do not fit in shared memory")
         self.smem_bytes = self.red_bytes + (n_tok * self.x_row_bytes if self.x_smem else 0)
+        # dec (bf16 x): a chunk's 32 values decoded at once, three operations a pair (``scaled_bf16_chunk``)
+        # instead of ``scaled_bf16x8``'s four; ignored for fp16 x
+        self.dec = bool(dec) and self.x_bf16
+        # xpair (x in shared memory): x stored there already in the MMA's pair order, the ``prmt`` pairs made
+        # once a CTA when it is copied instead of once a slice a lane
+        self.xpair = bool(xpair) and self.x_smem
         self.min_blocks = int(ctas or 1)  # CTAs a SM (launch bound: registers a thread <= 64K / (ctas * threads))
 
     def grid_x(self, m, sms):
@@ -220,18 +227,22 @@ class Nvfp4GemvW4A16(OpLaunch):
                 r = xs[8 * blk: 8 * blk + 8]
                 pairs = []
                 for w in range(2):  # word w: values 8w .. 8w + 7 of the block, regs r[4w .. 4w + 3]
+                    if cutlass.const_expr(self.xpair and xw is not None):
+                        pairs += list(r[4 * w: 4 * w + 4])  # paired when copied
+                        continue
                     p04, p15 = pair_halves(r[4 * w], r[4 * w + 2])
                     p26, p37 = pair_halves(r[4 * w + 1], r[4 * w + 3])
                     pairs += [p04, p15, p26, p37]
                 per_blk.append(pairs)
             xa.append(per_blk)
+        memo = {}  # dec: a chunk's decode, made at its first use in the slice
         if self.w_a:
-            return self._slice_products_w_a(acc, cur, xa)
+            return self._slice_products_w_a(acc, cur, xa, memo)
         new_acc = []
         for gr in range(GR):
             acc_g = list(acc[gr])
             for blk in range(2):
-                wb = self._decoded(cur, gr, blk)
+                wb = self._decoded(cur, gr, blk, memo)
                 for a in range(self.a_tiles):
                     h0, h1 = 2 * a, 2 * a + 1
                     cs = list(acc_g[a])
@@ -246,23 +257,28 @@ class Nvfp4GemvW4A16(OpLaunch):
             new_acc.append(acc_g)
         return new_acc
 
-    def _decoded(self, cur, gr, blk):
-        """Group ``gr``'s 16 values of block ``blk`` as eight scaled bf16x2 / f16x2 words (MMA-slot order)."""
+    def _decoded(self, cur, gr, blk, memo):
+        """Group ``gr``'s 16 values of block ``blk`` as eight scaled bf16x2 / f16x2 words (MMA-slot order);
+        with ``dec`` both blocks decode together at the first call and ``memo`` keeps them for the second."""
         q = cur[5 * gr: 5 * gr + 4]
+        if cutlass.const_expr(self.dec):
+            if gr not in memo:
+                memo[gr] = scaled_bf16_chunk(*q, cur[5 * gr + 4])
+            return memo[gr][8 * blk: 8 * blk + 8]
         s8 = (cur[5 * gr + 4] >> (8 * blk)) & 0xFF
         if cutlass.const_expr(self.x_bf16):
             return scaled_bf16x8(q[2 * blk], q[2 * blk + 1], s8)
         return scaled_f16x8(q[2 * blk], q[2 * blk + 1], s8)
 
-    def _slice_products_w_a(self, acc, cur, xa):
+    def _slice_products_w_a(self, acc, cur, xa, memo):
         """``w_a``: groups ``2u`` and ``2u + 1`` are the A operand's rows ``g`` and ``g + 8``, token ``g``'s x
         pairs the B operand (the k-slots x's A registers take otherwise); the sums in ``acc[u][0]``."""
         new_acc = []
         for u in range(self.units):
             cs = list(acc[u][0])
             for blk in range(2):
-                w0 = self._decoded(cur, 2 * u, blk)
-                w1 = self._decoded(cur, 2 * u + 1, blk)
+                w0 = self._decoded(cur, 2 * u, blk, memo)
+                w1 = self._decoded(cur, 2 * u + 1, blk, memo)
                 for s in range(4):
                     ch = s % self.chains
                     cs[ch] = mma_16816((w0[2 * s], w1[2 * s], w0[2 * s + 1], w1[2 * s + 1]),
@@ -292,6 +308,10 @@ class Nvfp4GemvW4A16(OpLaunch):
                 tok = c // per_row
                 j = c % per_row
                 v = ldg_v4(x_ptr + cutlass.Int64(tok) * x_rs + cutlass.Int64(j) * 16)
+                if cutlass.const_expr(self.xpair):
+                    p04, p15 = pair_halves(v[0], v[2])
+                    p26, p37 = pair_halves(v[1], v[3])
+                    v = [p04, p15, p26, p37]
                 sts_v4(s_x + tok * self.x_row_bytes + j * 16, v[0], v[1], v[2], v[3])
             cute.arch.sync_threads()
 
@@ -386,16 +406,22 @@ def _sm_count(dev):
     return sms
 
 
-def default_tuning(n_tok, m, sms):
+def default_tuning(n_tok, m, sms, k):
     """8 warps a CTA (with 16, at most 128 registers a thread, ptxas spills a lane's two slices of loads). One
-    token where the 4-group tiles outnumber the SMs: two CTAs a SM of 4 groups each, x in shared memory where
-    it fits; otherwise one CTA a SM, x in registers with w (H200, docs/history/w4a16-sweep-s15.md: two CTAs
-    won at 7168 and 28672 rows, lost at 4096; shared-memory x was slower from 4 tokens on). Up to 8 tokens w
-    is the MMA's A operand (``w_a``: half the MMAs), and the two-CTA build adds two accumulator chains
-    (``chains``); both measured faster on H200 there (docs/results.md, "W4A16")."""
+    token where the 4-group tiles outnumber the SMs: x in shared memory, two CTAs a SM of 4 groups each, or
+    four of 2 groups where four copies of x fit a SM's shared memory (K up to 26560); otherwise one CTA a SM,
+    x in registers with w (H200, docs/history/w4a16-sweep-s15.md: two CTAs won at 7168 and 28672 rows, lost
+    at 4096; shared-memory x was slower from 4 tokens on). Up to 8 tokens w is the MMA's A operand (``w_a``:
+    half the MMAs), and the shared-memory builds add two accumulator chains (``chains``), the three-operation
+    bf16 decode (``dec``) and x stored in pair order (``xpair``): each measured faster on H200 there
+    (docs/results.md, "W4A16"; ``dec`` alone was slower, with ``xpair`` faster, and 4 CTAs of 2 groups
+    fastest at 6144, 7168 and 28672 rows, 40% slower at K = 28672 where only three fit)."""
     w_a = {"w_a": 1} if n_tok <= W_A_TOKENS else {}
     if n_tok == 1 and m // 32 > sms:
-        return {"threads": 256, "ctas": 2, "groups": 4, "chains": 2, **w_a}
+        # a 2-group CTA's shared memory: 8 warps' partials (512 bytes each), x's row, 1 KiB the SM keeps a CTA
+        four = 4 * (8 * 512 + 2 * k + 16 + 1024) <= SMEM_A_SM
+        return {"threads": 256, "ctas": 4 if four else 2, "groups": 2 if four else 4, "chains": 2, "dec": 1,
+                "xpair": 1, **w_a}
     return {"threads": 256, "x_smem": 0, **w_a}
 
 
@@ -450,7 +476,7 @@ class W4A16Plan:
         x_rs = x.stride(0) * 2
         for t0 in range(0, n, g):
             nt = min(g, n - t0)
-            tune = {**default_tuning(nt, m, sms), **tuning}
+            tune = {**default_tuning(nt, m, sms, k), **tuning}
             groups = tune.pop("groups", None) or pick_groups(nt, m, sms, even=bool(tune.get("w_a")))
             key = ("w4a16", self.dev, k, nt, groups, x.dtype == torch.bfloat16, wb, alpha is not None,
                    out_dtype == torch.bfloat16, tuple(sorted(tune.items())))

@@ -106,8 +106,10 @@ def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, tune, blocked, tmp
 
 
 @pytest.mark.parametrize("arch,k,tokens,groups,extra", [
-    # the op's one-token two-CTA tuning (x in shared memory)
-    ("sm_90a", 16384, 1, 4, ("--tune", "threads=256,ctas=2,w_a=1,chains=2")),
+    # the op's one-token tunings of many rows (x in shared memory: 4 CTAs a SM, or 2 where 4 do not fit)
+    ("sm_90a", 16384, 1, 2, ("--tune", "threads=256,ctas=4,w_a=1,chains=2,dec=1,xpair=1")),
+    ("sm_90a", 28672, 1, 4, ("--tune", "threads=256,ctas=2,w_a=1,chains=2,dec=1,xpair=1")),
+    ("sm_100a", 4096, 1, 2, ("--f16", "--tune", "threads=256,ctas=4,w_a=1,chains=2,dec=1,xpair=1")),
     ("sm_90a", 4096, 8, 8, ("--tune", "threads=256,x_smem=0,w_a=1")),
     ("sm_100a", 7168, 2, 4, ("--f16", "--tune", "threads=256,x_smem=0,w_a=1")),
     ("sm_90a", 14336, 16, 6, ("--f16", "--blocked", "--tune", "threads=256,x_smem=0")),

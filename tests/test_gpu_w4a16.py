@@ -37,6 +37,20 @@ def test_shapes_match_float64(m, k, n):
     check(n, m, k, seed=m + k + n)
 
 
+ONE_TOKEN_ROWS = 4352  # M / 32 over the H200's 132 SMs: the one-token route with x in shared memory
+
+
+@pytest.mark.parametrize("k,kw", [(16384, {}), (4160, {}), (28672, {}), (2048, {"blocked": True}),
+                                  (1024, {"min_exp": 0, "max_exp": 1, "alpha": False}), (8192, {"cancel": True})])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_one_token_route_of_many_rows_matches_float64(k, kw, dtype):
+    """The one-token build of many rows (``dec``, ``xpair``; 4 CTAs of 2 groups a SM, or at K = 28672 2 of 4):
+    ``K % 128 == 64``, blocked scales, subnormal scales with the weights' 0.5, cancelling sums."""
+    tune = w4a16.default_tuning(1, ONE_TOKEN_ROWS, torch.cuda.get_device_properties(0).multi_processor_count, k)
+    assert tune["dec"] and tune["xpair"] and tune["groups"] == (4 if k == 28672 else 2), tune
+    check(1, ONE_TOKEN_ROWS, k, seed=k + 3, dtype=dtype, **kw)
+
+
 @pytest.mark.parametrize("n", [1, 13, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_blocked_scales_match_float64(n, dtype):
@@ -187,12 +201,13 @@ def test_overlapping_out_rows_are_refused():
 @pytest.mark.parametrize("tuning", [
     {"w_a": 1, "groups": 2}, {"w_a": 1, "groups": 8}, {"w_a": 1, "groups": 4, "threads": 256, "ctas": 2},
     {"w_a": 1, "groups": 4, "x_smem": 0}, {"chains": 2, "w_a": 0}, {"chains": 2, "w_a": 1, "groups": 6},
-    {"w_a": 0, "chains": 1, "groups": 3}])
+    {"w_a": 0, "chains": 1, "groups": 3}, {"dec": 1, "w_a": 0, "groups": 3}, {"dec": 1, "x_smem": 1, "xpair": 1, "w_a": 0},
+    {"dec": 1, "xpair": 1, "x_smem": 1, "w_a": 1, "groups": 2, "threads": 256, "ctas": 4, "chains": 2}])
 @pytest.mark.parametrize("n,m,k", [(1, 1152, 4096), (3, 384, 4160), (8, 640, 2112)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tunings_on_and_off_the_route_match_float64(tuning, n, m, k, dtype):
-    """``w_a`` (w as the MMA's A operand) and ``chains`` (two accumulator chains) on and off, whatever the route
-    picks, forced through a plan; the last tile moved back (M / 8 not a multiple of the groups), ``K % 128 == 64``."""
+    """``w_a`` (w as the MMA's A operand), ``chains`` (two accumulator chains), ``dec`` (the bf16 decode a chunk
+    at once) and ``xpair`` (x paired in shared memory) on and off, whatever the route picks, forced through a plan; the last tile moved back (M / 8 not a multiple of the groups), ``K % 128 == 64``."""
     from nvfp4_gemv.reference import check_args
 
     x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n * 31 + m, dtype=dtype)
@@ -208,19 +223,22 @@ def test_tunings_on_and_off_the_route_match_float64(tuning, n, m, k, dtype):
 
 # tuning key -> the kernel attribute it sets
 BUILT_AS = {"w_a": "w_a", "groups": "groups", "threads": "threads", "ctas": "min_blocks", "x_smem": "x_smem",
-            "chains": "chains"}
+            "chains": "chains", "dec": "dec", "xpair": "xpair"}
 
 
 def assert_built_as(plan, tuning):
-    """Every launch of ``plan`` runs a kernel built with ``tuning``'s values (``w_a`` off when not given)."""
+    """Every launch of ``plan`` runs a kernel built with ``tuning``'s values (``w_a`` off when not given; ``dec``
+    is a bf16 decode, off for fp16 x)."""
     want = {"w_a": 0, **tuning}
     for kern, _, _ in plan.launches:
         got = {key: int(getattr(kern.op, BUILT_AS[key])) for key in want}
-        assert got == {key: int(v) for key, v in want.items()}, (got, want)
+        exp = {key: 0 if key == "dec" and not kern.op.x_bf16 else int(v) for key, v in want.items()}
+        assert got == exp, (got, exp)
 
 
 @pytest.mark.parametrize("tuning", [
-    {"threads": 256, "ctas": 2, "groups": 4, "chains": 2, "w_a": 1, "x_smem": 1},  # the one-token route's build
+    {"threads": 256, "ctas": 4, "groups": 2, "chains": 2, "w_a": 1, "x_smem": 1, "dec": 1, "xpair": 1},  # routed
+    {"threads": 256, "ctas": 2, "groups": 4, "chains": 2, "w_a": 1, "x_smem": 1},
     {"chains": 2, "w_a": 0, "groups": 4}])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_two_accumulator_chains_on_cancelling_sums_stay_within_the_bound(tuning, dtype):

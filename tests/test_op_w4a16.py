@@ -108,18 +108,19 @@ def test_compiles_fullgraph_with_the_same_result():
     assert torch.equal(torch.compile(layer, fullgraph=True)(x), layer(x))
 
 
-@pytest.mark.parametrize("m,two_ctas", [(4096, False), (6144, True), (7168, True), (28672, True), (1024, False)])
-def test_one_token_takes_two_ctas_a_sm_only_where_its_tiles_outnumber_the_sms(m, two_ctas):
-    """One token: two CTAs a SM of 4 groups (x in shared memory where it fits) with two accumulator chains
-    where the 4-group tiles outnumber the SMs (H200: faster at 7168 and 28672 rows, slower at 4096);
-    more tokens: x in registers, one CTA. Up to 8 tokens w is the MMA's A operand (docs/results.md)."""
-    one = ({"threads": 256, "ctas": 2, "groups": 4, "chains": 2, "w_a": 1} if two_ctas
-           else {"threads": 256, "x_smem": 0, "w_a": 1})
-    assert w4a16.default_tuning(1, m, 132) == one
+@pytest.mark.parametrize("m,shared_x", [(4096, False), (6144, True), (7168, True), (28672, True), (1024, False)])
+def test_one_token_takes_x_in_shared_memory_only_where_its_tiles_outnumber_the_sms(m, shared_x):
+    """One token: x in shared memory, several CTAs a SM where the 4-group tiles outnumber the SMs (H200: faster
+    at 6144, 7168 and 28672 rows, slower at 4096); otherwise, and for more tokens, x in registers, one CTA.
+    Up to 8 tokens w is the MMA's A operand (docs/results.md)."""
+    one = w4a16.default_tuning(1, m, 132, 4096)
+    assert (one.get("x_smem", 1) == 1) == shared_x and one["w_a"] == 1
+    if not shared_x:
+        assert one == {"threads": 256, "x_smem": 0, "w_a": 1}
     for n in (2, 8):
-        assert w4a16.default_tuning(n, m, 132) == {"threads": 256, "x_smem": 0, "w_a": 1}
+        assert w4a16.default_tuning(n, m, 132, 4096) == {"threads": 256, "x_smem": 0, "w_a": 1}
     for n in (9, 16, 32):
-        assert w4a16.default_tuning(n, m, 132) == {"threads": 256, "x_smem": 0}
+        assert w4a16.default_tuning(n, m, 132, 4096) == {"threads": 256, "x_smem": 0}
 
 
 @pytest.mark.parametrize("n", [1, 2, 8])
@@ -202,3 +203,18 @@ def test_every_routed_plan_builds_kernels_the_class_accepts(m, monkeypatch):
         ops = [kern.op for kern, _, _ in plan.launches]
         assert sum(op.n_tok for op in ops) == n and all(op.n_tok <= 32 for op in ops)
         assert all(op.w_a == (op.n_tok <= 8) and (not op.w_a or op.groups % 2 == 0) for op in ops), n
+
+
+@pytest.mark.parametrize("m,k,want", [
+    (7168, 16384, {"groups": 2, "ctas": 4}), (6144, 4096, {"groups": 2, "ctas": 4}),
+    (4352, 26560, {"groups": 2, "ctas": 4}),  # the largest K whose four CTAs' shared memory fits a SM
+    (4352, 26624, {"groups": 4, "ctas": 2}), (8192, 28672, {"groups": 4, "ctas": 2})])
+def test_one_token_route_of_many_rows_takes_four_ctas_where_their_x_fits(m, k, want):
+    """One token, M / 32 over the SMs: x in shared memory, two accumulator chains, the three-operation decode
+    and x in pair order; 4 CTAs of 2 groups a SM where four such CTAs fit a SM's shared memory, else 2 of 4.
+    The class builds it within that memory."""
+    tune = w4a16.default_tuning(1, m, 132, k)
+    assert tune == {"threads": 256, "chains": 2, "w_a": 1, "dec": 1, "xpair": 1, **want}
+    groups = tune.pop("groups")
+    op = w4a16.Nvfp4GemvW4A16(k, 1, groups, True, False, True, True, **tune)
+    assert op.x_smem and op.xpair and op.dec and op.min_blocks * (op.smem_bytes + 1024) <= w4a16.SMEM_A_SM
