@@ -11,7 +11,8 @@ Exact operands for the tensor cores (``mma.sync.m16n8k16``, fp32 accumulation):
   (f16's least subnormal), so it is exact; ``2^14`` scales the sum back.
 * bf16 ``x``: the nibble's three magnitude bits go to bf16 bits 6..8 and its sign to bit 15, which is the
   bf16 of ``v * 2^-126`` (0.5 lands on the subnormal 2^-127); one ``HMUL2`` by the bf16 of ``s * 2^119``
-  gives ``v * s * 2^-7``, in [2^-17, 21]: normal and exact. ``2^7`` scales the sum back.
+  gives ``v * s * 2^-7``, in [2^-17, 21]: normal and exact. ``2^7`` scales the sum back. With ``dec``
+  the same bits come from ``decode.scaled_bf16_chunk`` (a chunk at once, three operations a pair).
 
 An e4m3 NaN scale byte (0x7F, 0xFF) makes its row's outputs NaN on both paths, as in the reference.
 
@@ -37,11 +38,12 @@ pairs ``(i, i + 4)`` of its two 8-value words: the dot product does not depend o
 Work: a CTA owns ``groups`` groups (8 rows each) at a time; its ``W`` warps split K into slices (warp ``i``
 takes slices ``i, i + W, ...``), the loads of the next ``depth`` slices in flight in registers while one
 computes. ``x`` comes with ``w`` (registers), or, with ``x_smem`` where its N rows fit, from shared
-memory, copied there once per CTA. At the end the warps' partials meet in shared memory and are added in a
+memory, copied there once per CTA (with ``xpair`` already in the MMA's pair order). At the end the warps' partials meet in shared memory and are added in a
 fixed order. Where ``K % 128 == 64`` the last slice's lanes 2 and 3 read lane 1's chunk again and take
-zeros for ``x``. At 1 token the decode is most of the work (449 instructions a warp per slice of 4 groups
-in the routed build, 199 of them on the half-rate ALU pipe, 8 loads): the arithmetic alone, with no loads,
-takes longer than the read of the largest weights (docs/design.md, "W4A16").
+zeros for ``x``. At 1 token the decode is most of the work (a slice of 4 groups: 449 instructions a warp,
+199 of them on the half-rate ALU pipe, 8 loads; 380 and 145 with ``dec`` and ``xpair``, the route of many
+rows): the arithmetic alone, with no loads, takes longer than the read of the largest weights
+(docs/design.md, "W4A16").
 
 Layouts: ``w`` [M, K/2] uint8 and ``x`` [N, K] K-contiguous with 16-byte aligned rows; ``ws`` plain [M, K/16]
 K-contiguous with even row strides, or 128x4 blocked; ``out`` [N, M] unit stride along M; ``alpha`` one fp32
