@@ -757,7 +757,7 @@ def scaled_bf16_chunk(q0, q1, q2, q3, s16, *, loc=None, ip=None):
     ``scaled_bf16x8``'s order, block 0's eight words then block 1's (the same bits as two calls of it).
 
     Pair ``(i, i + 4)`` of a word in three operations: the two nibbles masked in place, one multiply by
-    ``2^(6 - 4i) + 2^(12 - 4i)`` (two copies of each nibble, at bits 6..9 and 12..15 of its half: they do not
+    ``2^(6 - 4j) + 2^(12 - 4j)`` (``j = i % 2``) (two copies of each nibble, at bits 6..9 and 12..15 of its half: they do not
     overlap, so no carries), one AND keeping bits 6..8 (magnitude) and 15 (sign): the bf16 of ``v * 2^-126``.
     Pairs 2 and 3 take the word shifted right by 8 first (``mul.hi``, on the FMA pipe). The two scales convert
     together (one ``cvt.rn.f16x2.e4m3x2``)."""

@@ -41,8 +41,8 @@ computes. ``x`` comes with ``w`` (registers), or, with ``x_smem`` where its N ro
 memory, copied there once per CTA (with ``xpair`` already in the MMA's pair order). At the end the warps' partials meet in shared memory and are added in a
 fixed order. Where ``K % 128 == 64`` the last slice's lanes 2 and 3 read lane 1's chunk again and take
 zeros for ``x``. At 1 token the decode is most of the work (a slice of 4 groups: 449 instructions a warp,
-199 of them on the half-rate ALU pipe, 8 loads; 380 and 145 with ``dec`` and ``xpair``, the route of many
-rows): the arithmetic alone, with no loads, takes longer than the read of the largest weights
+199 of them on the half-rate ALU pipe, 8 loads; 380 and 145 with ``dec`` and ``xpair``, which the route of
+many rows takes, mostly with 2 groups): the arithmetic alone, with no loads, takes longer than the read of the largest weights
 (docs/design.md, "W4A16").
 
 Layouts: ``w`` [M, K/2] uint8 and ``x`` [N, K] K-contiguous with 16-byte aligned rows; ``ws`` plain [M, K/16]
@@ -352,8 +352,8 @@ class Nvfp4GemvW4A16(OpLaunch):
                         part = [part[j] + acc[u][a][1][j] for j in range(4)]
                     sts_f32x4(s_red + (((wid * U + u) * AT + a) * 32 + lane) * 16, part)
             cute.arch.sync_threads()
-            # read here, not before the main loop: one value fewer live across it (ptxas spills at the two-CTA
-            # one-token build's 128 registers; what is left: tests/test_compile.py)
+            # read here, not before the main loop: one value fewer live across it (the two-CTA one-token build
+            # without dec/xpair, at 128 registers, spilled more before; tests/test_compile.py)
             scale = cutlass.Float32(BF16_SUM_SCALE if self.x_bf16 else F16_SUM_SCALE)
             if cutlass.const_expr(self.has_alpha):
                 scale = scale * ldg_f32(alpha_ptr)
@@ -417,7 +417,7 @@ def default_tuning(n_tok, m, sms, k):
     half the MMAs), and the shared-memory builds add two accumulator chains (``chains``), the three-operation
     bf16 decode (``dec``) and x stored in pair order (``xpair``): each measured faster on H200 there
     (docs/results.md, "W4A16"; ``dec`` alone was slower, with ``xpair`` faster, and 4 CTAs of 2 groups
-    fastest at 6144, 7168 and 28672 rows, 40% slower at K = 28672 where only three fit)."""
+    fastest at 7168 and 28672 rows, within 1.3% at 6144, 40% slower at K = 28672 where only three fit)."""
     w_a = {"w_a": 1} if n_tok <= W_A_TOKENS else {}
     if n_tok == 1 and m // 32 > sms:
         # a 2-group CTA's shared memory: 8 warps' partials (512 bytes each), x's row, 1 KiB the SM keeps a CTA

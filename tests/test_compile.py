@@ -117,16 +117,13 @@ def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, tune, blocked, tmp
     ("sm_100a", 4160, 32, 2, ("--tune", "threads=256,x_smem=0")),
     ("sm_100a", 64, 3, 1, ("--f16", "--tune", "threads=256,x_smem=0"))])
 def test_w4a16_kernel_compiles_without_gpu_and_without_spills(arch, k, tokens, groups, extra, tmp_path):
-    """The W4A16 kernel as the op routes it (``w4a16.default_tuning``, ``pick_groups``' caps): no stack frame,
-    except the two-CTA one-token build's stated bytes."""
+    """The W4A16 kernel as the op routes it (``w4a16.default_tuning``, ``pick_groups``' caps): no stack frame
+    (the one-token builds of many rows included: with ``dec`` and ``xpair`` they no longer keep an epilogue
+    address on the stack, as the build without them did at 128 registers a thread)."""
     info = compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--w4a16", str(groups), *extra)
     assert info["elf"] and info["launch"] == "tvm-ffi" and info["fp4_cvt"] == [], info
     known = tokens == 32 and arch == "sm_100a" and not info["dsl"].startswith("4.3.")
-    # the two-CTA one-token build (128 registers a thread): DSL 4.3.5 keeps one epilogue address on the stack
-    # across the main loop (a store before it, a load after it); 4.8.1 16 bytes, one of them stored and
-    # reloaded inside the loop (docs/design.md, "W4A16")
-    two_cta = 0 if "ctas=2" not in extra[-1] else 8 if info["dsl"].startswith("4.3.") else 16
-    assert info["lds_before_bar"] == 0 and info["frame_bytes"] <= (64 if known else two_cta), info
+    assert info["lds_before_bar"] == 0 and info["frame_bytes"] <= (64 if known else 0), info
 
 
 @pytest.mark.parametrize("arch,k,extra", [("sm_90a", 16384, ()), ("sm_100a", 4096, ("--f16",))])

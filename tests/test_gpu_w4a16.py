@@ -37,18 +37,23 @@ def test_shapes_match_float64(m, k, n):
     check(n, m, k, seed=m + k + n)
 
 
-ONE_TOKEN_ROWS = 4352  # M / 32 over the H200's 132 SMs: the one-token route with x in shared memory
+def one_token_rows():
+    """The fewest rows (a multiple of 128) whose M / 32 is over this GPU's SMs: the one-token route with x in
+    shared memory (4352 on an H200's 132)."""
+    return 128 * (32 * torch.cuda.get_device_properties(0).multi_processor_count // 128 + 1)
 
 
-@pytest.mark.parametrize("k,kw", [(16384, {}), (4160, {}), (28672, {}), (2048, {"blocked": True}),
+@pytest.mark.parametrize("k,kw", [(16384, {}), (4160, {}), (28672, {}), (26560, {}), (2048, {"blocked": True}),
                                   (1024, {"min_exp": 0, "max_exp": 1, "alpha": False}), (8192, {"cancel": True})])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_one_token_route_of_many_rows_matches_float64(k, kw, dtype):
     """The one-token build of many rows (``dec``, ``xpair``; 4 CTAs of 2 groups a SM, or at K = 28672 2 of 4):
-    ``K % 128 == 64``, blocked scales, subnormal scales with the weights' 0.5, cancelling sums."""
-    tune = w4a16.default_tuning(1, ONE_TOKEN_ROWS, torch.cuda.get_device_properties(0).multi_processor_count, k)
+    ``K % 128 == 64``, the largest K at 4 CTAs (26560), blocked scales, subnormal scales with the weights' 0.5,
+    cancelling sums."""
+    m = one_token_rows()
+    tune = w4a16.default_tuning(1, m, torch.cuda.get_device_properties(0).multi_processor_count, k)
     assert tune["dec"] and tune["xpair"] and tune["groups"] == (4 if k == 28672 else 2), tune
-    check(1, ONE_TOKEN_ROWS, k, seed=k + 3, dtype=dtype, **kw)
+    check(1, m, k, seed=k + 3, dtype=dtype, **kw)
 
 
 @pytest.mark.parametrize("n", [1, 13, 32])
