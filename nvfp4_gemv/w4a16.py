@@ -19,31 +19,32 @@ An e4m3 NaN scale byte (0x7F, 0xFF) makes its row's outputs NaN on both paths, a
 The products ``x * w'`` are then exact in fp32 (8 + 6 or 11 + 6 significant bits), for bf16 ``x`` as long as
 they stay in fp32's normal range (``|x| >= 2^-109``, far below any activation; ``|x| < 2^123``).
 
-Error bound: the only roundings are the fp32 sums and the final store. A warp adds its ``K / (16 W)``
-MMA results for an output in order (with ``chains=2`` as two interleaved sums, then one addition), then the ``W`` warps' partials are added in a fixed order
-(deterministic), times ``2^7`` or ``2^14`` (exact) and ``alpha`` (one fp32 rounding), rounded once to the
-output dtype. Taking each MMA's fp32 accumulation (which truncates) to be within 2^-22 of the sum of |terms|
-so far, the result differs from the exact one by at most half an ulp of the output plus
-``(K / (16 W) + W + 3) * 2^-22`` of ``sum |terms|``: 2^-13.9 at K = 32768 with 8 warps, under the op's
-2^-12. The tests hold it to 2^-13 (random, cancelling and subnormal-scale inputs).
+Error bound: the only roundings are the fp32 sums and the final store. A warp adds its ``K / (16 W)`` MMA
+results for an output in order (with ``chains=2`` as two interleaved sums, then one addition), then the ``W``
+warps' partials are added in a fixed order (deterministic), times ``2^7`` or ``2^14`` (exact) and ``alpha``
+(one fp32 rounding), rounded once to the output dtype. Taking each MMA's fp32 accumulation (which truncates)
+to be within 2^-22 of the sum of |terms| so far, the result differs from the exact one by at most half an ulp
+of the output plus ``(K / (16 W) + W + 3) * 2^-22`` of ``sum |terms|``: 2^-13.9 at K = 32768 with 8 warps,
+under the op's 2^-12. The tests hold it to 2^-13 (random, cancelling and subnormal-scale inputs).
 
-Tiles: up to 8 tokens (``w_a``, the route) ``w`` is the A operand (two groups of 8 rows, 16 rows an MMA)
-and ``x`` the B operand (8 token columns); from 9 tokens ``x`` is the A operand (16 token rows; a launch of
-more than 16 tokens has a second A tile) and ``w`` the B operand (8 rows of ``w``, "a group"). A slice is 128 values of K: lane ``t = lane % 4`` of row
-``g = lane // 4`` loads the row's 16-byte chunk ``4 * slice + t`` (32 values, two scale blocks) and its two
-scale bytes. Within a block the four MMA k-steps take, in the slots ``2t, 2t+1, 2t+8, 2t+9``, the value
-pairs ``(i, i + 4)`` of its two 8-value words: the dot product does not depend on the order of k, and
-``x``'s operand (pairs built by ``prmt`` from its natural order) uses the same order.
+Tiles: up to 8 tokens (``w_a``, the route) ``w`` is the A operand (two groups of 8 rows, 16 rows an MMA) and
+``x`` the B operand (8 token columns); from 9 tokens ``x`` is the A operand (16 token rows; a launch of more
+than 16 tokens has a second A tile) and ``w`` the B operand (8 rows of ``w``, "a group"). A slice is 128
+values of K: lane ``t = lane % 4`` of row ``g = lane // 4`` loads the row's 16-byte chunk ``4 * slice + t``
+(32 values, two scale blocks) and its two scale bytes. Within a block the four MMA k-steps take, in the slots
+``2t, 2t+1, 2t+8, 2t+9``, the value pairs ``(i, i + 4)`` of its two 8-value words: the dot product does not
+depend on the order of k, and ``x``'s operand (pairs built by ``prmt`` from its natural order) uses the same
+order.
 
 Work: a CTA owns ``groups`` groups (8 rows each) at a time; its ``W`` warps split K into slices (warp ``i``
 takes slices ``i, i + W, ...``), the loads of the next ``depth`` slices in flight in registers while one
-computes. ``x`` comes with ``w`` (registers), or, with ``x_smem`` where its N rows fit, from shared
-memory, copied there once per CTA (with ``xpair`` already in the MMA's pair order). At the end the warps' partials meet in shared memory and are added in a
-fixed order. Where ``K % 128 == 64`` the last slice's lanes 2 and 3 read lane 1's chunk again and take
-zeros for ``x``. At 1 token the decode is most of the work (a slice of 4 groups: 449 instructions a warp,
-199 of them on the half-rate ALU pipe, 8 loads; 380 and 145 with ``dec`` and ``xpair``, which the route of
-many rows takes, mostly with 2 groups): the arithmetic alone, with no loads, takes longer than the read of the largest weights
-(docs/design.md, "W4A16").
+computes. ``x`` comes with ``w`` (registers), or, with ``x_smem`` where its N rows fit, from shared memory,
+copied there once per CTA (with ``xpair`` already in the MMA's pair order). At the end the warps' partials
+meet in shared memory and are added in a fixed order. Where ``K % 128 == 64`` the last slice's lanes 2 and 3
+read lane 1's chunk again and take zeros for ``x``. At 1 token the decode is most of the work (a slice of 4
+groups: 449 instructions a warp, 199 of them on the half-rate ALU pipe, 8 loads; 380 and 145 with ``dec`` and
+``xpair``, which the route of many rows takes, mostly with 2 groups): the arithmetic alone, with no loads,
+takes longer than the read of the largest weights (docs/design.md, "W4A16").
 
 Layouts: ``w`` [M, K/2] uint8 and ``x`` [N, K] K-contiguous with 16-byte aligned rows; ``ws`` plain [M, K/16]
 K-contiguous with even row strides, or 128x4 blocked; ``out`` [N, M] unit stride along M; ``alpha`` one fp32
@@ -229,7 +230,7 @@ class Nvfp4GemvW4A16(OpLaunch):
                 r = xs[8 * blk: 8 * blk + 8]
                 pairs = []
                 for w in range(2):  # word w: values 8w .. 8w + 7 of the block, regs r[4w .. 4w + 3]
-                    if cutlass.const_expr(self.xpair and xw is not None):
+                    if cutlass.const_expr(self.xpair):
                         pairs += list(r[4 * w: 4 * w + 4])  # paired when copied
                         continue
                     p04, p15 = pair_halves(r[4 * w], r[4 * w + 2])
@@ -420,8 +421,10 @@ def default_tuning(n_tok, m, sms, k):
     fastest at 7168 and 28672 rows, within 1.3% at 6144, 40% slower at K = 28672 where only three fit)."""
     w_a = {"w_a": 1} if n_tok <= W_A_TOKENS else {}
     if n_tok == 1 and m // 32 > sms:
-        # a 2-group CTA's shared memory: 8 warps' partials (512 bytes each), x's row, 1 KiB the SM keeps a CTA
-        four = 4 * (8 * 512 + 2 * k + 16 + 1024) <= SMEM_A_SM
+        # four 2-group CTAs where their shared memory (as the class sizes it) and the 1 KiB a SM keeps for each
+        # CTA fit a SM
+        two = Nvfp4GemvW4A16(k, 1, 2, True, False, False, True, threads=256, x_smem=1, **w_a)
+        four = 4 * (two.smem_bytes + 1024) <= SMEM_A_SM
         return {"threads": 256, "ctas": 4 if four else 2, "groups": 2 if four else 4, "chains": 2, "dec": 1,
                 "xpair": 1, **w_a}
     return {"threads": 256, "x_smem": 0, **w_a}

@@ -83,8 +83,8 @@ for n, m, k, blocked in () if shapes is None else ((1, 256, 2048, False), (4, 38
         print(f"gemv N={n} {m}x{k} blocked={blocked} {call}: {'ok' if bad == 0 else 'MISMATCH ' + msg}", flush=True)
         assert bad == 0
 
-# W4A16 (bf16/fp16 x): x in shared memory (one token), one token on 4352 rows (on 132 SMs the two-CTA build,
-# w as the A operand, two chains), K % 128 == 64 (4 tokens: w_a), two A tiles with blocked scales, the last
+# W4A16 (bf16/fp16 x): x in shared memory (one token), one token on 4352 rows (on 132 SMs the 4-CTA build,
+# w as the A operand, two chains, dec, xpair), K % 128 == 64 (4 tokens: w_a), two A tiles with blocked scales, the last
 # tile moved back; then the quantize kernel (both dtypes, a strided x)
 from w4a16_inputs import w4a16_exact, w4a16_inputs, w4a16_violations  # noqa: E402
 
