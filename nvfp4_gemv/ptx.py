@@ -434,3 +434,19 @@ def stg_u32x2(addr, v0, v1, *, loc=None, ip=None):
 def stg_u8(addr, v, *, loc=None, ip=None):
     """``st.global.u8`` of a register's low byte at a 64-bit address."""
     asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "st.global.u8 [$0], $1;", "l,r", loc, ip)
+
+
+@dsl_user_op
+def fma_f32(a, b, c, *, loc=None, ip=None):
+    """``fma.rn.f32``: ``a * b + c`` rounded once (an MMA block sum times its scale, into the running sum);
+    the DSL's ``*`` and ``+`` are two roundings unless the compiler contracts them."""
+    r = asm([T.f32()], [cutlass.Float32(a), cutlass.Float32(b), cutlass.Float32(c)],
+            "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", loc, ip)
+    return cutlass.Float32(r[0])
+
+
+@dsl_user_op
+def mul_bf16x2(a, b, *, loc=None, ip=None):
+    """``mul.rn.bf16x2`` of two packed words (``x`` scaled by a power of two as it is copied; exact)."""
+    r = asm([T.i32()], [cutlass.Int32(a), cutlass.Int32(b)], "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", loc, ip)
+    return cutlass.Int32(r[0])

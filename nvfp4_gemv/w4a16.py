@@ -19,13 +19,23 @@ An e4m3 NaN scale byte (0x7F, 0xFF) makes its row's outputs NaN on both paths, a
 The products ``x * w'`` are then exact in fp32 (8 + 6 or 11 + 6 significant bits), for bf16 ``x`` as long as
 they stay in fp32's normal range (``|x| >= 2^-109``, far below any activation; ``|x| < 2^123``).
 
+``late`` (the one-token route of many rows): the weights decode unscaled (bf16 ``v * 2^-126``, 0.5 the
+subnormal 2^-127; f16 ``v * 2^-14``) and each MMA chain sums one scale block (x block-diagonal in the B
+operand, below), which one FFMA then multiplies by its scale (fp32, from the byte through f16). bf16 ``x`` is
+copied into shared memory times 2^72 (exact), so the products ``x v 2^-54`` and their scaled sums stay
+normal for ``|x|`` in [2^-62, 2^56) (fp16 ``x``: any finite value); ``2^54`` (fp16: ``2^14``) scales the
+sum back.
+
 Error bound: the only roundings are the fp32 sums and the final store. A warp adds its ``K / (16 W)`` MMA
 results for an output in order (with ``chains=2`` as two interleaved sums, then one addition), then the ``W``
 warps' partials are added in a fixed order (deterministic), times ``2^7`` or ``2^14`` (exact) and ``alpha``
 (one fp32 rounding), rounded once to the output dtype. Taking each MMA's fp32 accumulation (which truncates)
 to be within 2^-22 of the sum of |terms| so far, the result differs from the exact one by at most half an ulp
 of the output plus ``(K / (16 W) + W + 3) * 2^-22`` of ``sum |terms|``: 2^-13.9 at K = 32768 with 8 warps,
-under the op's 2^-12. The tests hold it to 2^-13 (random, cancelling and subnormal-scale inputs).
+under the op's 2^-12. With ``late`` a block's 16 products pass 4 MMA accumulations, then one FFMA each
+(scale and running sum, one rounding), the four lanes of a row 2 additions and the warps ``W - 1``: at most
+``4 * 2^-22 + (K / (64 W) + W + 3) * 2^-24`` (2^-17.5 at K = 32768). The tests hold it to 2^-13 (random,
+cancelling and subnormal-scale inputs).
 
 Tiles: up to 8 tokens (``w_a``, the route) ``w`` is the A operand (two groups of 8 rows, 16 rows an MMA) and
 ``x`` the B operand (8 token columns); from 9 tokens ``x`` is the A operand (16 token rows; a launch of more
@@ -39,12 +49,18 @@ order.
 Work: a CTA owns ``groups`` groups (8 rows each) at a time; its ``W`` warps split K into slices (warp ``i``
 takes slices ``i, i + W, ...``), the loads of the next ``depth`` slices in flight in registers while one
 computes. ``x`` comes with ``w`` (registers), or, with ``x_smem`` where its N rows fit, from shared memory,
-copied there once per CTA (with ``xpair`` already in the MMA's pair order). At the end the warps' partials
+copied there once per CTA (with ``xpair`` already in the MMA's pair order). ``late``: B's column ``2t + b``
+holds lane ``t``'s block ``b`` and zeros elsewhere (lanes read their block, or 32 zero bytes, from a row
+padded with zeros to whole slices), so the chain of block ``b``'s 4 k-steps leaves each lane its own
+chunk's block sums for rows ``g`` and ``g + 8`` in C's columns ``2t`` and ``2t + 1``; the four lanes of a row
+add theirs by two shuffles at the end. ``across``: a tile's last ``depth`` slices load the next tile's first
+ones, so the loads run on between tiles. At the end the warps' partials
 meet in shared memory and are added in a fixed order. Where ``K % 128 == 64`` the last slice's lanes 2 and 3
 read lane 1's chunk again and take zeros for ``x``. At 1 token the decode is most of the work (a slice of 4
 groups: 449 instructions a warp, 199 of them on the half-rate ALU pipe, 8 loads; 380 and 145 with ``dec`` and
-``xpair``, which the route of many rows takes, mostly with 2 groups): the arithmetic alone, with no loads,
-takes longer than the read of the largest weights (docs/design.md, "W4A16").
+``xpair``, 308 and 141 with ``late`` too, which the route of many rows takes, mostly with 2 groups: 163 a
+slice): the route is latency-bound, neither issue (0.44 instructions a scheduler a cycle) nor DRAM (48%)
+saturated (docs/design.md, "W4A16").
 
 Layouts: ``w`` [M, K/2] uint8 and ``x`` [N, K] K-contiguous with 16-byte aligned rows; ``ws`` plain [M, K/16]
 K-contiguous with even row strides, or 128x4 blocked; ``out`` [N, M] unit stride along M; ``alpha`` one fp32
@@ -57,19 +73,22 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
-from .decode import blocked_row, scale_offset, scaled_bf16_chunk, scaled_bf16x8, scaled_f16x8
+from .decode import blocked_row, e4m3x2_to_f32x2, scale_offset, scaled_bf16_chunk, scaled_bf16x8, scaled_f16x8
 from .launch import MAX_PLANS, Kernel, current_device, current_stream
 from .ptx import (
     SMEM_A_SM,
     SmemAllocator,
+    fma_f32,
     ldg_f32,
     ldg_u16,
     ldg_v4,
     ldg_v4_if,
     ldg_w_v4,
     lds_stage_f32,
+    lds_stage_v4,
     lds_v4_if,
     mma_16816,
+    mul_bf16x2,
     pair_halves,
     stg_as,
     sts_f32x4,
@@ -84,6 +103,8 @@ W_A_TOKENS = 8  # tokens up to which w is the A operand (x, as B, has 8 columns)
 SMEM_CTA = SMEM_A_SM - 1024  # the most one CTA may use on sm_90 and sm_100 (1 KiB of a SM reserved a CTA)
 BF16_SUM_SCALE = 128.0  # 2^7: undoes the 2^-7 of the bf16 weights
 F16_SUM_SCALE = 16384.0  # 2^14: undoes the 2^-14 of the f16 weights
+X_LATE_BF16X2 = 0x63806380  # bf16x2 of 2^72: late's bf16 x, so that x * v * 2^-126 * s stays normal
+LATE_BF16_SUM_SCALE = 2.0 ** 54  # undoes late's 2^72 * 2^-126
 
 
 def pick_groups(n_tok, m, sms, even=False):
@@ -108,7 +129,7 @@ class Nvfp4GemvW4A16(OpLaunch):
 
     def __init__(self, k: int, n_tok: int, groups: int, x_bf16: bool, w_blocked: bool, has_alpha: bool,
                  out_bf16: bool, threads=None, depth=None, ctas=None, x_smem=None, chains=None, w_a=None,
-                 dec=None, xpair=None):
+                 dec=None, xpair=None, late=None, across=None):
         if not 1 <= n_tok <= MAX_TOKENS:
             raise ValueError(f"nvfp4_gemv: the W4A16 kernel takes 1..{MAX_TOKENS} tokens, not {n_tok}")
         if k % 64 or k <= 0:
@@ -148,6 +169,11 @@ class Nvfp4GemvW4A16(OpLaunch):
         # x copied once into shared memory (rows of K values, 16 bytes apart more than K * 2 so that the rows
         # of a warp's lanes fall in other banks) where it fits: a slice then holds only w in registers
         self.x_row_bytes = 2 * k + 16
+        # late (below) reads a row padded with zeros to whole slices, and 32 zero bytes (the last of the
+        # padding where K % 128 == 64)
+        self.late = bool(late)
+        if self.late:
+            self.x_row_bytes = 2 * k + (32 if k % 128 == 0 else 128)
         fits = self.red_bytes + n_tok * self.x_row_bytes <= SMEM_CTA
         self.x_smem = fits if x_smem is None else bool(x_smem)
         if self.x_smem and not fits:
@@ -159,7 +185,23 @@ class Nvfp4GemvW4A16(OpLaunch):
         # xpair (x in shared memory): x stored there already in the MMA's pair order, the ``prmt`` pairs made
         # once a CTA when it is copied instead of once a slice a lane
         self.xpair = bool(xpair) and self.x_smem
-        self.min_blocks = int(ctas or 1)  # CTAs a SM (launch bound: registers a thread <= 64K / (ctas * threads))
+        # late (one token): the block scales multiply the MMA's fp32 block sums, not every decoded pair. x is
+        # the B operand block-diagonally: column 2t + b holds lane t's block b (zeros elsewhere), so a chain
+        # of 4 k-steps a block leaves each lane its own chunk's two block sums for rows g and g + 8, which it
+        # scales with the bytes it loaded: 4 FFMA a slice in place of 32 HMUL2. The weights decode unscaled
+        # (bf16 v * 2^-126, f16 v * 2^-14); bf16 x is copied times 2^72 so that the products stay normal.
+        if self.late and not (n_tok == 1 and self.w_a and self.x_smem and self.xpair):
+            raise ValueError("nvfp4_gemv: late takes one token with w_a, x_smem and xpair")
+        if self.late:
+            self.chains = 1  # its own two chains, one a block
+        # across: the last slices of a tile prefetch the next tile's first ones (no drained pipeline between
+        # tiles); needs every warp with slices to have at least depth of them (any K at depth 1)
+        self.across = bool(across)
+        if self.across and self.depth > 1 and self.n_slices < self.depth * self.warps:
+            raise ValueError(f"nvfp4_gemv: across needs K >= {128 * self.depth * self.warps} (depth x warps slices)")
+        self.min_blocks = int(ctas or 1)
+        # undoes the weights' (and with late bf16 x's) power of two
+        self.sum_scale = F16_SUM_SCALE if not self.x_bf16 else LATE_BF16_SUM_SCALE if self.late else BF16_SUM_SCALE  # CTAs a SM (launch bound: registers a thread <= 64K / (ctas * threads))
 
     def grid_x(self, m, sms):
         tiles = -(-(m // 8) // self.groups)
@@ -264,19 +306,39 @@ class Nvfp4GemvW4A16(OpLaunch):
         """Group ``gr``'s 16 values of block ``blk`` as eight scaled bf16x2 / f16x2 words (MMA-slot order);
         with ``dec`` both blocks decode together at the first call and ``memo`` keeps them for the second."""
         q = cur[5 * gr: 5 * gr + 4]
+        sc = not self.late
         if cutlass.const_expr(self.dec):
             if gr not in memo:
-                memo[gr] = scaled_bf16_chunk(*q, cur[5 * gr + 4])
+                memo[gr] = scaled_bf16_chunk(*q, cur[5 * gr + 4], sc)
             return memo[gr][8 * blk: 8 * blk + 8]
         s8 = (cur[5 * gr + 4] >> (8 * blk)) & 0xFF
         if cutlass.const_expr(self.x_bf16):
-            return scaled_bf16x8(q[2 * blk], q[2 * blk + 1], s8)
-        return scaled_f16x8(q[2 * blk], q[2 * blk + 1], s8)
+            return scaled_bf16x8(q[2 * blk], q[2 * blk + 1], s8, sc)
+        return scaled_f16x8(q[2 * blk], q[2 * blk + 1], s8, sc)
 
     def _slice_products_w_a(self, acc, cur, xa, memo):
         """``w_a``: groups ``2u`` and ``2u + 1`` are the A operand's rows ``g`` and ``g + 8``, token ``g``'s x
         pairs the B operand (the k-slots x's A registers take otherwise); the sums in ``acc[u][0]``."""
         new_acc = []
+        if cutlass.const_expr(self.late):
+            for u in range(self.units):
+                a_g, z1, a_g8, z3 = acc[u][0][0]
+                d = []
+                for blk in range(2):
+                    w0 = self._decoded(cur, 2 * u, blk, memo)
+                    w1 = self._decoded(cur, 2 * u + 1, blk, memo)
+                    c = [cutlass.Float32(0.0)] * 4
+                    for s in range(4):
+                        c = mma_16816((w0[2 * s], w1[2 * s], w0[2 * s + 1], w1[2 * s + 1]),
+                                      (xa[0][blk][2 * s], xa[0][blk][2 * s + 1]), c, self.x_bf16)
+                    d.append(c)
+                # C: (row g, column 2t + blk) in c[0] / c[1], row g + 8 in c[2] / c[3]
+                s0, s1 = e4m3x2_to_f32x2(cur[5 * (2 * u) + 4])
+                s2, s3 = e4m3x2_to_f32x2(cur[5 * (2 * u + 1) + 4])
+                a_g = fma_f32(d[1][1], s1, fma_f32(d[0][0], s0, a_g))
+                a_g8 = fma_f32(d[1][3], s3, fma_f32(d[0][2], s2, a_g8))
+                new_acc.append([[[a_g, z1, a_g8, z3]]])
+            return new_acc
         for u in range(self.units):
             cs = list(acc[u][0])
             for blk in range(2):
@@ -307,14 +369,24 @@ class Nvfp4GemvW4A16(OpLaunch):
         if cutlass.const_expr(self.x_smem):
             # x [N, K] into shared memory once, 16 bytes a thread at a time (rows x_row_bytes apart)
             per_row = self.k // 8
-            for c in cutlass.range(tidx, NT * per_row, self.threads, unroll=1):
+            # late: the padded row (zeros past K) in one pass
+            copies = self.x_row_bytes // 16 if self.late else NT * per_row
+            for c in cutlass.range(tidx, copies, self.threads, unroll=1):
                 tok = c // per_row
                 j = c % per_row
-                v = ldg_v4(x_ptr + cutlass.Int64(tok) * x_rs + cutlass.Int64(j) * 16)
+                if cutlass.const_expr(self.late):
+                    tok = 0
+                    j = c
+                    v = ldg_v4_if(x_ptr + cutlass.Int64(cutlass.min(c, per_row - 1)) * 16,
+                                  cutlass.Int32(c < per_row))
+                else:
+                    v = ldg_v4(x_ptr + cutlass.Int64(tok) * x_rs + cutlass.Int64(j) * 16)
                 if cutlass.const_expr(self.xpair):
                     p04, p15 = pair_halves(v[0], v[2])
                     p26, p37 = pair_halves(v[1], v[3])
                     v = [p04, p15, p26, p37]
+                if cutlass.const_expr(self.late and self.x_bf16):
+                    v = [mul_bf16x2(e, X_LATE_BF16X2) for e in v]
                 sts_v4(s_x + tok * self.x_row_bytes + j * 16, v[0], v[1], v[2], v[3])
             cute.arch.sync_threads()
 
@@ -325,22 +397,54 @@ class Nvfp4GemvW4A16(OpLaunch):
         my_slices = (self.n_slices - wid + W - 1) // W
         n_tiles = (m // 8 + GR - 1) // GR
         zero = cutlass.Int32(0)
+        if cutlass.const_expr(self.late):
+            # lane (g, t) holds B's column g for lane t's k-slots: x's block g - 2t of lane t's chunk where
+            # that is 0 or 1, else the zero bytes (step 0)
+            s_zero = s_x + self.x_row_bytes - 32
+            xb = s_x + (wid * 4 + t) * 64
+            own0 = cutlass.Int32(g == 2 * t)
+            own1 = cutlass.Int32(g == 2 * t + 1)
+            x_lane = (s_zero + own0 * (xb - s_zero), s_zero + own1 * (xb + 32 - s_zero),
+                      own0 * (W * 256), own1 * (W * 256))
 
+        ptrs = (w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs)
+        if cutlass.const_expr(self.across):
+            # the first tile's first slices; later tiles' come in with the previous tile's last slices
+            pipe = []
+            for d in cutlass.range_constexpr(D):
+                pipe.append(self._load_slice(wid + d * W, g, t, cutlass.min(bidx * (GR * 8), m - GR * 8), *ptrs))
+        else:
+            # never read (each tile loads its own first slices): only so that the tile loop sees one type
+            n_vals = 5 * GR + (0 if self.x_smem else 16 * self.halves)
+            pipe = [[cutlass.Int32(0)] * n_vals for _ in range(D)]
         for tile in cutlass.range(bidx, n_tiles, gdimx, unroll=1):
             # a last tile that would pass M starts lower instead: its first rows are the previous tile's again
             # (the same sums, stored twice)
             row0 = cutlass.min(tile * (GR * 8), m - GR * 8)
-            ptrs = (w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs)
             U = self.units
             acc = [[[[cutlass.Float32(0.0)] * 4 for _ in range(self.chains)] for _ in range(AT)] for _ in range(U)]
-            pipe = []
-            for d in cutlass.range_constexpr(D):
-                pipe.append(self._load_slice(wid + d * W, g, t, row0, *ptrs))
+            if cutlass.const_expr(self.across):
+                row_next = cutlass.min((tile + gdimx) * (GR * 8), m - GR * 8)  # past the last tile: read, unused
+            else:
+                pipe = []
+                for d in cutlass.range_constexpr(D):
+                    pipe.append(self._load_slice(wid + d * W, g, t, row0, *ptrs))
             for i in cutlass.range(my_slices, unroll=1):
                 cur = pipe[0]
                 pipe = pipe[1:]
-                pipe.append(self._load_slice(wid + (i + D) * W, g, t, row0, *ptrs))
-                if cutlass.const_expr(self.x_smem):
+                if cutlass.const_expr(self.across):
+                    # slice i + D of this tile, or past its end the next tile's first ones (my_slices >= D)
+                    nx = cutlass.Int32(i + D >= my_slices)
+                    pipe.append(self._load_slice(wid + (i + D - nx * my_slices) * W, g, t,
+                                                 row0 + nx * (row_next - row0), *ptrs))
+                else:
+                    pipe.append(self._load_slice(wid + (i + D) * W, g, t, row0, *ptrs))
+                if cutlass.const_expr(self.late):
+                    a0 = x_lane[0] + i * x_lane[2]
+                    a1 = x_lane[1] + i * x_lane[3]
+                    xw = (lds_stage_v4(a0) + lds_stage_v4(a0 + 16) + lds_stage_v4(a1) + lds_stage_v4(a1 + 16))
+                    acc = self._slice_products(acc, cur, zero, xw)
+                elif cutlass.const_expr(self.x_smem):
                     xw = self._x_words(s_x, cutlass.min(wid + i * W, self.n_slices - 1), g, t)
                     acc = self._slice_products(acc, cur, zero, xw)
                 else:
@@ -351,11 +455,17 @@ class Nvfp4GemvW4A16(OpLaunch):
                     part = acc[u][a][0]
                     if cutlass.const_expr(self.chains == 2):
                         part = [part[j] + acc[u][a][1][j] for j in range(4)]
+                    if cutlass.const_expr(self.late):
+                        # the four lanes of a row hold its chunks' sums: lane t = 0 gets the total (token 0's
+                        # place in the C layout; the other places are never stored)
+                        for j in (0, 2):
+                            for off in (1, 2):
+                                part[j] = part[j] + cute.arch.shuffle_sync_bfly(part[j], offset=off)
                     sts_f32x4(s_red + (((wid * U + u) * AT + a) * 32 + lane) * 16, part)
             cute.arch.sync_threads()
             # read here, not before the main loop: one value fewer live across it (the two-CTA one-token build
             # without dec/xpair, at 128 registers, spilled more before; tests/test_compile.py)
-            scale = cutlass.Float32(BF16_SUM_SCALE if self.x_bf16 else F16_SUM_SCALE)
+            scale = cutlass.Float32(self.sum_scale)
             if cutlass.const_expr(self.has_alpha):
                 scale = scale * ldg_f32(alpha_ptr)
             per_warp = U * AT * 128
@@ -411,8 +521,10 @@ def _sm_count(dev):
 
 def default_tuning(n_tok, m, sms, k):
     """8 warps a CTA (with 16, at most 128 registers a thread, ptxas spills a lane's two slices of loads). One
-    token where the 4-group tiles outnumber the SMs: x in shared memory, two CTAs a SM of 4 groups each, or
-    four of 2 groups where four copies of x fit a SM's shared memory (K up to 26560); otherwise one CTA a SM,
+    token where the 4-group tiles outnumber the SMs: x in shared memory, the scales after the MMA (``late``),
+    two CTAs a SM of 4 groups each, or four of 2 groups where four copies of x fit a SM's shared memory (K up
+    to 26560) with the next tile's loads from the last slices (``across``), five where the tiles fill five in
+    one round but not four (10240 rows: 23.09 us against 25.46; fifth session); otherwise one CTA a SM,
     x in registers with w (H200, docs/history/w4a16-sweep-s15.md: two CTAs won at 7168 and 28672 rows, lost
     at 4096; shared-memory x was slower from 4 tokens on). Up to 8 tokens w is the MMA's A operand (``w_a``:
     half the MMAs), and the shared-memory builds add two accumulator chains (``chains``), the three-operation
@@ -423,10 +535,13 @@ def default_tuning(n_tok, m, sms, k):
     if n_tok == 1 and m // 32 > sms:
         # four 2-group CTAs where their shared memory (as the class sizes it) and the 1 KiB a SM keeps for each
         # CTA fit a SM
-        two = Nvfp4GemvW4A16(k, 1, 2, True, False, False, True, threads=256, x_smem=1, **w_a)
-        four = 4 * (two.smem_bytes + 1024) <= SMEM_A_SM
-        return {"threads": 256, "ctas": 4 if four else 2, "groups": 2 if four else 4, "chains": 2, "dec": 1,
-                "xpair": 1, **w_a}
+        two = Nvfp4GemvW4A16(k, 1, 2, True, False, False, True, threads=256, x_smem=1, xpair=1, late=1, **w_a)
+        fit = SMEM_A_SM // (two.smem_bytes + 1024)  # such CTAs a SM's shared memory holds
+        if fit < 4:
+            return {"threads": 256, "ctas": 2, "groups": 4, "dec": 1, "xpair": 1, "late": 1, **w_a}
+        # five where the 2-group tiles fill five a SM in one round but not four
+        ctas = 5 if fit >= 5 and 4 * sms < m // 16 <= 5 * sms else 4
+        return {"threads": 256, "ctas": ctas, "groups": 2, "dec": 1, "xpair": 1, "late": 1, "across": 1, **w_a}
     return {"threads": 256, "x_smem": 0, **w_a}
 
 

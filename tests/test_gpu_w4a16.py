@@ -47,12 +47,12 @@ def one_token_rows():
                                   (1024, {"min_exp": 0, "max_exp": 1, "alpha": False}), (8192, {"cancel": True})])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_one_token_route_of_many_rows_matches_float64(k, kw, dtype):
-    """The one-token build of many rows (``dec``, ``xpair``; 4 CTAs of 2 groups a SM, or at K = 28672 2 of 4):
+    """The one-token build of many rows (``dec``, ``xpair``, ``late``; 4 CTAs of 2 groups a SM, or at K = 28672 2 of 4):
     ``K % 128 == 64``, the largest K at 4 CTAs (26560), blocked scales, subnormal scales with the weights' 0.5,
     cancelling sums."""
     m = one_token_rows()
     tune = w4a16.default_tuning(1, m, torch.cuda.get_device_properties(0).multi_processor_count, k)
-    assert tune["dec"] and tune["xpair"] and tune["groups"] == (4 if k == 28672 else 2), tune
+    assert tune["dec"] and tune["xpair"] and tune["late"] and tune["groups"] == (4 if k == 28672 else 2), tune
     check(1, m, k, seed=k + 3, dtype=dtype, **kw)
 
 
@@ -228,7 +228,7 @@ def test_tunings_on_and_off_the_route_match_float64(tuning, n, m, k, dtype):
 
 # tuning key -> the kernel attribute it sets
 BUILT_AS = {"w_a": "w_a", "groups": "groups", "threads": "threads", "ctas": "min_blocks", "x_smem": "x_smem",
-            "chains": "chains", "dec": "dec", "xpair": "xpair"}
+            "chains": "chains", "dec": "dec", "xpair": "xpair", "late": "late", "depth": "depth", "across": "across"}
 
 
 def assert_built_as(plan, tuning):
@@ -260,5 +260,73 @@ def test_two_accumulator_chains_on_cancelling_sums_stay_within_the_bound(tuning,
     torch.cuda.synchronize()
     exact, terms = w4a16_exact(x, w, ws, a)
     assert (exact.abs() < terms * 2.0 ** -6).float().mean() > 0.9  # the inputs do cancel
+    bad, msg = w4a16_violations(out, exact, terms)
+    assert bad == 0, msg
+
+
+LATE = {"threads": 256, "w_a": 1, "x_smem": 1, "xpair": 1, "late": 1, "dec": 1}
+
+
+@pytest.mark.parametrize("tuning", [{**LATE, "groups": 2, "ctas": 4}, {**LATE, "groups": 4, "ctas": 2},
+                                    {**LATE, "groups": 2, "dec": 0}, {**LATE, "groups": 6, "ctas": 1}])
+@pytest.mark.parametrize("m,k,kw", [(1152, 4096, {}), (384, 4160, {}), (640, 64, {}), (256, 8192, {"cancel": True}),
+                                    (512, 2048, {"min_exp": 0, "max_exp": 1}), (1024, 3072, {"blocked": True})])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_late_scales_match_float64(tuning, m, k, kw, dtype):
+    """``late`` (one token; the block scales multiply the MMA block sums, x block-diagonal in the B operand) with
+    2, 4 and 6 groups, with and without ``dec``: ``K % 128 == 64`` (the zero-padded row), one chunk (K = 64),
+    cancelling sums, subnormal scales with the weights' 0.5, blocked scales, the last tile moved back."""
+    from nvfp4_gemv.reference import check_args
+
+    blocked = kw.get("blocked", False)
+    x, _, w, ws, a = w4a16_inputs(1, m, k, seed=m + k, dtype=dtype, **kw)
+    out = torch.full((1, m), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dims = check_args(x, None, w, ws, a, torch.bfloat16, out)
+    plan = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16, dims, tuning=tuple(sorted(tuning.items())))
+    assert_built_as(plan, tuning)
+    plan(x, w, ws, a, out, torch.bfloat16)
+    torch.cuda.synchronize()
+    bad, msg = w4a16_violations(out, *w4a16_exact(x, w, ws, a, blocked))
+    assert bad == 0, msg
+
+
+@pytest.mark.parametrize("tuning", [{**LATE, "groups": 2, "ctas": 4, "depth": 2, "across": 1},
+                                    {**LATE, "groups": 4, "ctas": 2, "depth": 2, "across": 1},
+                                    {**LATE, "groups": 2, "ctas": 5, "across": 1}])
+@pytest.mark.parametrize("m,k,kw", [(1152, 4096, {}), (17536, 4160, {}), (11264, 2048, {"cancel": True}),
+                                    (6272, 3072, {"blocked": True}), (256, 8192, {"min_exp": 0, "max_exp": 1})])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_across_tiles_prefetch_matches_float64(tuning, m, k, kw, dtype):
+    """``across`` (a tile's last slices prefetch the next tile's first ones) with one tile a CTA and several
+    (17536 and 11264 rows: more tiles than CTAs on up to 137 SMs), the last tile moved back, ``K`` at its least
+    (depth x warps slices: 2048 at depth 2) and ``K % 128 == 64``."""
+    from nvfp4_gemv.reference import check_args
+
+    blocked = kw.get("blocked", False)
+    x, _, w, ws, a = w4a16_inputs(1, m, k, seed=m + k + 1, dtype=dtype, **kw)
+    out = torch.full((1, m), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dims = check_args(x, None, w, ws, a, torch.bfloat16, out)
+    plan = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16, dims, tuning=tuple(sorted(tuning.items())))
+    assert_built_as(plan, tuning)
+    plan(x, w, ws, a, out, torch.bfloat16)
+    torch.cuda.synchronize()
+    bad, msg = w4a16_violations(out, *w4a16_exact(x, w, ws, a, blocked))
+    assert bad == 0, msg
+
+
+@pytest.mark.parametrize("e", [-54, -40, 0, 30, 55])
+def test_late_keeps_bf16_x_exact_from_2e_minus_62_to_2e56(e):
+    """``late`` copies bf16 x times 2^72 (the unscaled weights are ``v * 2^-126``): x of any magnitude in
+    [2^-62, 2^56) keeps its products normal, so the result stays within the bound (rows whose largest |x| is
+    1.9 * 2^e; scales down to subnormal)."""
+    m = one_token_rows()
+    x, _, w, ws, a = w4a16_inputs(1, m, 4096, seed=e + 100, min_exp=0, max_exp=15)
+    x = (x.double() / x.double().abs().max() * 1.9 * 2.0 ** e).to(torch.bfloat16)  # |x| up to 1.9 * 2^e
+    assert w4a16.default_tuning(1, m, torch.cuda.get_device_properties(0).multi_processor_count, 4096)["late"]
+    out = torch.full((1, m), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemv(x, None, w, ws, a, out=out)
+    torch.cuda.synchronize()
+    exact, terms = w4a16_exact(x, w, ws, a)
+    assert torch.isfinite(exact).all()
     bad, msg = w4a16_violations(out, exact, terms)
     assert bad == 0, msg

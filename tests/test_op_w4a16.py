@@ -206,15 +206,21 @@ def test_every_routed_plan_builds_kernels_the_class_accepts(m, monkeypatch):
 
 
 @pytest.mark.parametrize("m,k,want", [
-    (7168, 16384, {"groups": 2, "ctas": 4}), (6144, 4096, {"groups": 2, "ctas": 4}),
-    (4352, 26560, {"groups": 2, "ctas": 4}),  # the largest K whose four CTAs' shared memory fits a SM
-    (4352, 26624, {"groups": 4, "ctas": 2}), (8192, 28672, {"groups": 4, "ctas": 2})])
+    (7168, 16384, {"groups": 2, "ctas": 4, "across": 1}), (6144, 4096, {"groups": 2, "ctas": 4, "across": 1}),
+    (4352, 26560, {"groups": 2, "ctas": 4, "across": 1}),  # the largest K whose four CTAs' shared memory fits a SM
+    (4352, 26624, {"groups": 4, "ctas": 2}), (8192, 28672, {"groups": 4, "ctas": 2}),
+    (10240, 8192, {"groups": 2, "ctas": 5, "across": 1}),  # 640 tiles: one round of five CTAs a SM, not of four
+    (8448, 8192, {"groups": 2, "ctas": 4, "across": 1}),  # 528 tiles: one round of four
+    (10560, 8192, {"groups": 2, "ctas": 5, "across": 1}),  # 660 tiles, the most in one round of five
+    (10576, 8192, {"groups": 2, "ctas": 4, "across": 1}),  # 661 tiles
+    (10240, 20992, {"groups": 2, "ctas": 4, "across": 1})])  # five CTAs' x do not fit (four do)
 def test_one_token_route_of_many_rows_takes_four_ctas_where_their_x_fits(m, k, want):
-    """One token, M / 32 over the SMs: x in shared memory, two accumulator chains, the three-operation decode
-    and x in pair order; 4 CTAs of 2 groups a SM where four such CTAs fit a SM's shared memory, else 2 of 4.
-    The class builds it within that memory."""
+    """One token, M / 32 over the SMs: x in shared memory, the three-operation decode, x in pair order and the
+    scales after the MMA (``late``); 4 CTAs of 2 groups a SM where four such CTAs fit a SM's shared memory
+    (5 where the tiles fill five in one round but not four, and five fit), with ``across``, else 2 of 4. The
+    class builds it within that memory."""
     tune = w4a16.default_tuning(1, m, 132, k)
-    assert tune == {"threads": 256, "chains": 2, "w_a": 1, "dec": 1, "xpair": 1, **want}
+    assert tune == {"threads": 256, "w_a": 1, "dec": 1, "xpair": 1, "late": 1, **want}
     groups = tune.pop("groups")
     op = w4a16.Nvfp4GemvW4A16(k, 1, groups, True, False, True, True, **tune)
-    assert op.x_smem and op.xpair and op.dec and op.min_blocks * (op.smem_bytes + 1024) <= w4a16.SMEM_A_SM
+    assert op.x_smem and op.xpair and op.dec and op.late and op.min_blocks * (op.smem_bytes + 1024) <= w4a16.SMEM_A_SM
