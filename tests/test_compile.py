@@ -106,10 +106,13 @@ def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, tune, blocked, tmp
 
 
 @pytest.mark.parametrize("arch,k,tokens,groups,extra", [
-    # the op's one-token tunings of many rows (x in shared memory: 4 CTAs a SM, or 2 where 4 do not fit)
-    ("sm_90a", 16384, 1, 2, ("--tune", "threads=256,ctas=4,w_a=1,chains=2,dec=1,xpair=1")),
-    ("sm_90a", 28672, 1, 4, ("--tune", "threads=256,ctas=2,w_a=1,chains=2,dec=1,xpair=1")),
-    ("sm_100a", 4096, 1, 2, ("--f16", "--tune", "threads=256,ctas=4,w_a=1,chains=2,dec=1,xpair=1")),
+    # the op's one-token tunings of many rows (x in shared memory, late: 4 or 5 CTAs a SM with across, or 2
+    # where 4 do not fit)
+    ("sm_90a", 16384, 1, 2, ("--tune", "threads=256,ctas=4,w_a=1,dec=1,xpair=1,late=1,across=1")),
+    # known: DSL 4.8.1 spills 8 bytes a thread in the five-CTA build (4.3.5: none; not timed on 4.8.1)
+    ("sm_90a", 8192, 1, 2, ("--tune", "threads=256,ctas=5,w_a=1,dec=1,xpair=1,late=1,across=1")),
+    ("sm_90a", 28672, 1, 4, ("--tune", "threads=256,ctas=2,w_a=1,dec=1,xpair=1,late=1")),
+    ("sm_100a", 4096, 1, 2, ("--f16", "--tune", "threads=256,ctas=4,w_a=1,dec=1,xpair=1,late=1,across=1")),
     ("sm_90a", 4096, 8, 8, ("--tune", "threads=256,x_smem=0,w_a=1")),
     ("sm_100a", 7168, 2, 4, ("--f16", "--tune", "threads=256,x_smem=0,w_a=1")),
     ("sm_90a", 14336, 16, 6, ("--f16", "--blocked", "--tune", "threads=256,x_smem=0")),
@@ -119,11 +122,13 @@ def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, tune, blocked, tmp
 def test_w4a16_kernel_compiles_without_gpu_and_without_spills(arch, k, tokens, groups, extra, tmp_path):
     """The W4A16 kernel as the op routes it (``w4a16.default_tuning``, ``pick_groups``' caps): no stack frame
     (the one-token builds of many rows included: with ``dec`` and ``xpair`` they no longer keep an epilogue
-    address on the stack, as the build without them did at 128 registers a thread)."""
+    address on the stack, as the build without them did at 128 registers a thread; five CTAs a SM hold a
+    thread to 51 registers)."""
     info = compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--w4a16", str(groups), *extra)
     assert info["elf"] and info["launch"] == "tvm-ffi" and info["fp4_cvt"] == [], info
-    known = tokens == 32 and arch == "sm_100a" and not info["dsl"].startswith("4.3.")
-    assert info["lds_before_bar"] == 0 and info["frame_bytes"] <= (64 if known else 0), info
+    new_dsl = not info["dsl"].startswith("4.3.")
+    known = 64 if tokens == 32 and arch == "sm_100a" and new_dsl else 8 if "ctas=5" in extra[-1] and new_dsl else 0
+    assert info["lds_before_bar"] == 0 and info["frame_bytes"] <= known, info
 
 
 @pytest.mark.parametrize("arch,k,extra", [("sm_90a", 16384, ()), ("sm_100a", 4096, ("--f16",))])
