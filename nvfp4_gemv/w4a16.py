@@ -24,7 +24,7 @@ subnormal 2^-127; f16 ``v * 2^-14``) and each MMA chain sums one scale block (x 
 operand, below), which one FFMA then multiplies by its scale (fp32, from the byte through f16). bf16 ``x`` is
 copied into shared memory times 2^72 (exact), so the products ``x v 2^-54`` and their scaled sums stay
 normal for ``|x|`` in [2^-62, 2^56) (fp16 ``x``: any finite value); ``2^54`` (fp16: ``2^14``) scales the
-sum back.
+sum back, folded into ``alpha`` (so bf16 ``alpha`` < 2^74 there; ModelOpt's is far below 1).
 
 Error bound: the only roundings are the fp32 sums and the final store. A warp adds its ``K / (16 W)`` MMA
 results for an output in order (with ``chains=2`` as two interleaved sums, then one addition), then the ``W``
@@ -59,7 +59,7 @@ meet in shared memory and are added in a fixed order. Where ``K % 128 == 64`` th
 read lane 1's chunk again and take zeros for ``x``. At 1 token the decode is most of the work (a slice of 4
 groups: 449 instructions a warp, 199 of them on the half-rate ALU pipe, 8 loads; 380 and 145 with ``dec`` and
 ``xpair``, 308 and 141 with ``late`` too, which the route of many rows takes, mostly with 2 groups: 163 a
-slice): the route is latency-bound, neither issue (0.44 instructions a scheduler a cycle) nor DRAM (48%)
+slice, 183 with ``across``): the route is latency-bound, neither issue (0.44 instructions a scheduler a cycle) nor DRAM (48%)
 saturated (docs/design.md, "W4A16").
 
 Layouts: ``w`` [M, K/2] uint8 and ``x`` [N, K] K-contiguous with 16-byte aligned rows; ``ws`` plain [M, K/16]
@@ -198,10 +198,11 @@ class Nvfp4GemvW4A16(OpLaunch):
         # tiles); needs every warp with slices to have at least depth of them (any K at depth 1)
         self.across = bool(across)
         if self.across and self.depth > 1 and self.n_slices < self.depth * self.warps:
-            raise ValueError(f"nvfp4_gemv: across needs K >= {128 * self.depth * self.warps} (depth x warps slices)")
-        self.min_blocks = int(ctas or 1)
-        # undoes the weights' (and with late bf16 x's) power of two
-        self.sum_scale = F16_SUM_SCALE if not self.x_bf16 else LATE_BF16_SUM_SCALE if self.late else BF16_SUM_SCALE  # CTAs a SM (launch bound: registers a thread <= 64K / (ctas * threads))
+            raise ValueError(f"nvfp4_gemv: across at depth {self.depth} needs K > {128 * (self.depth * self.warps - 1)} "
+                             f"(depth x warps slices), not {k}")
+        self.min_blocks = int(ctas or 1)  # CTAs a SM (launch bound: registers a thread <= 64K / (ctas * threads))
+        # undoes the weights' (and with late bf16 x's) power of two; with late bf16 2^54 * alpha, so alpha < 2^74
+        self.sum_scale = F16_SUM_SCALE if not self.x_bf16 else LATE_BF16_SUM_SCALE if self.late else BF16_SUM_SCALE
 
     def grid_x(self, m, sms):
         tiles = -(-(m // 8) // self.groups)
@@ -527,7 +528,7 @@ def default_tuning(n_tok, m, sms, k):
     one round but not four (10240 rows: 23.09 us against 25.46; fifth session); otherwise one CTA a SM,
     x in registers with w (H200, docs/history/w4a16-sweep-s15.md: two CTAs won at 7168 and 28672 rows, lost
     at 4096; shared-memory x was slower from 4 tokens on). Up to 8 tokens w is the MMA's A operand (``w_a``:
-    half the MMAs), and the shared-memory builds add two accumulator chains (``chains``), the three-operation
+    half the MMAs), and the shared-memory builds add the scales after the MMA (``late``), the three-operation
     bf16 decode (``dec``) and x stored in pair order (``xpair``): each measured faster on H200 there
     (docs/results.md, "W4A16"; ``dec`` alone was slower, with ``xpair`` faster, and 4 CTAs of 2 groups
     fastest at 7168 and 28672 rows, within 1.3% at 6144, 40% slower at K = 28672 where only three fit)."""
@@ -541,7 +542,9 @@ def default_tuning(n_tok, m, sms, k):
             return {"threads": 256, "ctas": 2, "groups": 4, "dec": 1, "xpair": 1, "late": 1, **w_a}
         # five where the 2-group tiles fill five a SM in one round but not four
         ctas = 5 if fit >= 5 and 4 * sms < m // 16 <= 5 * sms else 4
-        return {"threads": 256, "ctas": ctas, "groups": 2, "dec": 1, "xpair": 1, "late": 1, "across": 1, **w_a}
+        # across where every warp has a slice (tested and timed there)
+        across = {"across": 1} if k >= 1024 else {}
+        return {"threads": 256, "ctas": ctas, "groups": 2, "dec": 1, "xpair": 1, "late": 1, **across, **w_a}
     return {"threads": 256, "x_smem": 0, **w_a}
 
 

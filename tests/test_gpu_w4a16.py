@@ -84,10 +84,14 @@ def test_subnormal_scales_and_half_values_are_exact(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("nan_byte", [0x7F, 0xFF])
-def test_a_nan_scale_byte_makes_its_row_nan_as_the_reference_does(dtype, nan_byte):
+@pytest.mark.parametrize("n", [3, 1])
+def test_a_nan_scale_byte_makes_its_row_nan_as_the_reference_does(dtype, nan_byte, n):
     """One e4m3 NaN scale byte: that row's outputs are NaN for every token (the float64 reference's answer),
-    every other output within the bound. The output is poisoned with a finite value here, not NaN."""
-    n, m, k, row = 3, 256, 1024, 77
+    every other output within the bound; one token on many rows takes ``late`` (the scale applied to the
+    block sum). The output is poisoned with a finite value here, not NaN."""
+    m, k, row = (256 if n > 1 else one_token_rows()), 1024, 77
+    if n == 1:
+        assert w4a16.default_tuning(1, m, torch.cuda.get_device_properties(0).multi_processor_count, k)["late"]
     x, _, w, ws, a = w4a16_inputs(n, m, k, seed=11, dtype=dtype)
     ws.view(torch.uint8)[row, 5] = nan_byte
     out = torch.full((n, m), 1234.0, dtype=torch.bfloat16, device="cuda")
@@ -242,7 +246,7 @@ def assert_built_as(plan, tuning):
 
 
 @pytest.mark.parametrize("tuning", [
-    {"threads": 256, "ctas": 4, "groups": 2, "chains": 2, "w_a": 1, "x_smem": 1, "dec": 1, "xpair": 1},  # routed
+    {"threads": 256, "ctas": 4, "groups": 2, "chains": 2, "w_a": 1, "x_smem": 1, "dec": 1, "xpair": 1},  # route of s18
     {"threads": 256, "ctas": 2, "groups": 4, "chains": 2, "w_a": 1, "x_smem": 1},
     {"chains": 2, "w_a": 0, "groups": 4}])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -292,14 +296,15 @@ def test_late_scales_match_float64(tuning, m, k, kw, dtype):
 
 @pytest.mark.parametrize("tuning", [{**LATE, "groups": 2, "ctas": 4, "depth": 2, "across": 1},
                                     {**LATE, "groups": 4, "ctas": 2, "depth": 2, "across": 1},
-                                    {**LATE, "groups": 2, "ctas": 5, "across": 1}])
+                                    {**LATE, "groups": 2, "ctas": 5, "across": 1},
+                                    {**LATE, "groups": 6, "ctas": 1, "across": 1}])
 @pytest.mark.parametrize("m,k,kw", [(1152, 4096, {}), (17536, 4160, {}), (11264, 2048, {"cancel": True}),
                                     (6272, 3072, {"blocked": True}), (256, 8192, {"min_exp": 0, "max_exp": 1})])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_across_tiles_prefetch_matches_float64(tuning, m, k, kw, dtype):
     """``across`` (a tile's last slices prefetch the next tile's first ones) with one tile a CTA and several
-    (17536 and 11264 rows: more tiles than CTAs on up to 137 SMs), the last tile moved back, ``K`` at its least
-    (depth x warps slices: 2048 at depth 2) and ``K % 128 == 64``."""
+    (17536 and 11264 rows: more tiles than CTAs on up to 137 SMs), the last tile moved back (6 groups: M / 8
+    not a multiple of 6), ``K`` at its least (depth x warps slices: 2048 at depth 2) and ``K % 128 == 64``."""
     from nvfp4_gemv.reference import check_args
 
     blocked = kw.get("blocked", False)
@@ -315,10 +320,10 @@ def test_across_tiles_prefetch_matches_float64(tuning, m, k, kw, dtype):
 
 
 @pytest.mark.parametrize("e", [-54, -40, 0, 30, 55])
-def test_late_keeps_bf16_x_exact_from_2e_minus_62_to_2e56(e):
-    """``late`` copies bf16 x times 2^72 (the unscaled weights are ``v * 2^-126``): x of any magnitude in
-    [2^-62, 2^56) keeps its products normal, so the result stays within the bound (rows whose largest |x| is
-    1.9 * 2^e; scales down to subnormal)."""
+def test_late_keeps_bf16_x_within_the_bound_from_tiny_to_huge_rows(e):
+    """``late`` copies bf16 x times 2^72 (the unscaled weights are ``v * 2^-126``), exact for |x| in
+    [2^-62, 2^56): rows whose largest |x| is 1.9 * 2^e, from e = -54 (most values near 2^-56, the least far
+    below) to e = 55 (just under 2^56), stay within the bound; scales down to subnormal."""
     m = one_token_rows()
     x, _, w, ws, a = w4a16_inputs(1, m, 4096, seed=e + 100, min_exp=0, max_exp=15)
     x = (x.double() / x.double().abs().max() * 1.9 * 2.0 ** e).to(torch.bfloat16)  # |x| up to 1.9 * 2^e

@@ -211,8 +211,10 @@ def test_every_routed_plan_builds_kernels_the_class_accepts(m, monkeypatch):
     (4352, 26624, {"groups": 4, "ctas": 2}), (8192, 28672, {"groups": 4, "ctas": 2}),
     (10240, 8192, {"groups": 2, "ctas": 5, "across": 1}),  # 640 tiles: one round of five CTAs a SM, not of four
     (8448, 8192, {"groups": 2, "ctas": 4, "across": 1}),  # 528 tiles: one round of four
-    (10560, 8192, {"groups": 2, "ctas": 5, "across": 1}),  # 660 tiles, the most in one round of five
-    (10576, 8192, {"groups": 2, "ctas": 4, "across": 1}),  # 661 tiles
+    (8576, 8192, {"groups": 2, "ctas": 5, "across": 1}),  # 536 tiles
+    (10496, 8192, {"groups": 2, "ctas": 5, "across": 1}),  # 656 tiles, the most (M % 128 == 0) in one round of five
+    (10624, 8192, {"groups": 2, "ctas": 4, "across": 1}),  # 664 tiles
+    (7168, 896, {"groups": 2, "ctas": 4}),  # K < 1024: warps without slices; across not taken
     (10240, 20992, {"groups": 2, "ctas": 4, "across": 1})])  # five CTAs' x do not fit (four do)
 def test_one_token_route_of_many_rows_takes_four_ctas_where_their_x_fits(m, k, want):
     """One token, M / 32 over the SMs: x in shared memory, the three-operation decode, x in pair order and the
