@@ -467,6 +467,22 @@ def stg_u8(addr, v, *, loc=None, ip=None):
     asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "st.global.u8 [$0], $1;", "l,r", loc, ip)
 
 
+@dsl_user_op
+def fma_f32(a, b, c, *, loc=None, ip=None):
+    """``fma.rn.f32``: ``a * b + c`` rounded once (an MMA block sum times its scale, into the running sum);
+    the DSL's ``*`` and ``+`` are two roundings unless the compiler contracts them."""
+    r = asm([T.f32()], [cutlass.Float32(a), cutlass.Float32(b), cutlass.Float32(c)],
+            "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", loc, ip)
+    return cutlass.Float32(r[0])
+
+
+@dsl_user_op
+def mul_bf16x2(a, b, *, loc=None, ip=None):
+    """``mul.rn.bf16x2`` of two packed words (``x`` scaled by a power of two as it is copied; exact)."""
+    r = asm([T.i32()], [cutlass.Int32(a), cutlass.Int32(b)], "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", loc, ip)
+    return cutlass.Int32(r[0])
+
+
 # ====================================================================================================
 # nvfp4_gemv/decode.py
 # ====================================================================================================
@@ -694,15 +710,19 @@ def group_sum(acc, offsets):
 
 
 @dsl_user_op
-def scaled_f16x8(q0, q1, s8, *, loc=None, ip=None):
+def scaled_f16x8(q0, q1, s8, scaled=True, *, loc=None, ip=None):
     """16 e2m1 nibbles (two words, value order) times their block's e4m3 scale byte ``s8``: eight f16x2
     ``v * s * 2^-14``, in MMA-slot order: word 0's pairs (0,4), (1,5), (2,6), (3,7), then word 1's.
 
     A nibble ``s e1 e0 m`` is the high byte ``s000 e1e0m0`` of its f16 (the low byte is zero): with the odd
     nibbles at bits 4..7 of each byte (``h``), ``(h >> 3) ^ h`` puts e1e0m at bits 1..3 and keeps s at bit 7;
-    the even nibbles likewise after a shift by 4; one ``prmt`` with zero then places two such bytes a pair."""
-    body = ["{", ".reg .b32 t, u, s, z;", ".reg .b16 h;",
-            "prmt.b32 t, $9, 0, 0x0000;", "cvt.u16.u32 h, t;", "cvt.rn.f16x2.e4m3x2 s, h;", "mov.b32 z, 0;"]
+    the even nibbles likewise after a shift by 4; one ``prmt`` with zero then places two such bytes a pair.
+    ``scaled=False`` (the ``late`` builds, whose scales multiply the MMA sums): ``v * 2^-14`` (0.5 is the
+    subnormal 2^-15), no scale read."""
+    body = ["{", ".reg .b32 t, u, s, z;", ".reg .b16 h;"]
+    if scaled:
+        body += ["prmt.b32 t, $9, 0, 0x0000;", "cvt.u16.u32 h, t;", "cvt.rn.f16x2.e4m3x2 s, h;"]
+    body.append("mov.b32 z, 0;")
     for w, q in enumerate(("$8", "$10")):
         o = [f"${4 * w + j}" for j in range(4)]
         # u: the odd nibbles' f16 high bytes (n1, n3, n5, n7), t: the even ones' (n0, n2, n4, n6)
@@ -711,7 +731,8 @@ def scaled_f16x8(q0, q1, s8, *, loc=None, ip=None):
                  f"shr.b32 {o[0]}, t, 3;", f"xor.b32 t, t, {o[0]};", "and.b32 t, t, 0x8E8E8E8E;",
                  f"prmt.b32 {o[0]}, t, z, 0x2404;", f"prmt.b32 {o[1]}, u, z, 0x2404;",
                  f"prmt.b32 {o[2]}, t, z, 0x3414;", f"prmt.b32 {o[3]}, u, z, 0x3414;"]
-        body += [f"mul.rn.f16x2 {o[j]}, {o[j]}, s;" for j in range(4)]
+        if scaled:
+            body += [f"mul.rn.f16x2 {o[j]}, {o[j]}, s;" for j in range(4)]
     body.append("}")
     # operands: $0..$7 out, $8 q0, $9 s8, $10 q1
     r = asm([T.i32()] * 8, [cutlass.Int32(q0), cutlass.Int32(s8), cutlass.Int32(q1)], "\n".join(body),
@@ -720,7 +741,7 @@ def scaled_f16x8(q0, q1, s8, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def scaled_bf16x8(q0, q1, s8, *, loc=None, ip=None):
+def scaled_bf16x8(q0, q1, s8, scaled=True, *, loc=None, ip=None):
     """16 e2m1 nibbles (two words, value order) times their block's e4m3 scale byte ``s8``: eight bf16x2
     ``v * s * 2^-7``, in the order of ``scaled_f16x8`` (word 0's pairs (0,4), (1,5), (2,6), (3,7), then
     word 1's).
@@ -728,10 +749,12 @@ def scaled_bf16x8(q0, q1, s8, *, loc=None, ip=None):
     Pair ``(i, i + 4)`` of a word: shifting by ``6 - 4i`` puts both magnitudes at bf16 bits 6..8 of their
     halves, shifting by ``12 - 4i`` both signs at bit 15; that is ``v * 2^-126``. The scale: the e4m3 byte to
     f16 (exact, subnormal scales included; the NaN bytes stay NaN), to fp32, times 2^119, packed to bf16x2
-    (exact: 4 significant bits); one ``mul.rn.bf16x2`` a pair (bf16 subnormals are kept)."""
-    body = ["{", ".reg .b32 a, b, p, s;", ".reg .f32 f;", ".reg .b16 h, l, u;",
-            "cvt.u16.u32 h, $9;", "cvt.rn.f16x2.e4m3x2 s, h;", "mov.b32 {l, u}, s;", "cvt.f32.f16 f, l;",
-            "mul.rn.f32 f, f, 0f7B000000;", "cvt.rn.bf16x2.f32 p, f, f;"]
+    (exact: 4 significant bits); one ``mul.rn.bf16x2`` a pair (bf16 subnormals are kept). ``scaled=False``
+    (the ``late`` builds): ``v * 2^-126`` as it is, no scale read."""
+    body = ["{", ".reg .b32 a, b, p, s;", ".reg .f32 f;", ".reg .b16 h, l, u;"]
+    if scaled:
+        body += ["cvt.u16.u32 h, $9;", "cvt.rn.f16x2.e4m3x2 s, h;", "mov.b32 {l, u}, s;", "cvt.f32.f16 f, l;",
+                 "mul.rn.f32 f, f, 0f7B000000;", "cvt.rn.bf16x2.f32 p, f, f;"]
     for w, q in enumerate(("$8", "$10")):
         for i in range(4):
             o = f"${4 * w + i}"
@@ -743,7 +766,8 @@ def scaled_bf16x8(q0, q1, s8, *, loc=None, ip=None):
                 body.append(f"lop3.b32 {o}, a, b, 0x80008000, 0xF8;")  # a | (b & c)
             else:
                 body.append(f"lop3.b32 {o}, a, {q}, 0x80008000, 0xF8;")
-            body.append(f"mul.rn.bf16x2 {o}, {o}, p;")
+            if scaled:
+                body.append(f"mul.rn.bf16x2 {o}, {o}, p;")
     body.append("}")
     r = asm([T.i32()] * 8, [cutlass.Int32(q0), cutlass.Int32(s8), cutlass.Int32(q1)], "\n".join(body),
              "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", loc, ip)
@@ -751,7 +775,7 @@ def scaled_bf16x8(q0, q1, s8, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def scaled_bf16_chunk(q0, q1, q2, q3, s16, *, loc=None, ip=None):
+def scaled_bf16_chunk(q0, q1, q2, q3, s16, scaled=True, *, loc=None, ip=None):
     """W4A16's bf16 decode in the builds with ``dec``: a chunk's 32 e2m1 nibbles (four words, value order)
     times their two blocks' e4m3 scales (``s16``: block 0's byte low): sixteen bf16x2 ``v * s * 2^-7`` in
     ``scaled_bf16x8``'s order, block 0's eight words then block 1's (the same bits as two calls of it).
@@ -760,11 +784,13 @@ def scaled_bf16_chunk(q0, q1, q2, q3, s16, *, loc=None, ip=None):
     ``2^(6 - 4j) + 2^(12 - 4j)`` (``j = i % 2``) (two copies of each nibble, at bits 6..9 and 12..15 of its half: they do not
     overlap, so no carries), one AND keeping bits 6..8 (magnitude) and 15 (sign): the bf16 of ``v * 2^-126``.
     Pairs 2 and 3 take the word shifted right by 8 first (``mul.hi``, on the FMA pipe). The two scales convert
-    together (one ``cvt.rn.f16x2.e4m3x2``)."""
-    body = ["{", ".reg .b32 n, t, s, p0, p1, w8;", ".reg .f32 f;", ".reg .b16 h, l, u;",
-            "cvt.u16.u32 h, $20;", "cvt.rn.f16x2.e4m3x2 s, h;", "mov.b32 {l, u}, s;",
-            "cvt.f32.f16 f, l;", "mul.rn.f32 f, f, 0f7B000000;", "cvt.rn.bf16x2.f32 p0, f, f;",
-            "cvt.f32.f16 f, u;", "mul.rn.f32 f, f, 0f7B000000;", "cvt.rn.bf16x2.f32 p1, f, f;"]
+    together (one ``cvt.rn.f16x2.e4m3x2``). ``scaled=False`` (the ``late`` builds): ``v * 2^-126``, the same
+    three operations a pair without the multiply, no scale read."""
+    body = ["{", ".reg .b32 n, t, s, p0, p1, w8;", ".reg .f32 f;", ".reg .b16 h, l, u;"]
+    if scaled:
+        body += ["cvt.u16.u32 h, $20;", "cvt.rn.f16x2.e4m3x2 s, h;", "mov.b32 {l, u}, s;",
+                 "cvt.f32.f16 f, l;", "mul.rn.f32 f, f, 0f7B000000;", "cvt.rn.bf16x2.f32 p0, f, f;",
+                 "cvt.f32.f16 f, u;", "mul.rn.f32 f, f, 0f7B000000;", "cvt.rn.bf16x2.f32 p1, f, f;"]
     for w, q in enumerate(("$16", "$17", "$18", "$19")):
         p = "p0" if w < 2 else "p1"
         for i in range(4):
@@ -776,7 +802,9 @@ def scaled_bf16_chunk(q0, q1, q2, q3, s16, *, loc=None, ip=None):
             mask = 0x000F000F << (4 * j)
             mult = (1 << (6 - 4 * j)) + (1 << (12 - 4 * j))
             body += [f"and.b32 n, {src}, {mask:#010x};", f"mul.lo.u32 t, n, {mult};",
-                     f"and.b32 {o}, t, 0x81C081C0;", f"mul.rn.bf16x2 {o}, {o}, {p};"]
+                     f"and.b32 {o}, t, 0x81C081C0;"]
+            if scaled:
+                body.append(f"mul.rn.bf16x2 {o}, {o}, {p};")
     body.append("}")
     r = asm([T.i32()] * 16, [cutlass.Int32(v) for v in (q0, q1, q2, q3, s16)], "\n".join(body),
             ",".join(["=r"] * 16 + ["r"] * 5), loc, ip)
