@@ -319,6 +319,30 @@ def test_across_tiles_prefetch_matches_float64(tuning, m, k, kw, dtype):
     assert bad == 0, msg
 
 
+@pytest.mark.parametrize("n,tuning", [(1, {"threads": 256, "x_smem": 0, "w_a": 1, "across": 1}),
+                                      (2, {"threads": 256, "x_smem": 0, "w_a": 1, "across": 1}),
+                                      (8, {"threads": 256, "x_smem": 0, "w_a": 1, "across": 1}),
+                                      (16, {"threads": 256, "x_smem": 0, "across": 1}),
+                                      (32, {"threads": 256, "x_smem": 0, "across": 1})])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_across_on_the_registers_route_matches_float64(n, tuning, dtype):
+    """``across`` forced on the builds with x in registers (not routed there yet): w as the A operand up to 8
+    tokens, x as the A operand (one and two A tiles) from 16; 17536 rows give each CTA several tiles and a
+    last tile moved back where the groups do not divide M / 8; ``K % 128 == 64``."""
+    from nvfp4_gemv.reference import check_args
+
+    m, k = 17536, 4160
+    x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n + 70, dtype=dtype)
+    out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dims = check_args(x, None, w, ws, a, torch.bfloat16, out)
+    plan = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16, dims, tuning=tuple(sorted(tuning.items())))
+    assert_built_as(plan, tuning)
+    plan(x, w, ws, a, out, torch.bfloat16)
+    torch.cuda.synchronize()
+    bad, msg = w4a16_violations(out, *w4a16_exact(x, w, ws, a))
+    assert bad == 0, msg
+
+
 @pytest.mark.parametrize("e", [-54, -40, 0, 30, 55])
 def test_late_keeps_bf16_x_within_the_bound_from_tiny_to_huge_rows(e):
     """``late`` copies bf16 x times 2^72 (the unscaled weights are ``v * 2^-126``), exact for |x| in
