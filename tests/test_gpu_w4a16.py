@@ -217,16 +217,7 @@ def test_overlapping_out_rows_are_refused():
 def test_tunings_on_and_off_the_route_match_float64(tuning, n, m, k, dtype):
     """``w_a`` (w as the MMA's A operand), ``chains`` (two accumulator chains), ``dec`` (the bf16 decode a chunk
     at once) and ``xpair`` (x paired in shared memory) on and off, whatever the route picks, forced through a plan; the last tile moved back (M / 8 not a multiple of the groups), ``K % 128 == 64``."""
-    from nvfp4_gemv.reference import check_args
-
-    x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n * 31 + m, dtype=dtype)
-    out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
-    dims = check_args(x, None, w, ws, a, torch.bfloat16, out)
-    plan = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16, dims, tuning=tuple(sorted(tuning.items())))
-    assert_built_as(plan, tuning)
-    plan(x, w, ws, a, out, torch.bfloat16)
-    torch.cuda.synchronize()
-    bad, msg = w4a16_violations(out, *w4a16_exact(x, w, ws, a))
+    bad, msg = w4a16_violations(*run_forced(tuning, n, m, k, n * 31 + m, dtype))
     assert bad == 0, msg
 
 
@@ -245,6 +236,21 @@ def assert_built_as(plan, tuning):
         assert got == exp, (got, exp)
 
 
+def run_forced(tuning, n, m, k, seed, dtype, **kw):
+    """Fresh inputs (``w4a16_inputs``' ``kw``) through a plan forced to ``tuning`` and checked to build it, the
+    output poisoned with NaN first; returns ``(out, exact, terms)``."""
+    from nvfp4_gemv.reference import check_args
+
+    x, _, w, ws, a = w4a16_inputs(n, m, k, seed=seed, dtype=dtype, **kw)
+    out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dims = check_args(x, None, w, ws, a, torch.bfloat16, out)
+    plan = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16, dims, tuning=tuple(sorted(tuning.items())))
+    assert_built_as(plan, tuning)
+    plan(x, w, ws, a, out, torch.bfloat16)
+    torch.cuda.synchronize()
+    return (out, *w4a16_exact(x, w, ws, a, kw.get("blocked", False)))
+
+
 @pytest.mark.parametrize("tuning", [
     {"threads": 256, "ctas": 4, "groups": 2, "chains": 2, "w_a": 1, "x_smem": 1, "dec": 1, "xpair": 1},  # route of s18
     {"threads": 256, "ctas": 2, "groups": 4, "chains": 2, "w_a": 1, "x_smem": 1},
@@ -253,16 +259,7 @@ def assert_built_as(plan, tuning):
 def test_two_accumulator_chains_on_cancelling_sums_stay_within_the_bound(tuning, dtype):
     """Two chains add one more rounding an output; rows whose halves cancel to a remainder far below their
     sum of |terms| still meet the bound."""
-    from nvfp4_gemv.reference import check_args
-
-    x, _, w, ws, a = w4a16_inputs(1, 256, 8192, seed=17, dtype=dtype, cancel=True)
-    out = torch.full((1, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
-    dims = check_args(x, None, w, ws, a, torch.bfloat16, out)
-    plan = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16, dims, tuning=tuple(sorted(tuning.items())))
-    assert_built_as(plan, tuning)
-    plan(x, w, ws, a, out, torch.bfloat16)
-    torch.cuda.synchronize()
-    exact, terms = w4a16_exact(x, w, ws, a)
+    out, exact, terms = run_forced(tuning, 1, 256, 8192, 17, dtype, cancel=True)
     assert (exact.abs() < terms * 2.0 ** -6).float().mean() > 0.9  # the inputs do cancel
     bad, msg = w4a16_violations(out, exact, terms)
     assert bad == 0, msg
@@ -280,17 +277,7 @@ def test_late_scales_match_float64(tuning, m, k, kw, dtype):
     """``late`` (one token; the block scales multiply the MMA block sums, x block-diagonal in the B operand) with
     2, 4 and 6 groups, with and without ``dec``: ``K % 128 == 64`` (the zero-padded row), one chunk (K = 64),
     cancelling sums, subnormal scales with the weights' 0.5, blocked scales, the last tile moved back."""
-    from nvfp4_gemv.reference import check_args
-
-    blocked = kw.get("blocked", False)
-    x, _, w, ws, a = w4a16_inputs(1, m, k, seed=m + k, dtype=dtype, **kw)
-    out = torch.full((1, m), float("nan"), dtype=torch.bfloat16, device="cuda")
-    dims = check_args(x, None, w, ws, a, torch.bfloat16, out)
-    plan = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16, dims, tuning=tuple(sorted(tuning.items())))
-    assert_built_as(plan, tuning)
-    plan(x, w, ws, a, out, torch.bfloat16)
-    torch.cuda.synchronize()
-    bad, msg = w4a16_violations(out, *w4a16_exact(x, w, ws, a, blocked))
+    bad, msg = w4a16_violations(*run_forced(tuning, 1, m, k, m + k, dtype, **kw))
     assert bad == 0, msg
 
 
@@ -305,17 +292,7 @@ def test_across_tiles_prefetch_matches_float64(tuning, m, k, kw, dtype):
     """``across`` (a tile's last slices prefetch the next tile's first ones) with one tile a CTA and several
     (17536 and 11264 rows: more tiles than CTAs on up to 137 SMs), the last tile moved back (6 groups: M / 8
     not a multiple of 6), ``K`` at its least (depth x warps slices: 2048 at depth 2) and ``K % 128 == 64``."""
-    from nvfp4_gemv.reference import check_args
-
-    blocked = kw.get("blocked", False)
-    x, _, w, ws, a = w4a16_inputs(1, m, k, seed=m + k + 1, dtype=dtype, **kw)
-    out = torch.full((1, m), float("nan"), dtype=torch.bfloat16, device="cuda")
-    dims = check_args(x, None, w, ws, a, torch.bfloat16, out)
-    plan = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16, dims, tuning=tuple(sorted(tuning.items())))
-    assert_built_as(plan, tuning)
-    plan(x, w, ws, a, out, torch.bfloat16)
-    torch.cuda.synchronize()
-    bad, msg = w4a16_violations(out, *w4a16_exact(x, w, ws, a, blocked))
+    bad, msg = w4a16_violations(*run_forced(tuning, 1, m, k, m + k + 1, dtype, **kw))
     assert bad == 0, msg
 
 
@@ -329,17 +306,7 @@ def test_across_on_the_registers_route_matches_float64(n, tuning, dtype):
     """``across`` forced on the builds with x in registers (not routed there yet): w as the A operand up to 8
     tokens, x as the A operand (one and two A tiles) from 16; 17536 rows give each CTA several tiles and a
     last tile moved back where the groups do not divide M / 8; ``K % 128 == 64``."""
-    from nvfp4_gemv.reference import check_args
-
-    m, k = 17536, 4160
-    x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n + 70, dtype=dtype)
-    out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
-    dims = check_args(x, None, w, ws, a, torch.bfloat16, out)
-    plan = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16, dims, tuning=tuple(sorted(tuning.items())))
-    assert_built_as(plan, tuning)
-    plan(x, w, ws, a, out, torch.bfloat16)
-    torch.cuda.synchronize()
-    bad, msg = w4a16_violations(out, *w4a16_exact(x, w, ws, a))
+    bad, msg = w4a16_violations(*run_forced(tuning, n, 17536, 4160, n + 70, dtype))
     assert bad == 0, msg
 
 

@@ -226,3 +226,21 @@ def test_one_token_route_of_many_rows_takes_four_ctas_where_their_x_fits(m, k, w
     groups = tune.pop("groups")
     op = w4a16.Nvfp4GemvW4A16(k, 1, groups, True, False, True, True, **tune)
     assert op.x_smem and op.xpair and op.dec and op.late and op.min_blocks * (op.smem_bytes + 1024) <= w4a16.SMEM_A_SM
+
+
+@pytest.mark.parametrize("kw,k,message", [
+    ({"late": 1, "w_a": 1, "xpair": 1, "x_smem": 1, "groups": 2, "n_tok": 2}, 4096, "late takes one token"),
+    ({"late": 1, "w_a": 0, "xpair": 1, "x_smem": 1, "groups": 2}, 4096, "late takes one token"),
+    ({"late": 1, "w_a": 1, "xpair": 1, "x_smem": 0, "groups": 2}, 4096, "late takes one token"),
+    ({"across": 1, "depth": 2, "threads": 256, "groups": 2}, 1920, "across at depth 2 needs K > 1920"),
+])
+def test_late_and_across_refuse_builds_they_cannot_make(kw, k, message):
+    """``late`` needs one token, ``w_a`` and x paired in shared memory; ``across`` at depth D needs every warp
+    with slices to hold D of them (K = 2048 is the least at depth 2 with 8 warps; any K at depth 1)."""
+    kw = dict(kw)
+    n_tok, groups = kw.pop("n_tok", 1), kw.pop("groups")
+    with pytest.raises(ValueError, match=message):
+        w4a16.Nvfp4GemvW4A16(k, n_tok, groups, True, False, True, True, **kw)
+    if "across" in kw:
+        assert w4a16.Nvfp4GemvW4A16(k + 128, n_tok, groups, True, False, True, True, **kw).across
+        assert w4a16.Nvfp4GemvW4A16(64, n_tok, groups, True, False, True, True, across=1, threads=256).across
