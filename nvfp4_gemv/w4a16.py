@@ -107,14 +107,15 @@ X_LATE_BF16X2 = 0x63806380  # bf16x2 of 2^72: late's bf16 x, so that x * v * 2^-
 LATE_BF16_SUM_SCALE = 2.0 ** 54  # undoes late's 2^72 * 2^-126
 
 
-def pick_groups(n_tok, m, sms, even=False):
-    """Groups of 8 rows a CTA owns at a time: as many as fill the SMs evenly (up to ``MAX_GROUPS``), fewer
-    for more tokens, whose ``x`` and accumulators take the registers (a lane holds ``5 * groups`` words of
-    ``w`` and 16 of ``x`` per 8 tokens, twice: the slice computed and the next in flight). With 8 warps 4
-    groups spill at 25-32 tokens (sm_90a, DSL 4.3.5), hence 2 there; the caps of 6 and 4 at 9-16 and 17-24
-    tokens are set, not measured limits (8 groups compile without spills at 16 tokens). ``even``: only even
-    counts (``w_a`` pairs the groups; M is a multiple of 128, so 16 groups at least)."""
-    cap = MAX_GROUPS if n_tok <= 8 else 6 if n_tok <= 16 else 4 if n_tok <= 24 else 2
+def pick_groups(n_tok, m, sms, even=False, cap=None):
+    """Groups of 8 rows a CTA owns at a time: as many as fill the SMs evenly (up to ``cap``), counting a round
+    of tiles as ``groups + 2``. ``cap``: by default what the registers hold without ``across`` (a lane holds
+    ``5 * groups`` words of ``w`` and 16 of ``x`` per 8 tokens, twice: the slice computed and the next in
+    flight; with 8 warps 4 groups spill at 25-32 tokens, sm_90a, DSL 4.3.5, hence 2 there, and 6 and 4 at
+    9-16 and 17-24 tokens); the route passes its own (``default_tuning``). ``even``: only even counts (``w_a``
+    pairs the groups; M is a multiple of 128, so 16 groups at least)."""
+    if cap is None:
+        cap = MAX_GROUPS if n_tok <= 8 else 6 if n_tok <= 16 else 4 if n_tok <= 24 else 2
     total = m // 8
 
     def cost(gr):
@@ -531,7 +532,10 @@ def default_tuning(n_tok, m, sms, k):
     half the MMAs), and the shared-memory builds add the scales after the MMA (``late``), the three-operation
     bf16 decode (``dec``) and x stored in pair order (``xpair``): each measured faster on H200 there
     (docs/results.md, "W4A16"; ``dec`` alone was slower, with ``xpair`` faster, and 4 CTAs of 2 groups
-    fastest at 7168 and 28672 rows, within 1.3% at 6144, 40% slower at K = 28672 where only three fit)."""
+    fastest at 7168 and 28672 rows, within 1.3% at 6144, 40% slower at K = 28672 where only three fit).
+    From 2 tokens on x stays in registers with ``across``; from 9 tokens a CTA takes up to 8 groups, or 16
+    warps of up to 4 (sixth session, docs/results.md: N = 32 at 7168 x 16384 99.95 -> 54.40 us, N = 16 at
+    4096 x 14336 27.12 -> 22.02)."""
     w_a = {"w_a": 1} if n_tok <= W_A_TOKENS else {}
     if n_tok == 1 and m // 32 > sms:
         # four 2-group CTAs where their shared memory (as the class sizes it) and the 1 KiB a SM keeps for each
@@ -545,7 +549,16 @@ def default_tuning(n_tok, m, sms, k):
         # across where every warp has a slice (tested and timed there)
         across = {"across": 1} if k >= 1024 else {}
         return {"threads": 256, "ctas": ctas, "groups": 2, "dec": 1, "xpair": 1, "late": 1, **across, **w_a}
-    return {"threads": 256, "x_smem": 0, **w_a}
+    if n_tok <= W_A_TOKENS:
+        # 2..8 tokens (and one on fewer rows): x in registers; with across from 2 tokens (level to 5% faster)
+        return {"threads": 256, "x_smem": 0, **w_a, **({"across": 1} if n_tok > 1 else {})}
+    # 9..32 tokens, x the A operand: a warp reads x's slice once a tile, N / (2 * groups) times w's bytes,
+    # so as many groups as the registers hold, with across (its builds keep 8 groups at 32 tokens without a
+    # stack); 9..16 tokens on rows whose 4-group tiles fill at most two rounds: 16 warps of up to 4 groups
+    # (6 spill at 128 registers a thread)
+    if n_tok <= 16 and k >= 2048 and m // 32 <= 2 * sms:
+        return {"threads": 512, "x_smem": 0, "across": 1, "groups": pick_groups(n_tok, m, sms, cap=4)}
+    return {"threads": 256, "x_smem": 0, "across": 1, "groups": pick_groups(n_tok, m, sms, cap=MAX_GROUPS)}
 
 
 def _get_kernel(dev, key):

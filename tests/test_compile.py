@@ -113,12 +113,14 @@ def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, tune, blocked, tmp
     ("sm_90a", 8192, 1, 2, ("--tune", "threads=256,ctas=5,w_a=1,dec=1,xpair=1,late=1,across=1")),
     ("sm_90a", 28672, 1, 4, ("--tune", "threads=256,ctas=2,w_a=1,dec=1,xpair=1,late=1")),
     ("sm_100a", 4096, 1, 2, ("--f16", "--tune", "threads=256,ctas=4,w_a=1,dec=1,xpair=1,late=1,across=1")),
-    ("sm_90a", 4096, 8, 8, ("--tune", "threads=256,x_smem=0,w_a=1")),
-    ("sm_100a", 7168, 2, 4, ("--f16", "--tune", "threads=256,x_smem=0,w_a=1")),
-    ("sm_90a", 14336, 16, 6, ("--f16", "--blocked", "--tune", "threads=256,x_smem=0")),
-    # K % 128 == 64, two A tiles; known: DSL 4.8.1 spills 48 bytes a thread here for sm_100a (4.3.5: none)
-    ("sm_100a", 4160, 32, 2, ("--tune", "threads=256,x_smem=0")),
-    ("sm_100a", 64, 3, 1, ("--f16", "--tune", "threads=256,x_smem=0"))])
+    ("sm_90a", 4096, 8, 8, ("--tune", "threads=256,x_smem=0,w_a=1,across=1")),
+    ("sm_100a", 7168, 2, 4, ("--f16", "--tune", "threads=256,x_smem=0,w_a=1,across=1")),
+    # 16 warps of 4 groups (9..16 tokens); known: DSL 4.8.1 keeps 24 bytes a thread on the stack (4.3.5: none)
+    ("sm_90a", 14336, 16, 4, ("--f16", "--blocked", "--tune", "threads=512,x_smem=0,across=1")),
+    ("sm_90a", 28672, 32, 8, ("--tune", "threads=256,x_smem=0,across=1")),
+    # K % 128 == 64, two A tiles; known: DSL 4.8.1 keeps 24 bytes a thread here for sm_100a (4.3.5: none)
+    ("sm_100a", 4160, 32, 7, ("--tune", "threads=256,x_smem=0,across=1")),
+    ("sm_100a", 64, 3, 1, ("--f16", "--tune", "threads=256,x_smem=0,across=1"))])
 def test_w4a16_kernel_compiles_without_gpu_and_without_spills(arch, k, tokens, groups, extra, tmp_path):
     """The W4A16 kernel as the op routes it (``w4a16.default_tuning``, ``pick_groups``' caps): no stack frame
     (the one-token builds of many rows included: with ``dec`` and ``xpair`` they no longer keep an epilogue
@@ -127,7 +129,10 @@ def test_w4a16_kernel_compiles_without_gpu_and_without_spills(arch, k, tokens, g
     info = compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--w4a16", str(groups), *extra)
     assert info["elf"] and info["launch"] == "tvm-ffi" and info["fp4_cvt"] == [], info
     new_dsl = not info["dsl"].startswith("4.3.")
-    known = 64 if tokens == 32 and arch == "sm_100a" and new_dsl else 8 if "ctas=5" in extra[-1] and new_dsl else 0
+    known = 0
+    if new_dsl:  # measured with 4.8.1: 24 bytes, 24 bytes, 8 bytes
+        known = 24 if tokens == 32 and arch == "sm_100a" else 24 if "threads=512" in extra[-1] else \
+            8 if "ctas=5" in extra[-1] else 0
     assert info["lds_before_bar"] == 0 and info["frame_bytes"] <= known, info
 
 

@@ -296,16 +296,20 @@ def test_across_tiles_prefetch_matches_float64(tuning, m, k, kw, dtype):
     assert bad == 0, msg
 
 
-@pytest.mark.parametrize("n,tuning", [(1, {"threads": 256, "x_smem": 0, "w_a": 1, "across": 1}),
+@pytest.mark.parametrize("n,tuning", [(1, {"threads": 256, "x_smem": 0, "w_a": 1, "late": 0, "ctas": 1, "groups": 4,
+                                           "across": 1}),
                                       (2, {"threads": 256, "x_smem": 0, "w_a": 1, "across": 1}),
                                       (8, {"threads": 256, "x_smem": 0, "w_a": 1, "across": 1}),
                                       (16, {"threads": 256, "x_smem": 0, "across": 1}),
-                                      (32, {"threads": 256, "x_smem": 0, "across": 1})])
+                                      (16, {"threads": 256, "x_smem": 0, "groups": 8, "across": 1}),
+                                      (32, {"threads": 256, "x_smem": 0, "across": 1}),
+                                      (32, {"threads": 256, "x_smem": 0, "groups": 7, "across": 1}),
+                                      (25, {"threads": 256, "x_smem": 0, "groups": 8, "across": 1})])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_across_on_the_registers_route_matches_float64(n, tuning, dtype):
-    """``across`` forced on the builds with x in registers (not routed there yet): w as the A operand up to 8
-    tokens, x as the A operand (one and two A tiles) from 16; 17536 rows give each CTA several tiles and a
-    last tile moved back where the groups do not divide M / 8; ``K % 128 == 64``."""
+    """``across`` on the builds with x in registers: w as the A operand up to 8 tokens, x as the A operand (one
+    and two A tiles, up to 8 groups) from 16; 17536 rows give each CTA several tiles and a last tile moved back
+    where the groups do not divide M / 8 (7 groups); ``K % 128 == 64``."""
     bad, msg = w4a16_violations(*run_forced(tuning, n, 17536, 4160, n + 70, dtype))
     assert bad == 0, msg
 

@@ -118,9 +118,27 @@ def test_one_token_takes_x_in_shared_memory_only_where_its_tiles_outnumber_the_s
     if not shared_x:
         assert one == {"threads": 256, "x_smem": 0, "w_a": 1}
     for n in (2, 8):
-        assert w4a16.default_tuning(n, m, 132, 4096) == {"threads": 256, "x_smem": 0, "w_a": 1}
+        assert w4a16.default_tuning(n, m, 132, 4096) == {"threads": 256, "x_smem": 0, "w_a": 1, "across": 1}
     for n in (9, 16, 32):
-        assert w4a16.default_tuning(n, m, 132, 4096) == {"threads": 256, "x_smem": 0}
+        tune = w4a16.default_tuning(n, m, 132, 4096)
+        assert tune["x_smem"] == 0 and tune["across"] == 1 and "w_a" not in tune
+
+
+@pytest.mark.parametrize("n", [9, 16, 17, 24, 32])
+@pytest.mark.parametrize("m,k,threads,groups", [
+    (4096, 4096, 512, 4), (4096, 14336, 512, 4), (7168, 16384, 512, 4), (8192, 28672, 512, 4), (6144, 4096, 512, 3),
+    (28672, 4096, 256, 7), (4096, 1024, 256, 4), (1024, 4096, 512, 1)])
+def test_from_nine_tokens_the_tiles_take_as_many_groups_as_the_registers_hold(n, m, k, threads, groups):
+    """x as the A operand is read once a tile per warp (N / (2 * groups) times w's bytes): 9..16 tokens take
+    16 warps of up to 4 groups where the 4-group tiles fill at most two rounds of the SMs (and K has a slice
+    for every warp), else, and from 17 tokens, 8 warps of up to 8 groups (H200: N = 32 at 7168 x 16384
+    99.95 -> 54.40 us with 7 groups; 28672 x 4096 at N = 16: 7 groups 46.75 us, 16 warps of 6 spill)."""
+    tune = w4a16.default_tuning(n, m, 132, k)
+    if n > 16 and threads == 512:
+        threads, groups = 256, {4096: 4, 7168: 7, 8192: 8, 6144: 6, 1024: 1}[m]
+    assert (tune["threads"], tune["groups"], tune["across"]) == (threads, groups, 1), tune
+    # what 16 warps of 128 registers hold without a stack (sm_90a, tests/test_compile.py)
+    assert tune["groups"] <= (4 if tune["threads"] == 512 else w4a16.MAX_GROUPS)
 
 
 @pytest.mark.parametrize("n", [1, 2, 8])

@@ -31,6 +31,28 @@ def w_bytes(m, k):
     return m * k // 2 + m * k // 16
 
 
+def install_plan(x, w, ws, a, out, tuning):
+    """Makes ``gemv`` take ``tuning`` (if any) for these tensors' metadata."""
+    if tuning:
+        from nvfp4_gemv.reference import check_args
+
+        key = w4a16._key(x, w, w_scale=ws, alpha=a, out=out, out_dtype=torch.bfloat16)
+        w4a16._plans[key] = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16,
+                                            check_args(x, None, w, ws, a, torch.bfloat16, out),
+                                            tuning=tuple(sorted(tuning.items())))
+
+
+def compile_all(shapes, ns, tuning, x_dtype):
+    """Runs every (shape, N) once so that its kernels are compiled (the cache is per process)."""
+    for m, k in shapes:
+        for n in ns:
+            x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n, dtype=x_dtype, min_exp=1, max_exp=12)
+            out = torch.empty(n, m, dtype=torch.bfloat16, device="cuda")
+            install_plan(x, w, ws, a, out, tuning)
+            gemv(x, None, w, ws, a, out=out)
+    torch.cuda.synchronize()
+
+
 def bench_shape(m, k, ns, reps, tuning, floors, peers=True, x_dtype=torch.bfloat16):
     rows = []
     w_bf16 = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
@@ -46,13 +68,7 @@ def bench_shape(m, k, ns, reps, tuning, floors, peers=True, x_dtype=torch.bfloat
     for n in ns:
         x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n, dtype=x_dtype, min_exp=1, max_exp=12)
         out = torch.empty(n, m, dtype=torch.bfloat16, device="cuda")
-        key = w4a16._key(x, w, w_scale=ws, alpha=a, out=out, out_dtype=torch.bfloat16)
-        if tuning:
-            from nvfp4_gemv.reference import check_args
-
-            w4a16._plans[key] = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16,
-                                                check_args(x, None, w, ws, a, torch.bfloat16, out),
-                                                tuning=tuple(sorted(tuning.items())))
+        install_plan(x, w, ws, a, out, tuning)
         out.fill_(float("nan"))
         gemv(x, None, w, ws, a, out=out)
         torch.cuda.synchronize()
@@ -118,13 +134,21 @@ def main():
     p.add_argument("--no-peers", action="store_true", help="time ours only (tuning sweeps)")
     p.add_argument("--quantize", action="store_true", help="also time nvfp4_gemv.quantize (1, 4, 16 rows of 16384)")
     p.add_argument("--x-dtype", default="bfloat16", choices=("bfloat16", "float16"), help="x's dtype (W4A16 rows)")
+    p.add_argument("--lock", default=None, help="compile every build first, then check and time holding this "
+                   "file's lock (several sweep processes: compiles in parallel, timings one at a time)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     ns = [int(v) for v in args.n.split(",")]
     tuning = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.tune.split(",") if kv}
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+    if args.lock:
+        import fcntl
+
+        compile_all(shapes, ns, tuning, getattr(torch, args.x_dtype))
+        lock = open(args.lock, "a")
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released at exit
     rows = []
-    for shape in args.shapes.split(","):
-        m, k = (int(v) for v in shape.split("x"))
+    for m, k in shapes:
         rows += bench_shape(m, k, ns, args.reps, tuning, not args.no_floor, not args.no_peers,
                             getattr(torch, args.x_dtype))
     quant_rows = bench_quantize(args.reps) if args.quantize else []
