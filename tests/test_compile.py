@@ -120,7 +120,7 @@ def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, tune, blocked, tmp
     ("sm_90a", 28672, 32, 8, ("--tune", "threads=256,x_smem=0,across=1")),
     # K % 128 == 64, two A tiles; known: DSL 4.8.1 keeps 24 bytes a thread here for sm_100a (4.3.5: none)
     ("sm_100a", 4160, 32, 7, ("--tune", "threads=256,x_smem=0,across=1")),
-    ("sm_100a", 64, 3, 1, ("--f16", "--tune", "threads=256,x_smem=0,across=1"))])
+    ("sm_100a", 64, 3, 2, ("--f16", "--tune", "threads=256,x_smem=0,w_a=1,across=1"))])
 def test_w4a16_kernel_compiles_without_gpu_and_without_spills(arch, k, tokens, groups, extra, tmp_path):
     """The W4A16 kernel as the op routes it (``w4a16.default_tuning``, ``pick_groups``' caps): no stack frame
     (the one-token builds of many rows included: with ``dec`` and ``xpair`` they no longer keep an epilogue

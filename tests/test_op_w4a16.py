@@ -127,7 +127,9 @@ def test_one_token_takes_x_in_shared_memory_only_where_its_tiles_outnumber_the_s
 @pytest.mark.parametrize("n", [9, 16, 17, 24, 32])
 @pytest.mark.parametrize("m,k,threads,groups", [
     (4096, 4096, 512, 4), (4096, 14336, 512, 4), (7168, 16384, 512, 4), (8192, 28672, 512, 4), (6144, 4096, 512, 3),
-    (28672, 4096, 256, 7), (4096, 1024, 256, 4), (1024, 4096, 512, 1)])
+    (28672, 4096, 256, 7), (4096, 1024, 256, 4), (1024, 4096, 512, 1),
+    # the edges: 4-group tiles of exactly two rounds (8448 rows) and one tile more; K = 2048 and one slice less
+    (8448, 4096, 512, 4), (8576, 4096, 256, 5), (4096, 2048, 512, 4), (4096, 1984, 256, 4)])
 def test_from_nine_tokens_the_tiles_take_as_many_groups_as_the_registers_hold(n, m, k, threads, groups):
     """x as the A operand is read once a tile per warp (N / (2 * groups) times w's bytes): 9..16 tokens take
     16 warps of up to 4 groups where the 4-group tiles fill at most two rounds of the SMs (and K has a slice
@@ -135,7 +137,7 @@ def test_from_nine_tokens_the_tiles_take_as_many_groups_as_the_registers_hold(n,
     99.95 -> 54.40 us with 7 groups; 28672 x 4096 at N = 16: 7 groups 46.75 us, 16 warps of 6 spill)."""
     tune = w4a16.default_tuning(n, m, 132, k)
     if n > 16 and threads == 512:
-        threads, groups = 256, {4096: 4, 7168: 7, 8192: 8, 6144: 6, 1024: 1}[m]
+        threads, groups = 256, {4096: 4, 7168: 7, 8192: 8, 6144: 6, 1024: 1, 8448: 8}[m]
     assert (tune["threads"], tune["groups"], tune["across"]) == (threads, groups, 1), tune
     # what 16 warps of 128 registers hold without a stack (sm_90a, tests/test_compile.py)
     assert tune["groups"] <= (4 if tune["threads"] == 512 else w4a16.MAX_GROUPS)

@@ -53,6 +53,19 @@ def compile_all(shapes, ns, tuning, x_dtype):
     torch.cuda.synchronize()
 
 
+def wait_for_peers(folder, count, timeout_s=1800):
+    """Marks this process compiled (a file in ``folder``) and waits until ``count`` processes have."""
+    import time
+
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    t0 = time.time()
+    while len(os.listdir(folder)) < count:
+        if time.time() - t0 > timeout_s:
+            raise RuntimeError(f"bench_w4a16: {len(os.listdir(folder))} of {count} processes compiled in {timeout_s} s")
+        time.sleep(0.5)
+
+
 def bench_shape(m, k, ns, reps, tuning, floors, peers=True, x_dtype=torch.bfloat16):
     rows = []
     w_bf16 = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
@@ -129,13 +142,16 @@ def main():
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--n", default="1,2,4,8,16,32")
     p.add_argument("--shapes", default=SHAPES)
-    p.add_argument("--tune", default="", help="kernel tuning for every launch, e.g. threads=512,groups=4")
+    p.add_argument("--tune", default="", help="kernel tuning for every launch, e.g. threads=512,groups=4; merged "
+                   "over the route's (across=0 or groups=N to build without what the route adds)")
     p.add_argument("--no-floor", action="store_true", help="skip the plain-read floors (faster)")
     p.add_argument("--no-peers", action="store_true", help="time ours only (tuning sweeps)")
     p.add_argument("--quantize", action="store_true", help="also time nvfp4_gemv.quantize (1, 4, 16 rows of 16384)")
     p.add_argument("--x-dtype", default="bfloat16", choices=("bfloat16", "float16"), help="x's dtype (W4A16 rows)")
     p.add_argument("--lock", default=None, help="compile every build first, then check and time holding this "
                    "file's lock (several sweep processes: compiles in parallel, timings one at a time)")
+    p.add_argument("--barrier", type=int, default=0, help="with --lock: wait until this many processes have "
+                   "compiled (files in LOCK.ready/) before timing, so that no compile runs beside a timing")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     ns = [int(v) for v in args.n.split(",")]
@@ -145,6 +161,8 @@ def main():
         import fcntl
 
         compile_all(shapes, ns, tuning, getattr(torch, args.x_dtype))
+        if args.barrier:
+            wait_for_peers(args.lock + ".ready", args.barrier)
         lock = open(args.lock, "a")
         fcntl.flock(lock, fcntl.LOCK_EX)  # released at exit
     rows = []
