@@ -129,10 +129,11 @@ def test_w4a16_kernel_compiles_without_gpu_and_without_spills(arch, k, tokens, g
     info = compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--w4a16", str(groups), *extra)
     assert info["elf"] and info["launch"] == "tvm-ffi" and info["fp4_cvt"] == [], info
     new_dsl = not info["dsl"].startswith("4.3.")
+    # DSL 4.8.1 keeps a few bytes a thread on the stack in three builds (measured: 24, 24 and 8; 4.3.5: none)
     known = 0
-    if new_dsl:  # measured with 4.8.1: 24 bytes, 24 bytes, 8 bytes
-        known = 24 if tokens == 32 and arch == "sm_100a" else 24 if "threads=512" in extra[-1] else \
-            8 if "ctas=5" in extra[-1] else 0
+    if new_dsl:
+        wide = (tokens == 32 and arch == "sm_100a") or "threads=512" in extra[-1]
+        known = 24 if wide else 8 if "ctas=5" in extra[-1] else 0
     assert info["lds_before_bar"] == 0 and info["frame_bytes"] <= known, info
 
 

@@ -42,13 +42,19 @@ def install_plan(x, w, ws, a, out, tuning):
                                             tuning=tuple(sorted(tuning.items())))
 
 
+def make_case(n, m, k, x_dtype, tuning):
+    """One row's inputs and output, with ``gemv``'s plan for them taking ``tuning``."""
+    x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n, dtype=x_dtype, min_exp=1, max_exp=12)
+    out = torch.empty(n, m, dtype=torch.bfloat16, device="cuda")
+    install_plan(x, w, ws, a, out, tuning)
+    return x, w, ws, a, out
+
+
 def compile_all(shapes, ns, tuning, x_dtype):
     """Runs every (shape, N) once so that its kernels are compiled (the cache is per process)."""
     for m, k in shapes:
         for n in ns:
-            x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n, dtype=x_dtype, min_exp=1, max_exp=12)
-            out = torch.empty(n, m, dtype=torch.bfloat16, device="cuda")
-            install_plan(x, w, ws, a, out, tuning)
+            x, w, ws, a, out = make_case(n, m, k, x_dtype, tuning)
             gemv(x, None, w, ws, a, out=out)
     torch.cuda.synchronize()
 
@@ -79,9 +85,7 @@ def bench_shape(m, k, ns, reps, tuning, floors, peers=True, x_dtype=torch.bfloat
         floor = float("nan")
     base = None
     for n in ns:
-        x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n, dtype=x_dtype, min_exp=1, max_exp=12)
-        out = torch.empty(n, m, dtype=torch.bfloat16, device="cuda")
-        install_plan(x, w, ws, a, out, tuning)
+        x, w, ws, a, out = make_case(n, m, k, x_dtype, tuning)
         out.fill_(float("nan"))
         gemv(x, None, w, ws, a, out=out)
         torch.cuda.synchronize()
