@@ -105,6 +105,9 @@ BF16_SUM_SCALE = 128.0  # 2^7: undoes the 2^-7 of the bf16 weights
 F16_SUM_SCALE = 16384.0  # 2^14: undoes the 2^-14 of the f16 weights
 X_LATE_BF16X2 = 0x63806380  # bf16x2 of 2^72: late's bf16 x, so that x * v * 2^-126 * s stays normal
 LATE_BF16_SUM_SCALE = 2.0 ** 54  # undoes late's 2^72 * 2^-126
+SHARED_X_TOKENS = 4  # tokens up to which many rows take x in shared memory (measured up to 4)
+SHARED_X_VALUES = 16384  # ... where N x K is at most this (four CTAs' copies of x then leave L1 room)
+XBATCH = 8  # copies of x (16 bytes each) a thread has in flight while x is copied into shared memory
 
 
 def pick_groups(n_tok, m, sms, even=False, cap=None):
@@ -130,7 +133,7 @@ class Nvfp4GemvW4A16(OpLaunch):
 
     def __init__(self, k: int, n_tok: int, groups: int, x_bf16: bool, w_blocked: bool, has_alpha: bool,
                  out_bf16: bool, threads=None, depth=None, ctas=None, x_smem=None, chains=None, w_a=None,
-                 dec=None, xpair=None, late=None, across=None):
+                 dec=None, xpair=None, late=None, across=None, xbatch=None):
         if not 1 <= n_tok <= MAX_TOKENS:
             raise ValueError(f"nvfp4_gemv: the W4A16 kernel takes 1..{MAX_TOKENS} tokens, not {n_tok}")
         if k % 64 or k <= 0:
@@ -201,6 +204,11 @@ class Nvfp4GemvW4A16(OpLaunch):
         if self.across and self.depth > 1 and self.n_slices < self.depth * self.warps:
             raise ValueError(f"nvfp4_gemv: across at depth {self.depth} needs K > {128 * (self.depth * self.warps - 1)} "
                              f"(depth x warps slices), not {k}")
+        # xbatch (x in shared memory): copies of 16 bytes a thread has in flight while x is copied (a loop of
+        # one copy at a time waited for each load: 7168 x 16384 at one token 29.33 -> 26.30 us)
+        self.xbatch = XBATCH if xbatch is None else int(xbatch)
+        if self.xbatch < 1:
+            raise ValueError(f"nvfp4_gemv: xbatch={xbatch}: expected at least 1")
         self.min_blocks = int(ctas or 1)  # CTAs a SM (launch bound: registers a thread <= 64K / (ctas * threads))
         # undoes the weights' (and with late bf16 x's) power of two; with late bf16 2^54 * alpha, so alpha < 2^74
         self.sum_scale = F16_SUM_SCALE if not self.x_bf16 else LATE_BF16_SUM_SCALE if self.late else BF16_SUM_SCALE
@@ -368,34 +376,45 @@ class Nvfp4GemvW4A16(OpLaunch):
         s_buf = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.smem_bytes // 4), byte_alignment=16)
         s_red = s_buf.iterator.toint()
         s_x = s_red + self.red_bytes
-        if cutlass.const_expr(self.x_smem):
-            # x [N, K] into shared memory once, 16 bytes a thread at a time (rows x_row_bytes apart)
-            per_row = self.k // 8
-            # late: the padded row (zeros past K) in one pass
-            copies = self.x_row_bytes // 16 if self.late else NT * per_row
-            for c in cutlass.range(tidx, copies, self.threads, unroll=1):
-                tok = c // per_row
-                j = c % per_row
-                if cutlass.const_expr(self.late):
-                    tok = 0
-                    j = c
-                    v = ldg_v4_if(x_ptr + cutlass.Int64(cutlass.min(c, per_row - 1)) * 16,
-                                  cutlass.Int32(c < per_row))
-                else:
-                    v = ldg_v4(x_ptr + cutlass.Int64(tok) * x_rs + cutlass.Int64(j) * 16)
-                if cutlass.const_expr(self.xpair):
-                    p04, p15 = pair_halves(v[0], v[2])
-                    p26, p37 = pair_halves(v[1], v[3])
-                    v = [p04, p15, p26, p37]
-                if cutlass.const_expr(self.late and self.x_bf16):
-                    v = [mul_bf16x2(e, X_LATE_BF16X2) for e in v]
-                sts_v4(s_x + tok * self.x_row_bytes + j * 16, v[0], v[1], v[2], v[3])
-            cute.arch.sync_threads()
-
         wid = tidx // 32
         lane = tidx % 32
         g = lane // 4
         t = lane % 4
+        ptrs = (w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs)
+        if cutlass.const_expr(self.x_smem):
+            # x [N, K] into shared memory once, 16 bytes a copy (rows x_row_bytes apart), a thread's copies
+            # xbatch at a time: the batch's loads all issue before its first store waits for one (a round trip
+            # to L2, or to DRAM where x is not there yet, a batch instead of a copy)
+            per_row = self.k // 8
+            # late: the padded row (zeros past K) in one pass
+            copies = self.x_row_bytes // 16 if self.late else NT * per_row
+            iters = -(-copies // self.threads)
+            for b0 in cutlass.range_constexpr(0, iters, self.xbatch):
+                got = []
+                for it in cutlass.range_constexpr(b0, min(b0 + self.xbatch, iters)):
+                    c = tidx + it * self.threads
+                    if cutlass.const_expr((it + 1) * self.threads > copies):
+                        c = cutlass.min(c, copies - 1)  # a thread past the copies repeats the last one
+                    tok = c // per_row
+                    j = c % per_row
+                    if cutlass.const_expr(self.late):
+                        tok = 0
+                        j = c
+                        v = ldg_v4_if(x_ptr + cutlass.Int64(cutlass.min(c, per_row - 1)) * 16,
+                                      cutlass.Int32(c < per_row))
+                    else:
+                        v = ldg_v4(x_ptr + cutlass.Int64(tok) * x_rs + cutlass.Int64(j) * 16)
+                    got.append((tok, j, v))
+                for tok, j, v in got:
+                    if cutlass.const_expr(self.xpair):
+                        p04, p15 = pair_halves(v[0], v[2])
+                        p26, p37 = pair_halves(v[1], v[3])
+                        v = [p04, p15, p26, p37]
+                    if cutlass.const_expr(self.late and self.x_bf16):
+                        v = [mul_bf16x2(e, X_LATE_BF16X2) for e in v]
+                    sts_v4(s_x + tok * self.x_row_bytes + j * 16, v[0], v[1], v[2], v[3])
+            cute.arch.sync_threads()
+
         my_slices = (self.n_slices - wid + W - 1) // W
         n_tiles = (m // 8 + GR - 1) // GR
         zero = cutlass.Int32(0)
@@ -409,7 +428,6 @@ class Nvfp4GemvW4A16(OpLaunch):
             x_lane = (s_zero + own0 * (xb - s_zero), s_zero + own1 * (xb + 32 - s_zero),
                       own0 * (W * 256), own1 * (W * 256))
 
-        ptrs = (w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs)
         if cutlass.const_expr(self.across):
             # the first tile's first slices; later tiles' come in with the previous tile's last slices
             pipe = []
@@ -549,6 +567,12 @@ def default_tuning(n_tok, m, sms, k):
         # across where every warp has a slice (tested and timed there)
         across = {"across": 1} if k >= 1024 else {}
         return {"threads": 256, "ctas": ctas, "groups": 2, "dec": 1, "xpair": 1, "late": 1, **across, **w_a}
+    if 2 <= n_tok <= SHARED_X_TOKENS and n_tok * k <= SHARED_X_VALUES and m // 32 > sms:
+        # 2..4 tokens on many rows: the one-token route's 4 CTAs of 2 groups with x in shared memory, without
+        # late (its B operand would take a column a block and token). Where the four copies of x take more of
+        # a SM's shared memory (N x K above 16384: K = 8192 at 3 tokens, 4096 at 6), the 2-byte scale loads lose
+        # the L1 they share it with and it was slower than x in registers (seventh session, docs/results.md).
+        return {"threads": 256, "ctas": 4, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, **w_a}
     if n_tok <= W_A_TOKENS:
         # 2..8 tokens (and one on fewer rows): x in registers; with across from 2 tokens (level to 6% faster; any K:
         # at depth 1 a warp without slices skips the loop)

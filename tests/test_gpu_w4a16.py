@@ -56,6 +56,36 @@ def test_the_one_token_route_of_many_rows_matches_float64(k, kw, dtype):
     check(1, m, k, seed=k + 3, dtype=dtype, **kw)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("m,k,kw", [(17536, 4096, {}), (17536, 4160, {"blocked": True}), (8704, 2048, {"cancel": True}),
+                                    (None, 4096, {"min_exp": 0, "max_exp": 1})])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_two_to_four_tokens_on_many_rows_take_shared_x_and_match_float64(n, m, k, kw, dtype):
+    """The routed 2..4-token build of many rows (x in shared memory, 4 CTAs of 2 groups, ``dec``, ``xpair``,
+    ``across``): several tiles a CTA and the last moved back, ``K % 128 == 64`` with blocked scales (a copy
+    count that leaves the last batch of the copy of x part full), cancelling sums, subnormal scales; ``None``:
+    the fewest rows that take the route on this GPU."""
+    m = m or one_token_rows()
+    tune = w4a16.default_tuning(n, m, torch.cuda.get_device_properties(0).multi_processor_count, k)
+    if n * k > 16384:
+        pytest.skip("N x K over 16384 keeps x in registers")
+    assert tune["x_smem"] and tune["ctas"] == 4 and tune["groups"] == 2 and not tune.get("late"), tune
+    check(n, m, k, seed=n + m + k, dtype=dtype, **kw)
+
+
+@pytest.mark.parametrize("xbatch", [1, 3, 8, 32])
+@pytest.mark.parametrize("n,tuning", [
+    (3, {"threads": 256, "ctas": 4, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, "w_a": 1}),
+    (1, {"threads": 256, "ctas": 4, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "late": 1, "across": 1, "w_a": 1}),
+    (16, {"threads": 256, "x_smem": 1, "groups": 2})])
+def test_the_copy_of_x_in_batches_matches_float64(xbatch, n, tuning):
+    """x copied into shared memory ``xbatch`` copies a thread at a time: one, a batch that leaves the last part
+    full (K = 4160: 520 copies a row), the default, more than a thread's copies; with and without ``late``'s
+    padded row, and with x as the A operand (16 tokens)."""
+    bad, msg = w4a16_violations(*run_forced({**tuning, "xbatch": xbatch}, n, 17536, 4160, xbatch + n, torch.bfloat16))
+    assert bad == 0, msg
+
+
 @pytest.mark.parametrize("n", [1, 13, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_blocked_scales_match_float64(n, dtype):
@@ -223,7 +253,8 @@ def test_tunings_on_and_off_the_route_match_float64(tuning, n, m, k, dtype):
 
 # tuning key -> the kernel attribute it sets
 BUILT_AS = {"w_a": "w_a", "groups": "groups", "threads": "threads", "ctas": "min_blocks", "x_smem": "x_smem",
-            "chains": "chains", "dec": "dec", "xpair": "xpair", "late": "late", "depth": "depth", "across": "across"}
+            "chains": "chains", "dec": "dec", "xpair": "xpair", "late": "late", "depth": "depth", "across": "across",
+            "xbatch": "xbatch"}
 
 
 def assert_built_as(plan, tuning):

@@ -117,11 +117,39 @@ def test_one_token_takes_x_in_shared_memory_only_where_its_tiles_outnumber_the_s
     assert (one.get("x_smem", 1) == 1) == shared_x and one["w_a"] == 1
     if not shared_x:
         assert one == {"threads": 256, "x_smem": 0, "w_a": 1}
-    for n in (2, 8):
-        assert w4a16.default_tuning(n, m, 132, 4096) == {"threads": 256, "x_smem": 0, "w_a": 1, "across": 1}
+    assert w4a16.default_tuning(8, m, 132, 4096) == {"threads": 256, "x_smem": 0, "w_a": 1, "across": 1}
+    assert w4a16.default_tuning(2, m, 132, 4096)["x_smem"] == shared_x
     for n in (9, 16, 32):
         tune = w4a16.default_tuning(n, m, 132, 4096)
         assert tune["x_smem"] == 0 and tune["across"] == 1 and "w_a" not in tune
+
+
+@pytest.mark.parametrize("n,m,k,shared_x", [
+    (2, 28672, 4096, True), (4, 6144, 4096, True), (3, 14336, 4096, True), (2, 10240, 8192, True),
+    (2, 8192, 8192, True), (4, 8704, 4096, True), (2, 4352, 2048, True),
+    # N x K past 16384, 5 tokens, rows whose M / 32 does not pass the SMs (4224 on 132), one token
+    (3, 10240, 8192, False), (2, 7168, 16384, False), (2, 8192, 28672, False), (4, 28672, 4160, False),
+    (5, 28672, 4096, False), (2, 4224, 4096, False), (4, 4096, 4096, False)])
+def test_two_to_four_tokens_on_many_rows_take_x_in_shared_memory_where_n_k_is_at_most_16384(n, m, k, shared_x):
+    """2..4 tokens on many rows (``M / 32`` over the SMs) take the one-token route's 4 CTAs of 2 groups with x in
+    shared memory (``dec``, ``xpair``, ``across``; no ``late``) where ``N x K <= 16384``; four such CTAs fit a SM.
+    Elsewhere x stays in registers (H200: with more shared memory the scale loads lost their L1 and it was
+    slower; docs/results.md, "Seventh session")."""
+    tune = w4a16.default_tuning(n, m, 132, k)
+    if not shared_x:
+        assert tune == {"threads": 256, "x_smem": 0, "w_a": 1, "across": 1}
+        return
+    assert tune == {"threads": 256, "ctas": 4, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, "w_a": 1}
+    tune.pop("groups")
+    op = w4a16.Nvfp4GemvW4A16(k, n, 2, True, False, True, True, **tune)
+    assert op.x_smem and not op.late and op.min_blocks * (op.smem_bytes + 1024) <= w4a16.SMEM_A_SM
+
+
+def test_the_copy_of_x_refuses_batches_of_no_copies():
+    """``xbatch`` (copies of x a thread has in flight) is at least 1; the default is ``XBATCH``."""
+    with pytest.raises(ValueError, match="xbatch=0"):
+        w4a16.Nvfp4GemvW4A16(4096, 1, 2, True, False, True, True, x_smem=1, xbatch=0)
+    assert w4a16.Nvfp4GemvW4A16(4096, 1, 2, True, False, True, True, x_smem=1).xbatch == w4a16.XBATCH == 8
 
 
 @pytest.mark.parametrize("n", [9, 16, 17, 24, 32])
