@@ -49,7 +49,8 @@ order.
 Work: a CTA owns ``groups`` groups (8 rows each) at a time; its ``W`` warps split K into slices (warp ``i``
 takes slices ``i, i + W, ...``), the loads of the next ``depth`` slices in flight in registers while one
 computes. ``x`` comes with ``w`` (registers), or, with ``x_smem`` where its N rows fit, from shared memory,
-copied there once per CTA (with ``xpair`` already in the MMA's pair order). ``late``: B's column ``2t + b``
+copied there once per CTA (with ``xpair`` already in the MMA's pair order), ``xbatch`` 16-byte copies a thread
+in flight at a time. ``late``: B's column ``2t + b``
 holds lane ``t``'s block ``b`` and zeros elsewhere (lanes read their block, or 32 zero bytes, from a row
 padded with zeros to whole slices), so the chain of block ``b``'s 4 k-steps leaves each lane its own
 chunk's block sums for rows ``g`` and ``g + 8`` in C's columns ``2t`` and ``2t + 1``; the four lanes of a row
@@ -389,30 +390,32 @@ class Nvfp4GemvW4A16(OpLaunch):
             # late: the padded row (zeros past K) in one pass
             copies = self.x_row_bytes // 16 if self.late else NT * per_row
             iters = -(-copies // self.threads)
-            for b0 in cutlass.range_constexpr(0, iters, self.xbatch):
-                got = []
-                for it in cutlass.range_constexpr(b0, min(b0 + self.xbatch, iters)):
-                    c = tidx + it * self.threads
-                    if cutlass.const_expr((it + 1) * self.threads > copies):
-                        c = cutlass.min(c, copies - 1)  # a thread past the copies repeats the last one
-                    tok = c // per_row
-                    j = c % per_row
+            # (names of their own: the epilogue's dynamic loop assigns tok, and a name bound here too, outside a
+            # dynamic loop, would change type inside it)
+            for xb0 in cutlass.range_constexpr(0, iters, self.xbatch):
+                xgot = []
+                for xit in cutlass.range_constexpr(xb0, min(xb0 + self.xbatch, iters)):
+                    xc = tidx + xit * self.threads
+                    if cutlass.const_expr((xit + 1) * self.threads > copies):
+                        xc = cutlass.min(xc, copies - 1)  # a thread past the copies repeats the last one
+                    xtok = xc // per_row
+                    xj = xc % per_row
                     if cutlass.const_expr(self.late):
-                        tok = 0
-                        j = c
-                        v = ldg_v4_if(x_ptr + cutlass.Int64(cutlass.min(c, per_row - 1)) * 16,
-                                      cutlass.Int32(c < per_row))
+                        xtok = 0
+                        xj = xc
+                        xv = ldg_v4_if(x_ptr + cutlass.Int64(cutlass.min(xc, per_row - 1)) * 16,
+                                       cutlass.Int32(xc < per_row))
                     else:
-                        v = ldg_v4(x_ptr + cutlass.Int64(tok) * x_rs + cutlass.Int64(j) * 16)
-                    got.append((tok, j, v))
-                for tok, j, v in got:
+                        xv = ldg_v4(x_ptr + cutlass.Int64(xtok) * x_rs + cutlass.Int64(xj) * 16)
+                    xgot.append((xtok, xj, xv))
+                for xtok, xj, xv in xgot:
                     if cutlass.const_expr(self.xpair):
-                        p04, p15 = pair_halves(v[0], v[2])
-                        p26, p37 = pair_halves(v[1], v[3])
-                        v = [p04, p15, p26, p37]
+                        xp04, xp15 = pair_halves(xv[0], xv[2])
+                        xp26, xp37 = pair_halves(xv[1], xv[3])
+                        xv = [xp04, xp15, xp26, xp37]
                     if cutlass.const_expr(self.late and self.x_bf16):
-                        v = [mul_bf16x2(e, X_LATE_BF16X2) for e in v]
-                    sts_v4(s_x + tok * self.x_row_bytes + j * 16, v[0], v[1], v[2], v[3])
+                        xv = [mul_bf16x2(e, X_LATE_BF16X2) for e in xv]
+                    sts_v4(s_x + xtok * self.x_row_bytes + xj * 16, xv[0], xv[1], xv[2], xv[3])
             cute.arch.sync_threads()
 
         my_slices = (self.n_slices - wid + W - 1) // W
@@ -551,7 +554,9 @@ def default_tuning(n_tok, m, sms, k):
     bf16 decode (``dec``) and x stored in pair order (``xpair``): each measured faster on H200 there
     (docs/results.md, "W4A16"; ``dec`` alone was slower, with ``xpair`` faster, and 4 CTAs of 2 groups
     fastest at 7168 and 28672 rows, within 1.3% at 6144, 40% slower at K = 28672 where only three fit).
-    From 2 tokens on x stays in registers with ``across``; from 9 tokens a CTA takes up to 8 groups, or 16
+    2..4 tokens on the same many rows where N x K <= 16384: the one-token route's 4 CTAs of 2 groups with x in
+    shared memory, without ``late`` (28672 x 4096 at N = 2 38.56 -> 28.13 us; seventh session). Otherwise from 2
+    tokens on x stays in registers with ``across``; from 9 tokens a CTA takes up to 8 groups, or 16
     warps of up to 4 (sixth session, docs/results.md: N = 32 at 7168 x 16384 99.95 -> 54.40 us, N = 16 at
     4096 x 14336 27.12 -> 22.02)."""
     w_a = {"w_a": 1} if n_tok <= W_A_TOKENS else {}
