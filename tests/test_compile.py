@@ -113,6 +113,10 @@ def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, tune, blocked, tmp
     ("sm_90a", 8192, 1, 2, ("--tune", "threads=256,ctas=5,w_a=1,dec=1,xpair=1,late=1,across=1")),
     ("sm_90a", 28672, 1, 4, ("--tune", "threads=256,ctas=2,w_a=1,dec=1,xpair=1,late=1")),
     ("sm_100a", 4096, 1, 2, ("--f16", "--tune", "threads=256,ctas=4,w_a=1,dec=1,xpair=1,late=1,across=1")),
+    # 2..4 tokens on many rows where N x K <= 16384: x in shared memory, 4 CTAs of 2 groups (the copy of x in
+    # batches of 8; K % 128 == 64 for sm_100a)
+    ("sm_90a", 4096, 4, 2, ("--tune", "threads=256,ctas=4,w_a=1,x_smem=1,dec=1,xpair=1,across=1")),
+    ("sm_100a", 4160, 3, 2, ("--f16", "--tune", "threads=256,ctas=4,w_a=1,x_smem=1,dec=1,xpair=1,across=1")),
     ("sm_90a", 4096, 8, 8, ("--tune", "threads=256,x_smem=0,w_a=1,across=1")),
     ("sm_100a", 7168, 2, 4, ("--f16", "--tune", "threads=256,x_smem=0,w_a=1,across=1")),
     # 16 warps of 4 groups (9..16 tokens); known: DSL 4.8.1 keeps 24 bytes a thread on the stack (4.3.5: none)
