@@ -106,8 +106,9 @@ BF16_SUM_SCALE = 128.0  # 2^7: undoes the 2^-7 of the bf16 weights
 F16_SUM_SCALE = 16384.0  # 2^14: undoes the 2^-14 of the f16 weights
 X_LATE_BF16X2 = 0x63806380  # bf16x2 of 2^72: late's bf16 x, so that x * v * 2^-126 * s stays normal
 LATE_BF16_SUM_SCALE = 2.0 ** 54  # undoes late's 2^72 * 2^-126
-SHARED_X_TOKENS = 4  # tokens up to which many rows take x in shared memory (measured up to 4)
-SHARED_X_VALUES = 16384  # ... where N x K is at most this (four CTAs' copies of x then leave L1 room)
+SHARED_X_TOKENS = 4  # tokens up to which many rows take x in shared memory (measured to 8: slower from 6)
+SHARED_X_VALUES = 16384  # ... where N x K is at most this (measured faster at 4096 x 4, 8192 x 2)
+SHARED_X_MIN_K = 2048  # ... and K at least this (measured from 2048; the one-token route's across from 1024)
 XBATCH = 8  # copies of x (16 bytes each) a thread has in flight while x is copied into shared memory
 
 
@@ -205,8 +206,10 @@ class Nvfp4GemvW4A16(OpLaunch):
         if self.across and self.depth > 1 and self.n_slices < self.depth * self.warps:
             raise ValueError(f"nvfp4_gemv: across at depth {self.depth} needs K > {128 * (self.depth * self.warps - 1)} "
                              f"(depth x warps slices), not {k}")
-        # xbatch (x in shared memory): copies of 16 bytes a thread has in flight while x is copied (a loop of
-        # one copy at a time waited for each load: 7168 x 16384 at one token 29.33 -> 26.30 us)
+        # xbatch (x in shared memory): copies of 16 bytes a thread has in flight while x is copied. The copy
+        # was a loop of one copy at a time, each store waiting for its load; unrolled, 7168 x 16384 at one
+        # token 29.33 -> 26.51 us with xbatch 1 (ptxas hoists loads over stores by itself), 26.30 with 8
+        # (seventh session, docs/results.md)
         self.xbatch = XBATCH if xbatch is None else int(xbatch)
         if self.xbatch < 1:
             raise ValueError(f"nvfp4_gemv: xbatch={xbatch}: expected at least 1")
@@ -377,11 +380,6 @@ class Nvfp4GemvW4A16(OpLaunch):
         s_buf = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.smem_bytes // 4), byte_alignment=16)
         s_red = s_buf.iterator.toint()
         s_x = s_red + self.red_bytes
-        wid = tidx // 32
-        lane = tidx % 32
-        g = lane // 4
-        t = lane % 4
-        ptrs = (w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs)
         if cutlass.const_expr(self.x_smem):
             # x [N, K] into shared memory once, 16 bytes a copy (rows x_row_bytes apart), a thread's copies
             # xbatch at a time: the batch's loads all issue before its first store waits for one (a round trip
@@ -390,8 +388,8 @@ class Nvfp4GemvW4A16(OpLaunch):
             # late: the padded row (zeros past K) in one pass
             copies = self.x_row_bytes // 16 if self.late else NT * per_row
             iters = -(-copies // self.threads)
-            # (names of their own: the epilogue's dynamic loop assigns tok, and a name bound here too, outside a
-            # dynamic loop, would change type inside it)
+            # (names of their own, x...: the epilogue's dynamic loop assigns tok, e, ..., and a name bound here
+            # too, outside a dynamic loop, would change type inside it)
             for xb0 in cutlass.range_constexpr(0, iters, self.xbatch):
                 xgot = []
                 for xit in cutlass.range_constexpr(xb0, min(xb0 + self.xbatch, iters)):
@@ -414,10 +412,14 @@ class Nvfp4GemvW4A16(OpLaunch):
                         xp26, xp37 = pair_halves(xv[1], xv[3])
                         xv = [xp04, xp15, xp26, xp37]
                     if cutlass.const_expr(self.late and self.x_bf16):
-                        xv = [mul_bf16x2(e, X_LATE_BF16X2) for e in xv]
+                        xv = [mul_bf16x2(xe, X_LATE_BF16X2) for xe in xv]
                     sts_v4(s_x + xtok * self.x_row_bytes + xj * 16, xv[0], xv[1], xv[2], xv[3])
             cute.arch.sync_threads()
 
+        wid = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        t = lane % 4
         my_slices = (self.n_slices - wid + W - 1) // W
         n_tiles = (m // 8 + GR - 1) // GR
         zero = cutlass.Int32(0)
@@ -431,6 +433,7 @@ class Nvfp4GemvW4A16(OpLaunch):
             x_lane = (s_zero + own0 * (xb - s_zero), s_zero + own1 * (xb + 32 - s_zero),
                       own0 * (W * 256), own1 * (W * 256))
 
+        ptrs = (w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs)
         if cutlass.const_expr(self.across):
             # the first tile's first slices; later tiles' come in with the previous tile's last slices
             pipe = []
@@ -554,8 +557,9 @@ def default_tuning(n_tok, m, sms, k):
     bf16 decode (``dec``) and x stored in pair order (``xpair``): each measured faster on H200 there
     (docs/results.md, "W4A16"; ``dec`` alone was slower, with ``xpair`` faster, and 4 CTAs of 2 groups
     fastest at 7168 and 28672 rows, within 1.3% at 6144, 40% slower at K = 28672 where only three fit).
-    2..4 tokens on the same many rows where N x K <= 16384: the one-token route's 4 CTAs of 2 groups with x in
-    shared memory, without ``late`` (28672 x 4096 at N = 2 38.56 -> 28.13 us; seventh session). Otherwise from 2
+    2..4 tokens on the same many rows where N x K <= 16384 and K >= 2048: the one-token route's 4 CTAs of 2
+    groups with x in shared memory, without ``late`` (28672 x 4096 at N = 2 38.56 -> 28.51 us; seventh
+    session). Otherwise from 2
     tokens on x stays in registers with ``across``; from 9 tokens a CTA takes up to 8 groups, or 16
     warps of up to 4 (sixth session, docs/results.md: N = 32 at 7168 x 16384 99.95 -> 54.40 us, N = 16 at
     4096 x 14336 27.12 -> 22.02)."""
@@ -572,11 +576,12 @@ def default_tuning(n_tok, m, sms, k):
         # across where every warp has a slice (tested and timed there)
         across = {"across": 1} if k >= 1024 else {}
         return {"threads": 256, "ctas": ctas, "groups": 2, "dec": 1, "xpair": 1, "late": 1, **across, **w_a}
-    if 2 <= n_tok <= SHARED_X_TOKENS and n_tok * k <= SHARED_X_VALUES and m // 32 > sms:
+    if 2 <= n_tok <= SHARED_X_TOKENS and SHARED_X_MIN_K <= k and n_tok * k <= SHARED_X_VALUES and m // 32 > sms:
         # 2..4 tokens on many rows: the one-token route's 4 CTAs of 2 groups with x in shared memory, without
-        # late (its B operand would take a column a block and token). Where the four copies of x take more of
-        # a SM's shared memory (N x K above 16384: K = 8192 at 3 tokens, 4096 at 6), the 2-byte scale loads lose
-        # the L1 they share it with and it was slower than x in registers (seventh session, docs/results.md).
+        # late (which would take N MMAs a k-step: measured slower). Where the four copies of x take more of a
+        # SM's shared memory (N x K above 16384: K = 8192 from 3 tokens, 4096 from 5) it was slower than x in
+        # registers, likely because the 2-byte scale loads lose the L1 they share it with (not profiled;
+        # seventh session, docs/results.md).
         return {"threads": 256, "ctas": 4, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, **w_a}
     if n_tok <= W_A_TOKENS:
         # 2..8 tokens (and one on fewer rows): x in registers; with across from 2 tokens (level to 6% faster; any K:

@@ -62,7 +62,7 @@ def test_the_one_token_route_of_many_rows_matches_float64(k, kw, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_two_to_four_tokens_on_many_rows_take_shared_x_and_match_float64(n, m, k, kw, dtype):
     """The routed 2..4-token build of many rows (x in shared memory, 4 CTAs of 2 groups, ``dec``, ``xpair``,
-    ``across``): several tiles a CTA and the last moved back, ``K % 128 == 64`` with blocked scales (a copy
+    ``across``): several tiles a CTA, ``K % 128 == 64`` with blocked scales (a copy
     count that leaves the last batch of the copy of x part full), cancelling sums, subnormal scales; ``None``:
     the fewest rows that take the route on this GPU."""
     m = m or one_token_rows()

@@ -127,12 +127,13 @@ def test_one_token_takes_x_in_shared_memory_only_where_its_tiles_outnumber_the_s
 @pytest.mark.parametrize("n,m,k,shared_x", [
     (2, 28672, 4096, True), (4, 6144, 4096, True), (3, 14336, 4096, True), (2, 10240, 8192, True),
     (2, 8192, 8192, True), (4, 8704, 4096, True), (2, 4352, 2048, True),
-    # N x K past 16384, 5 tokens, rows whose M / 32 does not pass the SMs (4224 on 132), one token
+    # N x K past 16384, 5 tokens, rows whose M / 32 does not pass the SMs (4224 on 132), K below 2048
     (3, 10240, 8192, False), (2, 7168, 16384, False), (2, 8192, 28672, False), (4, 28672, 4160, False),
-    (5, 28672, 4096, False), (2, 4224, 4096, False), (4, 4096, 4096, False)])
+    (5, 28672, 4096, False), (2, 4224, 4096, False), (4, 4096, 4096, False), (2, 28672, 1024, False)])
 def test_two_to_four_tokens_on_many_rows_take_x_in_shared_memory_where_n_k_is_at_most_16384(n, m, k, shared_x):
     """2..4 tokens on many rows (``M / 32`` over the SMs) take the one-token route's 4 CTAs of 2 groups with x in
-    shared memory (``dec``, ``xpair``, ``across``; no ``late``) where ``N x K <= 16384``; four such CTAs fit a SM.
+    shared memory (``dec``, ``xpair``, ``across``; no ``late``) where ``N x K <= 16384`` and ``K >= 2048`` (the
+    measured range); four such CTAs fit a SM.
     Elsewhere x stays in registers (H200: with more shared memory the scale loads lost their L1 and it was
     slower; docs/results.md, "Seventh session")."""
     tune = w4a16.default_tuning(n, m, 132, k)
