@@ -552,16 +552,15 @@ def default_tuning(n_tok, m, sms, k):
     to 26560) with the next tile's loads from the last slices (``across``), five where the tiles fill five in
     one round but not four (10240 rows: 23.09 us against 25.46; fifth session); otherwise one CTA a SM,
     x in registers with w (H200, docs/history/w4a16-sweep-s15.md: two CTAs won at 7168 and 28672 rows, lost
-    at 4096; shared-memory x was slower from 4 tokens on). Up to 8 tokens w is the MMA's A operand (``w_a``:
+    at 4096; shared-memory x was slower from 4 tokens on, at 4096 rows). Up to 8 tokens w is the MMA's A operand (``w_a``:
     half the MMAs), and the shared-memory builds add the scales after the MMA (``late``), the three-operation
     bf16 decode (``dec``) and x stored in pair order (``xpair``): each measured faster on H200 there
     (docs/results.md, "W4A16"; ``dec`` alone was slower, with ``xpair`` faster, and 4 CTAs of 2 groups
     fastest at 7168 and 28672 rows, within 1.3% at 6144, 40% slower at K = 28672 where only three fit).
     2..4 tokens on the same many rows where N x K <= 16384 and K >= 2048: the one-token route's 4 CTAs of 2
     groups with x in shared memory, without ``late`` (28672 x 4096 at N = 2 38.56 -> 28.51 us; seventh
-    session). Otherwise from 2
-    tokens on x stays in registers with ``across``; from 9 tokens a CTA takes up to 8 groups, or 16
-    warps of up to 4 (sixth session, docs/results.md: N = 32 at 7168 x 16384 99.95 -> 54.40 us, N = 16 at
+    session). Otherwise from 2 tokens on x stays in registers with ``across``; from 9 tokens a CTA takes up
+    to 8 groups, or 16 warps of up to 4 (sixth session, docs/results.md: N = 32 at 7168 x 16384 99.95 -> 54.40 us, N = 16 at
     4096 x 14336 27.12 -> 22.02)."""
     w_a = {"w_a": 1} if n_tok <= W_A_TOKENS else {}
     if n_tok == 1 and m // 32 > sms:
