@@ -396,14 +396,12 @@ class Nvfp4GemvW4A16(OpLaunch):
                     xc = tidx + xit * self.threads
                     if cutlass.const_expr((xit + 1) * self.threads > copies):
                         xc = cutlass.min(xc, copies - 1)  # a thread past the copies repeats the last one
-                    xtok = xc // per_row
-                    xj = xc % per_row
                     if cutlass.const_expr(self.late):
-                        xtok = 0
-                        xj = xc
+                        xtok, xj = 0, xc  # one padded row
                         xv = ldg_v4_if(x_ptr + cutlass.Int64(cutlass.min(xc, per_row - 1)) * 16,
                                        cutlass.Int32(xc < per_row))
                     else:
+                        xtok, xj = xc // per_row, xc % per_row
                         xv = ldg_v4(x_ptr + cutlass.Int64(xtok) * x_rs + cutlass.Int64(xj) * 16)
                     xgot.append((xtok, xj, xv))
                 for xtok, xj, xv in xgot:
@@ -552,16 +550,16 @@ def default_tuning(n_tok, m, sms, k):
     to 26560) with the next tile's loads from the last slices (``across``), five where the tiles fill five in
     one round but not four (10240 rows: 23.09 us against 25.46; fifth session); otherwise one CTA a SM,
     x in registers with w (H200, docs/history/w4a16-sweep-s15.md: two CTAs won at 7168 and 28672 rows, lost
-    at 4096; shared-memory x was slower from 4 tokens on, at 4096 rows). Up to 8 tokens w is the MMA's A operand (``w_a``:
-    half the MMAs), and the shared-memory builds add the scales after the MMA (``late``), the three-operation
+    at 4096; shared-memory x was slower from 4 tokens on, at 4096 rows). Up to 8 tokens w is the MMA's A
+    operand (``w_a``: half the MMAs), and the shared-memory builds add the scales after the MMA (``late``), the three-operation
     bf16 decode (``dec``) and x stored in pair order (``xpair``): each measured faster on H200 there
     (docs/results.md, "W4A16"; ``dec`` alone was slower, with ``xpair`` faster, and 4 CTAs of 2 groups
     fastest at 7168 and 28672 rows, within 1.3% at 6144, 40% slower at K = 28672 where only three fit).
     2..4 tokens on the same many rows where N x K <= 16384 and K >= 2048: the one-token route's 4 CTAs of 2
     groups with x in shared memory, without ``late`` (28672 x 4096 at N = 2 38.56 -> 28.51 us; seventh
     session). Otherwise from 2 tokens on x stays in registers with ``across``; from 9 tokens a CTA takes up
-    to 8 groups, or 16 warps of up to 4 (sixth session, docs/results.md: N = 32 at 7168 x 16384 99.95 -> 54.40 us, N = 16 at
-    4096 x 14336 27.12 -> 22.02)."""
+    to 8 groups, or 16 warps of up to 4 (sixth session, docs/results.md: N = 32 at 7168 x 16384 99.95 -> 54.40
+    us, N = 16 at 4096 x 14336 27.12 -> 22.02)."""
     w_a = {"w_a": 1} if n_tok <= W_A_TOKENS else {}
     if n_tok == 1 and m // 32 > sms:
         # four 2-group CTAs where their shared memory (as the class sizes it) and the 1 KiB a SM keeps for each
