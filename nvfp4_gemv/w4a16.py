@@ -110,6 +110,8 @@ SHARED_X_TOKENS = 4  # tokens up to which many rows take x in shared memory (mea
 SHARED_X_VALUES = 16384  # ... where N x K is at most this (measured faster at 4096 x 4, 8192 x 2)
 SHARED_X_MIN_K = 2048  # ... and K at least this (measured from 2048; the one-token route's across from 1024)
 XBATCH = 8  # copies of x (16 bytes each) a thread has in flight while x is copied into shared memory
+FEW_ROWS_MIN_K = 4096  # 1..4 tokens on rows whose 4-group tiles do not pass the SMs: 16-warp CTAs from this K
+LONG_K_PAIR_VALUES = 32768  # 2 tokens on many rows past SHARED_X_VALUES: 2 CTAs of 4 groups up to this N x K
 
 
 def pick_groups(n_tok, m, sms, even=False, cap=None):
@@ -580,6 +582,20 @@ def default_tuning(n_tok, m, sms, k):
         # registers, likely because the 2-byte scale loads lose the L1 they share it with (not profiled;
         # seventh session, docs/results.md).
         return {"threads": 256, "ctas": 4, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, **w_a}
+    if (n_tok <= SHARED_X_TOKENS and k >= FEW_ROWS_MIN_K and m // 32 <= sms and m // 16 >= sms - sms // 8
+            and _ctas_fit(2, k, n_tok, 2, threads=512)):
+        # 1..4 tokens on fewer rows (2048..4224 on 132 SMs): the 2-group tiles are about one or two a SM, so
+        # 16 warps a CTA (two CTAs a SM: 32 warps) with x in shared memory, late at one token (H200, seventh
+        # session: 4096 x 14336 20.66 -> 15.84 us at N = 1, 20.74 -> 16.21 at N = 2; at N = 4 and K = 14336,
+        # where one CTA fits a SM, 21.18 -> 22.30, so two must fit; docs/results.md, "Eighth session")
+        late = {"late": 1} if n_tok == 1 else {}
+        return {"threads": 512, "ctas": 2, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, **late, "across": 1,
+                **w_a}
+    if n_tok == 2 and SHARED_X_VALUES < n_tok * k <= LONG_K_PAIR_VALUES and m // 32 > sms and _ctas_fit(2, k, n_tok, 4):
+        # 2 tokens on many rows past SHARED_X_VALUES (K 8193..16384): two CTAs of 4 groups with x in shared
+        # memory (7168 x 16384 34.98 -> 29.36 us; at 3 and 4 tokens 34.6 -> 42.6, and K = 28672, where one
+        # fits, 58.02 -> 69.62: not taken; eighth session)
+        return {"threads": 256, "ctas": 2, "groups": 4, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, **w_a}
     if n_tok <= W_A_TOKENS:
         # 2..8 tokens (and one on fewer rows): x in registers; with across from 2 tokens (level to 6% faster; any K:
         # at depth 1 a warp without slices skips the loop)
@@ -591,6 +607,14 @@ def default_tuning(n_tok, m, sms, k):
     if n_tok <= 16 and k >= 2048 and m // 32 <= 2 * sms:
         return {"threads": 512, "x_smem": 0, "across": 1, "groups": pick_groups(n_tok, m, sms, cap=4)}
     return {"threads": 256, "x_smem": 0, "across": 1, "groups": pick_groups(n_tok, m, sms, cap=MAX_GROUPS)}
+
+
+def _ctas_fit(ctas, k, n_tok, groups, threads=256):
+    """Whether ``ctas`` CTAs of the shared-x build (x rows, late's padding at one token, the partials) and the
+    1 KiB a SM keeps for each fit a SM's shared memory."""
+    op = Nvfp4GemvW4A16(k, n_tok, groups, True, False, False, True, threads=threads, x_smem=1, xpair=1,
+                        late=int(n_tok == 1), w_a=1)
+    return ctas * (op.smem_bytes + 1024) <= SMEM_A_SM
 
 
 def _get_kernel(dev, key):

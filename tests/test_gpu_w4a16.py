@@ -73,6 +73,43 @@ def test_two_to_four_tokens_on_many_rows_take_shared_x_and_match_float64(n, m, k
     check(n, m, k, seed=n + m + k, dtype=dtype, **kw)
 
 
+def few_rows():
+    """The most and the fewest rows (multiples of 128) that take the 16-warp route of 1..4 tokens on this GPU:
+    ``M / 32`` within its SMs, ``M / 16`` at least SMs - SMs / 8 (4224 and 1920 on an H200's 132)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return 128 * (32 * sms // 128), 128 * -(-16 * (sms - sms // 8) // 128)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows,k,kw", [(0, 4096, {}), (1, 4160, {"blocked": True}), (0, 8192, {"cancel": True}),
+                                       (1, 4096, {"min_exp": 0, "max_exp": 1}), (0, 32768, {})])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_to_four_tokens_on_fewer_rows_take_16_warp_ctas_and_match_float64(n, rows, k, kw, dtype):
+    """The routed 16-warp build of 1..4 tokens on rows whose 4-group tiles do not pass the SMs (two CTAs a SM,
+    2 groups, x in shared memory, ``late`` at one token): the most and the fewest such rows, ``K % 128 == 64``
+    with blocked scales, cancelling sums, subnormal scales, the longest K (one token)."""
+    m = few_rows()[rows]
+    tune = w4a16.default_tuning(n, m, torch.cuda.get_device_properties(0).multi_processor_count, k)
+    if not w4a16._ctas_fit(2, k, n, 2, threads=512):
+        pytest.skip("two CTAs' x do not fit a SM: x in registers")
+    assert tune["threads"] == 512 and tune["x_smem"] and tune["ctas"] == 2 and tune["groups"] == 2, tune
+    assert bool(tune.get("late")) == (n == 1), tune
+    check(n, m, k, seed=n + m + k, dtype=dtype, **kw)
+
+
+@pytest.mark.parametrize("k,kw", [(16384, {}), (12352, {"blocked": True}), (8256, {"cancel": True}),
+                                  (16384, {"min_exp": 0, "max_exp": 1})])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_two_tokens_on_many_rows_and_long_k_take_two_ctas_of_four_groups_and_match_float64(k, kw, dtype):
+    """The routed 2-token build of many rows with ``16384 < N x K <= 32768`` (two CTAs of 4 groups, x in shared
+    memory, ``dec``, ``xpair``, ``across``): ``K % 128 == 64`` with blocked scales, cancelling sums, subnormal
+    scales, on the fewest rows that pass the SMs and on several tiles a CTA."""
+    for m in (one_token_rows(), 17536):
+        tune = w4a16.default_tuning(2, m, torch.cuda.get_device_properties(0).multi_processor_count, k)
+        assert tune["x_smem"] and tune["ctas"] == 2 and tune["groups"] == 4 and not tune.get("late"), tune
+        check(2, m, k, seed=m + k, dtype=dtype, **kw)
+
+
 @pytest.mark.parametrize("xbatch", [1, 3, 8, 32])
 @pytest.mark.parametrize("n,tuning", [
     (3, {"threads": 256, "ctas": 4, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, "w_a": 1}),

@@ -108,11 +108,12 @@ def test_compiles_fullgraph_with_the_same_result():
     assert torch.equal(torch.compile(layer, fullgraph=True)(x), layer(x))
 
 
-@pytest.mark.parametrize("m,shared_x", [(4096, False), (6144, True), (7168, True), (28672, True), (1024, False)])
-def test_one_token_takes_x_in_shared_memory_only_where_its_tiles_outnumber_the_sms(m, shared_x):
+@pytest.mark.parametrize("m,shared_x", [(4096, True), (6144, True), (7168, True), (28672, True), (1024, False)])
+def test_one_token_takes_x_in_shared_memory_only_where_its_tiles_fill_the_sms(m, shared_x):
     """One token: x in shared memory, several CTAs a SM where the 4-group tiles outnumber the SMs (H200: faster
-    at 6144, 7168 and 28672 rows, slower at 4096); otherwise, and for more tokens, x in registers, one CTA.
-    Up to 8 tokens w is the MMA's A operand (docs/results.md)."""
+    at 6144, 7168 and 28672 rows), or 16-warp CTAs where the 2-group tiles about fill them (4096 rows);
+    otherwise (1024 rows), and from 5 tokens, x in registers, one CTA. Up to 8 tokens w is the MMA's A
+    operand (docs/results.md)."""
     one = w4a16.default_tuning(1, m, 132, 4096)
     assert (one.get("x_smem", 1) == 1) == shared_x and one["w_a"] == 1
     if not shared_x:
@@ -127,9 +128,9 @@ def test_one_token_takes_x_in_shared_memory_only_where_its_tiles_outnumber_the_s
 @pytest.mark.parametrize("n,m,k,shared_x", [
     (2, 28672, 4096, True), (4, 6144, 4096, True), (3, 14336, 4096, True), (2, 10240, 8192, True),
     (2, 8192, 8192, True), (4, 8704, 4096, True), (2, 4352, 2048, True),
-    # N x K past 16384, 5 tokens, rows whose M / 32 does not pass the SMs (4224 on 132), K below 2048
-    (3, 10240, 8192, False), (2, 7168, 16384, False), (2, 8192, 28672, False), (4, 28672, 4160, False),
-    (5, 28672, 4096, False), (2, 4224, 4096, False), (4, 4096, 4096, False), (2, 28672, 1024, False)])
+    # N x K past 16384, 5 tokens, K below 2048 (rows whose M / 32 does not pass the SMs: the next test)
+    (3, 10240, 8192, False), (2, 8192, 28672, False), (4, 28672, 4160, False),
+    (5, 28672, 4096, False), (2, 28672, 1024, False)])
 def test_two_to_four_tokens_on_many_rows_take_x_in_shared_memory_where_n_k_is_at_most_16384(n, m, k, shared_x):
     """2..4 tokens on many rows (``M / 32`` over the SMs) take the one-token route's 4 CTAs of 2 groups with x in
     shared memory (``dec``, ``xpair``, ``across``; no ``late``) where ``N x K <= 16384`` and ``K >= 2048`` (the
@@ -143,6 +144,52 @@ def test_two_to_four_tokens_on_many_rows_take_x_in_shared_memory_where_n_k_is_at
     assert tune == {"threads": 256, "ctas": 4, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, "w_a": 1}
     tune.pop("groups")
     op = w4a16.Nvfp4GemvW4A16(k, n, 2, True, False, True, True, **tune)
+    assert op.x_smem and not op.late and op.min_blocks * (op.smem_bytes + 1024) <= w4a16.SMEM_A_SM
+
+
+FEW_ROWS = {"threads": 512, "ctas": 2, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, "w_a": 1}
+
+
+@pytest.mark.parametrize("n,m,k,taken", [
+    (1, 4096, 4096, True), (1, 4096, 14336, True), (1, 2048, 8192, True), (1, 4224, 4096, True),
+    (1, 4096, 32768, True), (2, 4096, 14336, True), (3, 4096, 14336, True), (4, 4096, 7168, True),
+    (2, 3072, 4096, True), (1, 1920, 8192, True),  # the fewest rows: 120 tiles of 2 groups on 132 SMs
+    # one CTA's x would fit a SM, not two (4 x 14336); K below 4096; too few rows; 5 tokens; rows past 4224
+    (4, 4096, 14336, False), (1, 4096, 2048, False), (1, 1792, 8192, False), (5, 4096, 4096, False),
+    (1, 4352, 4096, False)])
+def test_one_to_four_tokens_on_fewer_rows_take_16_warp_ctas_with_x_in_shared_memory(n, m, k, taken):
+    """1..4 tokens where the 4-group tiles do not pass the SMs (``M / 32 <= SMs``) but the 2-group tiles nearly
+    fill them (``M / 16 >= SMs - SMs / 8``), from K = 4096: CTAs of 16 warps, two a SM, 2 groups, x in shared
+    memory (``late`` at one token) where two such CTAs fit a SM's shared memory (H200: 4096 x 14336 20.66 ->
+    15.84 us at one token; docs/results.md, "Eighth session"). The class builds it within that memory."""
+    tune = w4a16.default_tuning(n, m, 132, k)
+    if not taken:
+        assert tune.get("threads") != 512 or not tune.get("x_smem"), tune
+        return
+    assert tune == {**FEW_ROWS, **({"late": 1} if n == 1 else {})}
+    tune.pop("groups")
+    op = w4a16.Nvfp4GemvW4A16(k, n, 2, True, False, True, True, **tune)
+    assert op.x_smem and op.warps == 16 and op.late == (n == 1)
+    assert op.min_blocks * (op.smem_bytes + 1024) <= w4a16.SMEM_A_SM
+
+
+@pytest.mark.parametrize("n,m,k,taken", [
+    (2, 7168, 16384, True), (2, 6144, 16384, True), (2, 28672, 12288, True), (2, 8704, 8256, True),
+    # within SHARED_X_VALUES (the 4-CTA route); 3 tokens; one CTA's x fits a SM (K = 28672); rows below 4352;
+    # K = 1024 (N x K within SHARED_X_VALUES, K below SHARED_X_MIN_K)
+    (2, 7168, 8192, False), (3, 7168, 16384, False), (2, 8192, 28672, False), (2, 4096, 16384, False),
+    (2, 28672, 1024, False)])
+def test_two_tokens_on_many_rows_and_long_k_take_two_ctas_of_four_groups(n, m, k, taken):
+    """2 tokens on many rows with ``16384 < N x K <= 32768``: two CTAs of 4 groups with x in shared memory
+    (H200: 7168 x 16384 34.98 -> 29.36 us; slower at 3 and 4 tokens, and at K = 28672 where one CTA fits)."""
+    tune = w4a16.default_tuning(n, m, 132, k)
+    want = {"threads": 256, "ctas": 2, "groups": 4, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, "w_a": 1}
+    if not taken:
+        assert tune != want, tune
+        return
+    assert tune == want
+    tune.pop("groups")
+    op = w4a16.Nvfp4GemvW4A16(k, n, 4, True, False, True, True, **tune)
     assert op.x_smem and not op.late and op.min_blocks * (op.smem_bytes + 1024) <= w4a16.SMEM_A_SM
 
 
