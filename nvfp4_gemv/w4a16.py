@@ -612,8 +612,11 @@ def default_tuning(n_tok, m, sms, k):
 def _ctas_fit(ctas, k, n_tok, groups, threads=256):
     """Whether ``ctas`` CTAs of the shared-x build (x rows, late's padding at one token, the partials) and the
     1 KiB a SM keeps for each fit a SM's shared memory."""
-    op = Nvfp4GemvW4A16(k, n_tok, groups, True, False, False, True, threads=threads, x_smem=1, xpair=1,
-                        late=int(n_tok == 1), w_a=1)
+    try:
+        op = Nvfp4GemvW4A16(k, n_tok, groups, True, False, False, True, threads=threads, x_smem=1, xpair=1,
+                            late=int(n_tok == 1), w_a=1)
+    except ValueError:  # not even one CTA's x fits (4 tokens at K = 32768)
+        return False
     return ctas * (op.smem_bytes + 1024) <= SMEM_A_SM
 
 

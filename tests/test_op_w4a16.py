@@ -154,9 +154,10 @@ FEW_ROWS = {"threads": 512, "ctas": 2, "groups": 2, "x_smem": 1, "dec": 1, "xpai
     (1, 4096, 4096, True), (1, 4096, 14336, True), (1, 2048, 8192, True), (1, 4224, 4096, True),
     (1, 4096, 32768, True), (2, 4096, 14336, True), (3, 4096, 14336, True), (4, 4096, 7168, True),
     (2, 3072, 4096, True), (1, 1920, 8192, True),  # the fewest rows: 120 tiles of 2 groups on 132 SMs
-    # one CTA's x would fit a SM, not two (4 x 14336); K below 4096; too few rows; 5 tokens; rows past 4224
-    (4, 4096, 14336, False), (1, 4096, 2048, False), (1, 1792, 8192, False), (5, 4096, 4096, False),
-    (1, 4352, 4096, False)])
+    # one CTA's x would fit a SM, not two (4 x 14336); not even one (4 x 32768); K below 4096; too few rows;
+    # 5 tokens; rows past 4224
+    (4, 4096, 14336, False), (4, 4096, 32768, False), (1, 4096, 2048, False), (1, 1792, 8192, False),
+    (5, 4096, 4096, False), (1, 4352, 4096, False)])
 def test_one_to_four_tokens_on_fewer_rows_take_16_warp_ctas_with_x_in_shared_memory(n, m, k, taken):
     """1..4 tokens where the 4-group tiles do not pass the SMs (``M / 32 <= SMs``) but the 2-group tiles nearly
     fill them (``M / 16 >= SMs - SMs / 8``), from K = 4096: CTAs of 16 warps, two a SM, 2 groups, x in shared
@@ -171,6 +172,19 @@ def test_one_to_four_tokens_on_fewer_rows_take_16_warp_ctas_with_x_in_shared_mem
     op = w4a16.Nvfp4GemvW4A16(k, n, 2, True, False, True, True, **tune)
     assert op.x_smem and op.warps == 16 and op.late == (n == 1)
     assert op.min_blocks * (op.smem_bytes + 1024) <= w4a16.SMEM_A_SM
+
+
+@pytest.mark.parametrize("sms", [78, 132, 148])
+def test_the_route_takes_every_token_count_row_count_and_k(sms):
+    """``default_tuning`` answers for 1..32 tokens, rows from 128 to 57344 and K from 64 to 32768 without
+    raising (a shared-x build whose x does not fit one CTA is not taken: 4 tokens at K = 32768 on 4096 rows
+    once raised here), and every tuning it gives is one the class takes."""
+    for k in (64, 1024, 2048, 4096, 8256, 14336, 16384, 26624, 32768):
+        for m in (128, 1920, 2048, 4096, 4224, 4352, 7168, 28672, 57344):
+            for n in range(1, 33):
+                tune = dict(w4a16.default_tuning(n, m, sms, k))
+                groups = tune.pop("groups", None) or w4a16.pick_groups(n, m, sms, even=bool(tune.get("w_a")))
+                w4a16.Nvfp4GemvW4A16(k, n, groups, True, False, True, True, **tune)
 
 
 @pytest.mark.parametrize("n,m,k,taken", [
