@@ -561,7 +561,10 @@ def default_tuning(n_tok, m, sms, k):
     groups with x in shared memory, without ``late`` (28672 x 4096 at N = 2 38.56 -> 28.51 us; seventh
     session). Otherwise from 2 tokens on x stays in registers with ``across``; from 9 tokens a CTA takes up
     to 8 groups, or 16 warps of up to 4 (sixth session, docs/results.md: N = 32 at 7168 x 16384 99.95 -> 54.40
-    us, N = 16 at 4096 x 14336 27.12 -> 22.02)."""
+    us, N = 16 at 4096 x 14336 27.12 -> 22.02). Eighth session: 1..4 tokens on fewer rows (``M / 32`` within the
+    SMs, ``M / 16`` at least seven eighths of them, K >= 4096) take 16-warp CTAs, two a SM, of 2 groups with x in
+    shared memory (4096 x 14336 N = 1 20.66 -> 15.84 us); 2 tokens on many rows with ``16384 < N x K <= 32768``
+    two CTAs of 4 groups with x in shared memory (7168 x 16384 34.98 -> 29.36)."""
     w_a = {"w_a": 1} if n_tok <= W_A_TOKENS else {}
     if n_tok == 1 and m // 32 > sms:
         # four 2-group CTAs where their shared memory (as the class sizes it) and the 1 KiB a SM keeps for each
@@ -584,17 +587,18 @@ def default_tuning(n_tok, m, sms, k):
         return {"threads": 256, "ctas": 4, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, **w_a}
     if (n_tok <= SHARED_X_TOKENS and k >= FEW_ROWS_MIN_K and m // 32 <= sms and m // 16 >= sms - sms // 8
             and _ctas_fit(2, k, n_tok, 2, threads=512)):
-        # 1..4 tokens on fewer rows (2048..4224 on 132 SMs): the 2-group tiles are about one or two a SM, so
-        # 16 warps a CTA (two CTAs a SM: 32 warps) with x in shared memory, late at one token (H200, seventh
-        # session: 4096 x 14336 20.66 -> 15.84 us at N = 1, 20.74 -> 16.21 at N = 2; at N = 4 and K = 14336,
+        # 1..4 tokens on fewer rows (1920..4224 on 132 SMs; measured at 2048..4096): the 2-group tiles are about
+        # one or two a SM, so 16 warps a CTA (two CTAs a SM: 32 warps) with x in shared memory, late at one token
+        # (H200, eighth session: 4096 x 14336 20.66 -> 15.84 us at N = 1, 20.74 -> 16.21 at N = 2; at N = 4 and K = 14336,
         # where one CTA fits a SM, 21.18 -> 22.30, so two must fit; docs/results.md, "Eighth session")
         late = {"late": 1} if n_tok == 1 else {}
         return {"threads": 512, "ctas": 2, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, **late, "across": 1,
                 **w_a}
     if n_tok == 2 and SHARED_X_VALUES < n_tok * k <= LONG_K_PAIR_VALUES and m // 32 > sms and _ctas_fit(2, k, n_tok, 4):
-        # 2 tokens on many rows past SHARED_X_VALUES (K 8193..16384): two CTAs of 4 groups with x in shared
-        # memory (7168 x 16384 34.98 -> 29.36 us; at 3 and 4 tokens 34.6 -> 42.6, and K = 28672, where one
-        # fits, 58.02 -> 69.62: not taken; eighth session)
+        # 2 tokens on many rows past SHARED_X_VALUES (K 8256..16384): two CTAs of 4 groups with x in shared
+        # memory (7168 x 16384 34.98 -> 29.36 us; at 3 tokens 34.72 -> 42.62 and 4 tokens 34.45 -> 41.87, and
+        # K = 28672, where one fits, 58.02 -> 69.62: not taken; eighth session). The fit holds at every such K
+        # (two such CTAs take at most 146 of a SM's 228 KiB); it is a guard should LONG_K_PAIR_VALUES grow
         return {"threads": 256, "ctas": 2, "groups": 4, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, **w_a}
     if n_tok <= W_A_TOKENS:
         # 2..8 tokens (and one on fewer rows): x in registers; with across from 2 tokens (level to 6% faster; any K:

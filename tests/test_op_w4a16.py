@@ -189,7 +189,7 @@ def test_the_route_takes_every_token_count_row_count_and_k(sms):
 
 @pytest.mark.parametrize("n,m,k,taken", [
     (2, 7168, 16384, True), (2, 6144, 16384, True), (2, 28672, 12288, True), (2, 8704, 8256, True),
-    # within SHARED_X_VALUES (the 4-CTA route); 3 tokens; one CTA's x fits a SM (K = 28672); rows below 4352;
+    # within SHARED_X_VALUES (the 4-CTA route); 3 tokens; N x K past 32768 (K = 28672); rows below 4352;
     # K = 1024 (N x K within SHARED_X_VALUES, K below SHARED_X_MIN_K)
     (2, 7168, 8192, False), (3, 7168, 16384, False), (2, 8192, 28672, False), (2, 4096, 16384, False),
     (2, 28672, 1024, False)])
@@ -199,7 +199,7 @@ def test_two_tokens_on_many_rows_and_long_k_take_two_ctas_of_four_groups(n, m, k
     tune = w4a16.default_tuning(n, m, 132, k)
     want = {"threads": 256, "ctas": 2, "groups": 4, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, "w_a": 1}
     if not taken:
-        assert tune != want, tune
+        assert not (tune.get("ctas") == 2 and tune.get("groups") == 4 and tune.get("x_smem")), tune
         return
     assert tune == want
     tune.pop("groups")

@@ -83,7 +83,7 @@ for n, m, k, blocked in () if shapes is None else ((1, 256, 2048, False), (4, 38
         print(f"gemv N={n} {m}x{k} blocked={blocked} {call}: {'ok' if bad == 0 else 'MISMATCH ' + msg}", flush=True)
         assert bad == 0
 
-# W4A16 (bf16/fp16 x): x in shared memory (one token), one token on 4352 rows (on 132 SMs the 4-CTA build,
+# W4A16 (bf16/fp16 x): one token on 512 rows (x in registers), one token on 4352 rows (on 132 SMs the 4-CTA build,
 # w as the A operand, late, dec, xpair, across), 2 tokens on the same rows (on 132 SMs the shared-x build of 2..4
 # tokens, its copy of x in batches; at K = 8256 two CTAs of 4 groups), 1 and 3 tokens on 2048 rows (the 16-warp
 # build of fewer rows), K % 128 == 64 (4 tokens: w_a), two A tiles with blocked scales, the last
