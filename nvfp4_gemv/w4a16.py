@@ -111,6 +111,7 @@ SHARED_X_VALUES = 16384  # ... where N x K is at most this (measured faster at 4
 SHARED_X_MIN_K = 2048  # ... and K at least this (measured from 2048; the one-token route's across from 1024)
 XBATCH = 8  # copies of x (16 bytes each) a thread has in flight while x is copied into shared memory
 FEW_ROWS_MIN_K = 4096  # 1..4 tokens on rows whose 4-group tiles do not pass the SMs: 16-warp CTAs from this K
+MANY_TOKENS_X_VALUES = 65536  # 9..16 tokens on many rows: x in shared memory (one 16-warp CTA) up to this N x K
 LONG_K_PAIR_VALUES = 32768  # 2 tokens on many rows past SHARED_X_VALUES: 2 CTAs of 4 groups up to this N x K
 
 
@@ -137,7 +138,7 @@ class Nvfp4GemvW4A16(OpLaunch):
 
     def __init__(self, k: int, n_tok: int, groups: int, x_bf16: bool, w_blocked: bool, has_alpha: bool,
                  out_bf16: bool, threads=None, depth=None, ctas=None, x_smem=None, chains=None, w_a=None,
-                 dec=None, xpair=None, late=None, across=None, xbatch=None):
+                 dec=None, xpair=None, late=None, across=None, xbatch=None, probe=None):
         if not 1 <= n_tok <= MAX_TOKENS:
             raise ValueError(f"nvfp4_gemv: the W4A16 kernel takes 1..{MAX_TOKENS} tokens, not {n_tok}")
         if k % 64 or k <= 0:
@@ -215,6 +216,13 @@ class Nvfp4GemvW4A16(OpLaunch):
         self.xbatch = XBATCH if xbatch is None else int(xbatch)
         if self.xbatch < 1:
             raise ValueError(f"nvfp4_gemv: xbatch={xbatch}: expected at least 1")
+        # probe (measuring builds, never routed; wrong results): 1 keeps the loads of w and its scales and drops
+        # everything that uses them (the decode, x, the MMAs: the words are XOR-folded into one sum); 2 keeps
+        # the arithmetic and drops those loads (words made from the slice and lane, so nothing folds away); 3 is 1
+        # without the scale loads
+        self.probe = int(probe or 0)
+        if self.probe not in (0, 1, 2, 3):
+            raise ValueError(f"nvfp4_gemv: probe={probe}: expected 0..3")
         self.min_blocks = int(ctas or 1)  # CTAs a SM (launch bound: registers a thread <= 64K / (ctas * threads))
         # undoes the weights' (and with late bf16 x's) power of two; with late bf16 2^54 * alpha, so alpha < 2^74
         self.sum_scale = F16_SUM_SCALE if not self.x_bf16 else LATE_BF16_SUM_SCALE if self.late else BF16_SUM_SCALE
@@ -243,6 +251,14 @@ class Nvfp4GemvW4A16(OpLaunch):
         ks = scale_offset(c_w, self.w_blocked)
         for gr in range(self.groups):
             r = row64 + 8 * gr
+            if cutlass.const_expr(self.probe == 3):  # w's loads alone: the scale word made from the slice
+                vals += ldg_w_v4(w_ptr + r * w_rs + kb)
+                vals.append(cutlass.Int32((sl & 0x0707) | 0x3030))
+                continue
+            if cutlass.const_expr(self.probe == 2):
+                v = cutlass.Int32(sl * 0x01030507 + (g * 8 + t * 2 + gr) * 0x11111111)
+                vals += [v, v ^ 0x12345678, v ^ 0x3C3C3C3C, v ^ 0x0F0F0F0F, (v & 0x0707) | 0x3030]
+                continue
             vals += ldg_w_v4(w_ptr + r * w_rs + kb)
             if cutlass.const_expr(self.w_blocked):
                 vals.append(ldg_u16(blocked_row(ws_ptr, r, ws_rs) + ks))
@@ -277,6 +293,13 @@ class Nvfp4GemvW4A16(OpLaunch):
         where they come from shared memory, else they follow w's in ``cur``."""
         GR, H = self.groups, self.halves
         xo = 5 * GR
+        if cutlass.const_expr(self.probe in (1, 3)):
+            v = cur[0]
+            for e in cur[1:xo]:
+                v = v ^ e
+            a0 = acc[0][0][0]
+            return [[[[a0[0] + cutlass.Float32(v)] + list(a0[1:])] + list(acc[0][0][1:])] + list(acc[0][1:])] \
+                + list(acc[1:])
         if xw is not None:
             cur = list(cur[:xo]) + list(xw)
         # x pairs: xa[h][blk][p], the A operand's order for block blk (its 16 values) of token half h
@@ -434,6 +457,7 @@ class Nvfp4GemvW4A16(OpLaunch):
                       own0 * (W * 256), own1 * (W * 256))
 
         ptrs = (w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs)
+
         if cutlass.const_expr(self.across):
             # the first tile's first slices; later tiles' come in with the previous tile's last slices
             pipe = []
@@ -600,6 +624,13 @@ def default_tuning(n_tok, m, sms, k):
         # K = 28672, where one fits, 58.02 -> 69.62: not taken; eighth session). The fit holds at every such K
         # (two such CTAs take at most 146 of a SM's 228 KiB); it is a guard should LONG_K_PAIR_VALUES grow
         return {"threads": 256, "ctas": 2, "groups": 4, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, **w_a}
+    if (SHARED_X_TOKENS < n_tok <= W_A_TOKENS and k >= FEW_ROWS_MIN_K and sms - sms // 8 <= m // 16
+            and _ctas_fit(2, k, n_tok, 2, 512)):
+        # 5..8 tokens from 1920 rows (on 132 SMs) where two 16-warp CTAs' x fit a SM (N x K up to about 53000):
+        # the 16-warp build of fewer rows, without late (ninth session, docs/results.md: 28672 x 4096 at N = 8
+        # 38.67 -> 29.04 us, at N = 6 40.22 -> 30.22; 4096 x 4096 N = 8 10.45 -> 9.38; 4096 x 7168 N = 6
+        # 13.60 -> 13.17, N = 8 (one CTA fits) 13.97 -> 16.29: not taken)
+        return {"threads": 512, "ctas": 2, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, **w_a}
     if n_tok <= W_A_TOKENS:
         # 2..8 tokens (and one on fewer rows): x in registers; with across from 2 tokens (level to 6% faster; any K:
         # at depth 1 a warp without slices skips the loop)
@@ -610,6 +641,12 @@ def default_tuning(n_tok, m, sms, k):
     # (6 spill at 128 registers a thread)
     if n_tok <= 16 and k >= 2048 and m // 32 <= 2 * sms:
         return {"threads": 512, "x_smem": 0, "across": 1, "groups": pick_groups(n_tok, m, sms, cap=4)}
+    if n_tok <= 16 and k >= FEW_ROWS_MIN_K and n_tok * k <= MANY_TOKENS_X_VALUES:
+        # 9..16 tokens on the many rows past that, up to the measured N x K (x and the partials 160 KB of the
+        # SM's shared memory at 16 x 4096, one CTA): x read once a CTA from shared memory instead of once a
+        # tile, 16 warps of 4 groups (ninth session, docs/results.md: 28672 x 4096 N = 16 46.98 -> 39.36 us,
+        # 14336 x 4096 26.46 -> 25.17)
+        return {"threads": 512, "x_smem": 1, "across": 1, "groups": 4}
     return {"threads": 256, "x_smem": 0, "across": 1, "groups": pick_groups(n_tok, m, sms, cap=MAX_GROUPS)}
 
 
@@ -618,7 +655,7 @@ def _ctas_fit(ctas, k, n_tok, groups, threads=256):
     1 KiB a SM keeps for each fit a SM's shared memory."""
     try:
         op = Nvfp4GemvW4A16(k, n_tok, groups, True, False, False, True, threads=threads, x_smem=1, xpair=1,
-                            late=int(n_tok == 1), w_a=1)
+                            late=int(n_tok == 1), w_a=int(n_tok <= W_A_TOKENS))
     except ValueError:  # not even one CTA's x fits (4 tokens at K = 32768)
         return False
     return ctas * (op.smem_bytes + 1024) <= SMEM_A_SM

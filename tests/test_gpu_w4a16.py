@@ -97,6 +97,38 @@ def test_one_to_four_tokens_on_fewer_rows_take_16_warp_ctas_and_match_float64(n,
     check(n, m, k, seed=n + m + k, dtype=dtype, **kw)
 
 
+@pytest.mark.parametrize("n", [5, 6, 8])
+@pytest.mark.parametrize("k,kw", [(4096, {}), (4160, {"blocked": True}), (4096, {"cancel": True}),
+                                  (4096, {"min_exp": 0, "max_exp": 1}), (6144, {})])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_five_to_eight_tokens_take_16_warp_ctas_and_match_float64(n, k, kw, dtype):
+    """The routed 16-warp build of 5..8 tokens (two CTAs a SM, 2 groups, x in shared memory, no ``late``) on
+    the fewest rows that take it and on many (several tiles a CTA): ``K % 128 == 64`` with blocked scales,
+    cancelling sums, subnormal scales, the longest K where two CTAs' x fit at 8 tokens."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (few_rows()[1], 28672):
+        tune = w4a16.default_tuning(n, m, sms, k)
+        assert tune["threads"] == 512 and tune["x_smem"] and tune["ctas"] == 2 and not tune.get("late"), tune
+        check(n, m, k, seed=n + m + k, dtype=dtype, **kw)
+
+
+@pytest.mark.parametrize("n", [9, 12, 15, 16])
+@pytest.mark.parametrize("k,kw", [(4096, {}), (4160, {"blocked": True}), (4096, {"cancel": True}),
+                                  (4096, {"min_exp": 0, "max_exp": 1})])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nine_to_sixteen_tokens_on_many_rows_take_shared_x_and_match_float64(n, k, kw, dtype):
+    """The routed build of 9..16 tokens on rows past two rounds of 4-group tiles (one CTA of 16 warps, 4 groups,
+    x as the A operand from shared memory): the fewest such rows and many, ``K % 128 == 64`` with blocked
+    scales (up to the N x K it takes), cancelling sums, subnormal scales."""
+    if n * k > w4a16.MANY_TOKENS_X_VALUES:
+        pytest.skip("N x K past the shared-x range: x in registers")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (128 * (32 * (2 * sms + 1) // 128 + 1), 28672):
+        tune = w4a16.default_tuning(n, m, sms, k)
+        assert tune == {"threads": 512, "x_smem": 1, "across": 1, "groups": 4}, tune
+        check(n, m, k, seed=n + m + k, dtype=dtype, **kw)
+
+
 @pytest.mark.parametrize("k,kw", [(16384, {}), (12352, {"blocked": True}), (8256, {"cancel": True}),
                                   (16384, {"min_exp": 0, "max_exp": 1})])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

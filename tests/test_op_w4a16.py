@@ -118,19 +118,20 @@ def test_one_token_takes_x_in_shared_memory_only_where_its_tiles_fill_the_sms(m,
     assert (one.get("x_smem", 1) == 1) == shared_x and one["w_a"] == 1
     if not shared_x:
         assert one == {"threads": 256, "x_smem": 0, "w_a": 1}
-    assert w4a16.default_tuning(8, m, 132, 4096) == {"threads": 256, "x_smem": 0, "w_a": 1, "across": 1}
+    # 5..8 tokens: the 16-warp shared-x build where two CTAs fit, from 1920 rows (a test below)
+    assert w4a16.default_tuning(8, m, 132, 4096)["x_smem"] == shared_x
     assert w4a16.default_tuning(2, m, 132, 4096)["x_smem"] == shared_x
     for n in (9, 16, 32):
         tune = w4a16.default_tuning(n, m, 132, 4096)
-        assert tune["x_smem"] == 0 and tune["across"] == 1 and "w_a" not in tune
+        # 9..16 tokens on rows past two rounds of 4-group tiles: x in shared memory (a test below)
+        assert tune["x_smem"] == (n <= 16 and m // 32 > 2 * 132) and tune["across"] == 1 and "w_a" not in tune
 
 
 @pytest.mark.parametrize("n,m,k,shared_x", [
     (2, 28672, 4096, True), (4, 6144, 4096, True), (3, 14336, 4096, True), (2, 10240, 8192, True),
     (2, 8192, 8192, True), (4, 8704, 4096, True), (2, 4352, 2048, True),
-    # N x K past 16384, 5 tokens, K below 2048 (rows whose M / 32 does not pass the SMs: the next test)
-    (3, 10240, 8192, False), (2, 8192, 28672, False), (4, 28672, 4160, False),
-    (5, 28672, 4096, False), (2, 28672, 1024, False)])
+    # N x K past 16384, K below 2048 (rows whose M / 32 does not pass the SMs: the next test)
+    (3, 10240, 8192, False), (2, 8192, 28672, False), (4, 28672, 4160, False), (2, 28672, 1024, False)])
 def test_two_to_four_tokens_on_many_rows_take_x_in_shared_memory_where_n_k_is_at_most_16384(n, m, k, shared_x):
     """2..4 tokens on many rows (``M / 32`` over the SMs) take the one-token route's 4 CTAs of 2 groups with x in
     shared memory (``dec``, ``xpair``, ``across``; no ``late``) where ``N x K <= 16384`` and ``K >= 2048`` (the
@@ -155,9 +156,9 @@ FEW_ROWS = {"threads": 512, "ctas": 2, "groups": 2, "x_smem": 1, "dec": 1, "xpai
     (1, 4096, 32768, True), (2, 4096, 14336, True), (3, 4096, 14336, True), (4, 4096, 7168, True),
     (2, 3072, 4096, True), (1, 1920, 8192, True),  # the fewest rows: 120 tiles of 2 groups on 132 SMs
     # one CTA's x would fit a SM, not two (4 x 14336); not even one (4 x 32768); K below 4096; too few rows;
-    # 5 tokens; rows past 4224
+    # rows past 4224
     (4, 4096, 14336, False), (4, 4096, 32768, False), (1, 4096, 2048, False), (1, 1792, 8192, False),
-    (5, 4096, 4096, False), (1, 4352, 4096, False)])
+    (1, 4352, 4096, False)])
 def test_one_to_four_tokens_on_fewer_rows_take_16_warp_ctas_with_x_in_shared_memory(n, m, k, taken):
     """1..4 tokens where the 4-group tiles do not pass the SMs (``M / 32 <= SMs``) but the 2-group tiles nearly
     fill them (``M / 16 >= SMs - SMs / 8``), from K = 4096: CTAs of 16 warps, two a SM, 2 groups, x in shared
@@ -172,6 +173,48 @@ def test_one_to_four_tokens_on_fewer_rows_take_16_warp_ctas_with_x_in_shared_mem
     op = w4a16.Nvfp4GemvW4A16(k, n, 2, True, False, True, True, **tune)
     assert op.x_smem and op.warps == 16 and op.late == (n == 1)
     assert op.min_blocks * (op.smem_bytes + 1024) <= w4a16.SMEM_A_SM
+
+
+@pytest.mark.parametrize("n,m,k,taken", [
+    (5, 4096, 4096, True), (8, 4096, 4096, True), (6, 28672, 4096, True), (8, 28672, 4096, True),
+    (8, 6144, 4096, True), (6, 4096, 7168, True), (7, 1920, 7168, True), (5, 57344, 10240, True),
+    # two CTAs' x do not fit a SM (8 x 7168, 5 x 10752); K below 4096; too few rows; 4 and 9 tokens
+    (8, 4096, 7168, False), (5, 28672, 10752, False), (8, 28672, 2048, False), (8, 1792, 4096, False),
+    (9, 28672, 4096, False)])
+def test_five_to_eight_tokens_take_16_warp_ctas_with_x_in_shared_memory_where_two_fit(n, m, k, taken):
+    """5..8 tokens from K = 4096 on rows whose 2-group tiles nearly fill the SMs or more (``M / 16 >= SMs -
+    SMs / 8``): the 16-warp build of fewer rows (two CTAs a SM, 2 groups, x in shared memory, no ``late``) where
+    two such CTAs fit a SM (H200: 28672 x 4096 N = 8 38.67 -> 29.04 us; docs/results.md, "Ninth session")."""
+    tune = w4a16.default_tuning(n, m, 132, k)
+    if not taken:
+        assert not (tune.get("threads") == 512 and tune.get("ctas") == 2 and tune.get("x_smem")), tune
+        return
+    assert tune == FEW_ROWS
+    tune.pop("groups")
+    op = w4a16.Nvfp4GemvW4A16(k, n, 2, True, False, True, True, **tune)
+    assert op.x_smem and op.warps == 16 and not op.late and op.w_a
+    assert op.min_blocks * (op.smem_bytes + 1024) <= w4a16.SMEM_A_SM
+
+
+@pytest.mark.parametrize("n,m,k,taken", [
+    (9, 28672, 4096, True), (16, 28672, 4096, True), (12, 14336, 4096, True), (16, 8576, 4096, True),
+    (13, 57344, 4992, True), (9, 28672, 7168, True),
+    # N x K past 65536 (16 x 4160, 10 x 7168); K below 4096; rows whose 4-group tiles fill at most two rounds
+    # (8448: 16 warps, x in registers); 8 and 17 tokens
+    (16, 28672, 4160, False), (10, 28672, 7168, False), (16, 28672, 2048, False), (16, 8448, 4096, False),
+    (8, 28672, 4096, False), (17, 28672, 4096, False)])
+def test_nine_to_sixteen_tokens_on_many_rows_take_x_in_shared_memory_up_to_16_by_4096(n, m, k, taken):
+    """9..16 tokens (x the A operand) on rows past two rounds of 4-group tiles (``M / 32 > 2 * SMs``), from
+    K = 4096, with ``N x K <= 65536``: one CTA of 16 warps and 4 groups with x in shared memory, read once a CTA
+    instead of once a tile (H200: 28672 x 4096 N = 16 46.98 -> 39.36 us; docs/results.md, "Ninth session")."""
+    tune = w4a16.default_tuning(n, m, 132, k)
+    if not taken:
+        assert not (tune.get("x_smem") and n > 8), tune
+        return
+    assert tune == {"threads": 512, "x_smem": 1, "across": 1, "groups": 4}
+    tune.pop("groups")
+    op = w4a16.Nvfp4GemvW4A16(k, n, 4, True, False, True, True, **tune)
+    assert op.x_smem and op.warps == 16 and not op.w_a and op.smem_bytes <= w4a16.SMEM_CTA
 
 
 @pytest.mark.parametrize("sms", [78, 132, 148])
@@ -228,6 +271,8 @@ def test_from_nine_tokens_the_tiles_take_as_many_groups_as_the_registers_hold(n,
     tune = w4a16.default_tuning(n, m, 132, k)
     if n > 16 and threads == 512:
         threads, groups = 256, {4096: 4, 7168: 7, 8192: 8, 6144: 6, 1024: 1, 8448: 8}[m]
+    if n <= 16 and m // 32 > 2 * 132 and k >= 4096 and n * k <= 65536:  # x in shared memory (test above)
+        threads, groups = 512, 4
     assert (tune["threads"], tune["groups"], tune["across"]) == (threads, groups, 1), tune
     # what 16 warps of 128 registers hold without a stack (sm_90a, tests/test_compile.py)
     assert tune["groups"] <= (4 if tune["threads"] == 512 else w4a16.MAX_GROUPS)
@@ -354,3 +399,14 @@ def test_late_and_across_refuse_builds_they_cannot_make(kw, k, message):
     if "across" in kw:
         assert w4a16.Nvfp4GemvW4A16(k + 128, n_tok, groups, True, False, True, True, **kw).across
         assert w4a16.Nvfp4GemvW4A16(64, n_tok, groups, True, False, True, True, across=1, threads=256).across
+
+
+def test_measuring_builds_refuse_what_they_cannot_run():
+    """``probe`` (the measuring builds of ``tools/sweep_w4a16.sh``: loads only, arithmetic only, w's loads only)
+    is 0..3 and never routed."""
+    with pytest.raises(ValueError, match="probe=4"):
+        w4a16.Nvfp4GemvW4A16(4096, 1, 2, True, False, True, True, probe=4)
+    for sms in (78, 132, 148):
+        for n in range(1, 33):
+            for m, k in ((4096, 4096), (28672, 4096), (7168, 16384)):
+                assert not w4a16.default_tuning(n, m, sms, k).get("probe")

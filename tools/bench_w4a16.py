@@ -164,7 +164,13 @@ def main():
     if args.lock:
         import fcntl
 
-        compile_all(shapes, ns, tuning, getattr(torch, args.x_dtype))
+        try:
+            compile_all(shapes, ns, tuning, getattr(torch, args.x_dtype))
+        except BaseException:
+            if args.barrier:  # counted as compiled, so that the other processes do not wait for this one
+                os.makedirs(args.lock + ".ready", exist_ok=True)
+                open(os.path.join(args.lock + ".ready", str(os.getpid())), "w").close()
+            raise
         if args.barrier:
             wait_for_peers(args.lock + ".ready", args.barrier)
         lock = open(args.lock, "a")
