@@ -86,8 +86,9 @@ for n, m, k, blocked in () if shapes is None else ((1, 256, 2048, False), (4, 38
 # W4A16 (bf16/fp16 x): one token on 512 rows (x in registers), one token on 4352 rows (on 132 SMs the 4-CTA build,
 # w as the A operand, late, dec, xpair, across), 2 tokens on the same rows (on 132 SMs the shared-x build of 2..4
 # tokens, its copy of x in batches; at K = 8256 two CTAs of 4 groups), 1 and 3 tokens on 2048 rows (the 16-warp
-# build of fewer rows), K % 128 == 64 (4 tokens: w_a), two A tiles with blocked scales, the last
-# tile moved back; then the quantize kernel (both dtypes, a strided x)
+# build of fewer rows), 6 tokens on 2048 rows (the same build at 5..8 tokens), 12 tokens on 8576 rows (x in
+# shared memory from 9 tokens, 16 warps of 4 groups), K % 128 == 64 (4 tokens: w_a), two A tiles with blocked
+# scales, the last tile moved back; then the quantize kernel (both dtypes, a strided x)
 from w4a16_inputs import w4a16_exact, w4a16_inputs, w4a16_violations  # noqa: E402
 
 from nvfp4_gemv import quant  # noqa: E402
@@ -95,6 +96,7 @@ from nvfp4_gemv import quant  # noqa: E402
 for n, m, k, dtype, blocked in ((1, 512, 4096, torch.bfloat16, False), (1, 4352, 2048, torch.bfloat16, False),
                                 (2, 4352, 2048, torch.float16, False), (2, 4352, 8256, torch.bfloat16, False),
                                 (1, 2048, 4096, torch.bfloat16, False), (3, 2048, 4160, torch.float16, True),
+                                (6, 2048, 4160, torch.bfloat16, True), (12, 8576, 4096, torch.float16, False),
                                 (4, 384, 4160, torch.bfloat16, False),
                                 (20, 640, 2112, torch.float16, True), (32, 1152, 1024, torch.bfloat16, False)):
     x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n + m, dtype=dtype, blocked=blocked)
