@@ -106,7 +106,7 @@ BF16_SUM_SCALE = 128.0  # 2^7: undoes the 2^-7 of the bf16 weights
 F16_SUM_SCALE = 16384.0  # 2^14: undoes the 2^-14 of the f16 weights
 X_LATE_BF16X2 = 0x63806380  # bf16x2 of 2^72: late's bf16 x, so that x * v * 2^-126 * s stays normal
 LATE_BF16_SUM_SCALE = 2.0 ** 54  # undoes late's 2^72 * 2^-126
-SHARED_X_TOKENS = 4  # tokens up to which many rows take x in shared memory (measured to 8: slower from 6)
+SHARED_X_TOKENS = 4  # tokens up to which many rows take the 4-CTA shared-x build (5..16: other builds) (measured to 8: slower from 6)
 SHARED_X_VALUES = 16384  # ... where N x K is at most this (measured faster at 4096 x 4, 8192 x 2)
 SHARED_X_MIN_K = 2048  # ... and K at least this (measured from 2048; the one-token route's across from 1024)
 XBATCH = 8  # copies of x (16 bytes each) a thread has in flight while x is copied into shared memory
@@ -629,7 +629,8 @@ def default_tuning(n_tok, m, sms, k):
         # 5..8 tokens from 1920 rows (on 132 SMs) where two 16-warp CTAs' x fit a SM (N x K up to about 53000):
         # the 16-warp build of fewer rows, without late (ninth session, docs/results.md: 28672 x 4096 at N = 8
         # 38.67 -> 29.04 us, at N = 6 40.22 -> 30.22; 4096 x 4096 N = 8 10.45 -> 9.38; 4096 x 7168 N = 6
-        # 13.60 -> 13.17, N = 8 (one CTA fits) 13.97 -> 16.29: not taken)
+        # 13.60 -> 13.17, N = 8 (one CTA fits) 13.97 -> 16.29: not taken; 6144 x 4096 level:
+        # 12.86 / 12.90 at N = 6, 12.30 / 12.35 at N = 8)
         return {"threads": 512, "ctas": 2, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, **w_a}
     if n_tok <= W_A_TOKENS:
         # 2..8 tokens (and one on fewer rows): x in registers; with across from 2 tokens (level to 6% faster; any K:

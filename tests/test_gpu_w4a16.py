@@ -104,7 +104,7 @@ def test_one_to_four_tokens_on_fewer_rows_take_16_warp_ctas_and_match_float64(n,
 def test_five_to_eight_tokens_take_16_warp_ctas_and_match_float64(n, k, kw, dtype):
     """The routed 16-warp build of 5..8 tokens (two CTAs a SM, 2 groups, x in shared memory, no ``late``) on
     the fewest rows that take it and on many (several tiles a CTA): ``K % 128 == 64`` with blocked scales,
-    cancelling sums, subnormal scales, the longest K where two CTAs' x fit at 8 tokens."""
+    cancelling sums, subnormal scales, K = 6144 (two CTAs' x fit up to K = 6656 at 8 tokens)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for m in (few_rows()[1], 28672):
         tune = w4a16.default_tuning(n, m, sms, k)
