@@ -106,7 +106,7 @@ BF16_SUM_SCALE = 128.0  # 2^7: undoes the 2^-7 of the bf16 weights
 F16_SUM_SCALE = 16384.0  # 2^14: undoes the 2^-14 of the f16 weights
 X_LATE_BF16X2 = 0x63806380  # bf16x2 of 2^72: late's bf16 x, so that x * v * 2^-126 * s stays normal
 LATE_BF16_SUM_SCALE = 2.0 ** 54  # undoes late's 2^72 * 2^-126
-SHARED_X_TOKENS = 4  # tokens up to which many rows take the 4-CTA shared-x build (5..16: other builds) (measured to 8: slower from 6)
+SHARED_X_TOKENS = 4  # tokens up to which many rows take the 4-CTA shared-x build (measured to 8: slower from 6)
 SHARED_X_VALUES = 16384  # ... where N x K is at most this (measured faster at 4096 x 4, 8192 x 2)
 SHARED_X_MIN_K = 2048  # ... and K at least this (measured from 2048; the one-token route's across from 1024)
 XBATCH = 8  # copies of x (16 bytes each) a thread has in flight while x is copied into shared memory
@@ -457,7 +457,6 @@ class Nvfp4GemvW4A16(OpLaunch):
                       own0 * (W * 256), own1 * (W * 256))
 
         ptrs = (w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs)
-
         if cutlass.const_expr(self.across):
             # the first tile's first slices; later tiles' come in with the previous tile's last slices
             pipe = []

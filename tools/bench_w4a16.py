@@ -59,12 +59,17 @@ def compile_all(shapes, ns, tuning, x_dtype):
     torch.cuda.synchronize()
 
 
+def mark_ready(folder):
+    """Counts this process as compiled: a file named by its pid in ``folder``."""
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+
+
 def wait_for_peers(folder, count, timeout_s=1800):
     """Marks this process compiled (a file in ``folder``) and waits until ``count`` processes have."""
     import time
 
-    os.makedirs(folder, exist_ok=True)
-    open(os.path.join(folder, str(os.getpid())), "w").close()
+    mark_ready(folder)
     t0 = time.time()
     while len(os.listdir(folder)) < count:
         if time.time() - t0 > timeout_s:
@@ -168,8 +173,7 @@ def main():
             compile_all(shapes, ns, tuning, getattr(torch, args.x_dtype))
         except BaseException:
             if args.barrier:  # counted as compiled, so that the other processes do not wait for this one
-                os.makedirs(args.lock + ".ready", exist_ok=True)
-                open(os.path.join(args.lock + ".ready", str(os.getpid())), "w").close()
+                mark_ready(args.lock + ".ready")
             raise
         if args.barrier:
             wait_for_peers(args.lock + ".ready", args.barrier)
