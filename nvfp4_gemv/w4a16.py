@@ -63,6 +63,10 @@ groups: 449 instructions a warp, 199 of them on the half-rate ALU pipe, 8 loads;
 slice, 183 with ``across``): the route is latency-bound, neither issue (0.44 instructions a scheduler a cycle) nor DRAM (48%)
 saturated (docs/design.md, "W4A16").
 
+Measuring builds (never routed): ``probe`` (loads only, arithmetic only, w's loads only) and ``bulk`` (w and its
+scales brought into shared memory by ``cp.async.bulk`` a row, stages on mbarriers, warp 0 copying; its loads alone
+beat the route's, the whole kernel was slower: docs/results.md, "Tenth session").
+
 Layouts: ``w`` [M, K/2] uint8 and ``x`` [N, K] K-contiguous with 16-byte aligned rows; ``ws`` plain [M, K/16]
 K-contiguous with even row strides, or 128x4 blocked; ``out`` [N, M] unit stride along M; ``alpha`` one fp32
 on the device, or none.
@@ -79,6 +83,7 @@ from .launch import MAX_PLANS, Kernel, current_device, current_stream
 from .ptx import (
     SMEM_A_SM,
     SmemAllocator,
+    bulk_g2s,
     fma_f32,
     ldg_f32,
     ldg_u16,
@@ -86,8 +91,14 @@ from .ptx import (
     ldg_v4_if,
     ldg_w_v4,
     lds_stage_f32,
+    lds_stage_u16,
     lds_stage_v4,
     lds_v4_if,
+    mbar_arrive,
+    mbar_arrive_expect_tx,
+    mbar_init,
+    mbar_init_fence,
+    mbar_wait,
     mma_16816,
     mul_bf16x2,
     pair_halves,
@@ -138,7 +149,7 @@ class Nvfp4GemvW4A16(OpLaunch):
 
     def __init__(self, k: int, n_tok: int, groups: int, x_bf16: bool, w_blocked: bool, has_alpha: bool,
                  out_bf16: bool, threads=None, depth=None, ctas=None, x_smem=None, chains=None, w_a=None,
-                 dec=None, xpair=None, late=None, across=None, xbatch=None, probe=None):
+                 dec=None, xpair=None, late=None, across=None, xbatch=None, probe=None, bulk=None, span=None):
         if not 1 <= n_tok <= MAX_TOKENS:
             raise ValueError(f"nvfp4_gemv: the W4A16 kernel takes 1..{MAX_TOKENS} tokens, not {n_tok}")
         if k % 64 or k <= 0:
@@ -183,11 +194,32 @@ class Nvfp4GemvW4A16(OpLaunch):
         self.late = bool(late)
         if self.late:
             self.x_row_bytes = 2 * k + (32 if k % 128 == 0 else 128)
-        fits = self.red_bytes + n_tok * self.x_row_bytes <= SMEM_CTA
+        # bulk (measuring build, not routed: slower, docs/results.md, "Tenth session"; x in shared memory, plain
+        # scales with 16-byte aligned rows): the CTA's warps take a "round" of W slices at a time (warp i slice
+        # i of it, as without); warp 0 keeps ``bulk`` stages of ``span`` rounds of the tile's rows in flight in
+        # shared memory, one cp.async.bulk a row for w (span x W x 64 bytes) and one for its scales (span x W x
+        # 8), counted on the stage's full mbarrier; each thread arrives on its empty one when it has used the
+        # stage. Rows padded so that a quarter warp's two rows of 16-byte reads fall in other banks (w: 64
+        # bytes more than a multiple of 128; scales: 16 more than a multiple of 32)
+        self.bulk = int(bulk or 0)
+        self.span = int(span or 1)
+        self.rows = 8 * groups
+        self.row_w = self.warps * 64 * self.span
+        self.row_w_pad = self.row_w + 64 if self.row_w % 128 == 0 else self.row_w
+        self.row_s = self.warps * 8 * self.span
+        self.row_s_pad = -(-self.row_s // 16) * 16 + (16 if self.row_s % 32 == 0 else 0)
+        self.stage_bytes = self.rows * (self.row_w_pad + self.row_s_pad)
+        self.rounds = self.n_slices // self.warps
+        self.bulk_bytes = self.bulk * (self.stage_bytes + 16)  # the stages, then a full and an empty barrier each
+        if self.bulk and not (2 <= self.bulk <= 8 and not w_blocked and k % (128 * self.warps) == 0
+                              and self.rounds % self.span == 0 and self.row_s % 16 == 0):
+            raise ValueError(f"nvfp4_gemv: bulk={bulk} takes 2..8 stages, plain scales and whole stages a tile "
+                             f"(K % (128 x warps x span) == 0), not K={k} with {self.warps} warps, span {self.span}")
+        fits = self.red_bytes + self.bulk_bytes + n_tok * self.x_row_bytes <= SMEM_CTA
         self.x_smem = fits if x_smem is None else bool(x_smem)
         if self.x_smem and not fits:
             raise ValueError(f"nvfp4_gemv: {n_tok} rows of x (K={k}) do not fit in shared memory")
-        self.smem_bytes = self.red_bytes + (n_tok * self.x_row_bytes if self.x_smem else 0)
+        self.smem_bytes = self.red_bytes + self.bulk_bytes + (n_tok * self.x_row_bytes if self.x_smem else 0)
         # dec (bf16 x): a chunk's 32 values decoded at once, three operations a pair (``scaled_bf16_chunk``)
         # instead of ``scaled_bf16x8``'s four; ignored for fp16 x
         self.dec = bool(dec) and self.x_bf16
@@ -205,7 +237,7 @@ class Nvfp4GemvW4A16(OpLaunch):
             self.chains = 1  # its own two chains, one a block
         # across: the last slices of a tile prefetch the next tile's first ones (no drained pipeline between
         # tiles); needs every warp with slices to have at least depth of them (any K at depth 1)
-        self.across = bool(across)
+        self.across = bool(across) and not bulk  # bulk: its stages run on across tiles by themselves
         if self.across and self.depth > 1 and self.n_slices < self.depth * self.warps:
             raise ValueError(f"nvfp4_gemv: across at depth {self.depth} needs K > {128 * (self.depth * self.warps - 1)} "
                              f"(depth x warps slices), not {k}")
@@ -223,6 +255,8 @@ class Nvfp4GemvW4A16(OpLaunch):
         self.probe = int(probe or 0)
         if self.probe not in (0, 1, 2, 3):
             raise ValueError(f"nvfp4_gemv: probe={probe}: expected 0..3")
+        if self.bulk and not self.x_smem:
+            raise ValueError("nvfp4_gemv: bulk takes x in shared memory")
         self.min_blocks = int(ctas or 1)  # CTAs a SM (launch bound: registers a thread <= 64K / (ctas * threads))
         # undoes the weights' (and with late bf16 x's) power of two; with late bf16 2^54 * alpha, so alpha < 2^74
         self.sum_scale = F16_SUM_SCALE if not self.x_bf16 else LATE_BF16_SUM_SCALE if self.late else BF16_SUM_SCALE
@@ -271,6 +305,47 @@ class Nvfp4GemvW4A16(OpLaunch):
             base = x_ptr + cutlass.Int64(cutlass.min(tok, NT - 1)) * x_rs + kx
             for j in range(4):
                 vals += ldg_v4_if(base + 16 * j, p)
+        return vals
+
+    @cute.jit
+    def _bulk_round(self, q, bidx, gdimx, n_tiles, lane, m, s_stage, s_full, s_empty, ptrs):
+        """``bulk``, warp 0: stage ``q`` of this CTA (``span`` rounds: of its tiles the ``q // (rounds / span)``-th,
+        there the ``q % (rounds / span)``-th stage) into slot ``q % bulk`` once the warps have used what it held
+        (stage ``q - bulk``); nothing past the last tile. Lane 0 announces the bytes; lane ``i < rows`` copies
+        row ``i``'s w and scales."""
+        w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs = ptrs
+        B = self.bulk
+        per_tile = self.rounds // self.span  # stages a tile
+        tile = bidx + (q // per_tile) * gdimx
+        if tile < n_tiles:
+            rnd = q % per_tile
+            slot = q % B
+            if q >= B:
+                mbar_wait(s_empty + 8 * slot, ((q - B) // B) & 1)
+            full = s_full + 8 * slot
+            dst = s_stage + slot * self.stage_bytes
+            row0 = cutlass.min(tile * self.rows, m - self.rows)
+            cute.arch.sync_warp()
+            if lane == 0:
+                mbar_arrive_expect_tx(full, self.rows * (self.row_w + self.row_s))
+            cute.arch.sync_warp()
+            if lane < self.rows:
+                r = cutlass.Int64(row0 + lane)
+                bulk_g2s(dst + lane * self.row_w_pad, w_ptr + r * w_rs + cutlass.Int64(rnd) * self.row_w,
+                         self.row_w, full, True)
+                bulk_g2s(dst + self.rows * self.row_w_pad + lane * self.row_s_pad,
+                         ws_ptr + r * ws_rs + cutlass.Int64(rnd) * self.row_s, self.row_s, full, True)
+
+    def _round_words(self, stage, u, wid, g, t):
+        """``bulk``: a lane's slice of round ``u`` of ``stage``, in ``_load_slice``'s layout (per group the 16
+        bytes of row ``g + 8 gr`` at the round's and warp's 64 and the lane's 16, then its 2 scale bytes)."""
+        vals = []
+        W = self.warps
+        for gr in range(self.groups):
+            row = g + 8 * gr
+            vals += lds_stage_v4(stage + row * self.row_w_pad + (u * W + wid) * 64 + t * 16)
+            vals.append(lds_stage_u16(stage + self.rows * self.row_w_pad + row * self.row_s_pad + (u * W + wid) * 8
+                                      + t * 2))
         return vals
 
     def _x_words(self, s_x, sl, g, t):
@@ -404,7 +479,17 @@ class Nvfp4GemvW4A16(OpLaunch):
         smem = SmemAllocator()
         s_buf = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.smem_bytes // 4), byte_alignment=16)
         s_red = s_buf.iterator.toint()
-        s_x = s_red + self.red_bytes
+        s_stages = s_red + self.red_bytes  # bulk's stages, then their barriers
+        s_x = s_stages + self.bulk_bytes
+        B = self.bulk
+        s_full = s_stages + B * self.stage_bytes
+        s_empty = s_full + 8 * B
+        if cutlass.const_expr(B > 0):
+            if tidx == 0:
+                for bs in cutlass.range_constexpr(B):
+                    mbar_init(s_full + 8 * bs, 1)
+                    mbar_init(s_empty + 8 * bs, self.threads)
+                mbar_init_fence()  # (the copy of x below ends with a CTA barrier)
         if cutlass.const_expr(self.x_smem):
             # x [N, K] into shared memory once, 16 bytes a copy (rows x_row_bytes apart), a thread's copies
             # xbatch at a time: the batch's loads all issue before its first store waits for one (a round trip
@@ -457,7 +542,13 @@ class Nvfp4GemvW4A16(OpLaunch):
                       own0 * (W * 256), own1 * (W * 256))
 
         ptrs = (w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs)
-        if cutlass.const_expr(self.across):
+        if cutlass.const_expr(B > 0):
+            # the first B - 1 stages; later ones come in as the warps use the rounds before them
+            b_pos = cutlass.Int32(0)  # this CTA's rounds so far (all tiles)
+            if wid == 0:
+                for bq in cutlass.range_constexpr(B - 1):
+                    self._bulk_round(bq, bidx, gdimx, n_tiles, lane, m, s_stages, s_full, s_empty, ptrs)
+        elif cutlass.const_expr(self.across):
             # the first tile's first slices; later tiles' come in with the previous tile's last slices
             pipe = []
             for d in cutlass.range_constexpr(D):
@@ -474,19 +565,32 @@ class Nvfp4GemvW4A16(OpLaunch):
             acc = [[[[cutlass.Float32(0.0)] * 4 for _ in range(self.chains)] for _ in range(AT)] for _ in range(U)]
             if cutlass.const_expr(self.across):
                 row_next = cutlass.min((tile + gdimx) * (GR * 8), m - GR * 8)  # past the last tile: read, unused
-            else:
+            elif cutlass.const_expr(B == 0):
                 pipe = []
                 for d in cutlass.range_constexpr(D):
                     pipe.append(self._load_slice(wid + d * W, g, t, row0, *ptrs))
             for i in cutlass.range(my_slices, unroll=1):
-                cur = pipe[0]
-                pipe = pipe[1:]
-                if cutlass.const_expr(self.across):
+                if cutlass.const_expr(B > 0):
+                    # at a stage's first round warp 0 refills the slot of the stage before it with the stage
+                    # B - 1 on; every warp then waits for this round's stage
+                    b_stage = b_pos // self.span
+                    b_u = b_pos % self.span
+                    if wid == 0 and b_u == 0:
+                        self._bulk_round(b_stage + B - 1, bidx, gdimx, n_tiles, lane, m, s_stages, s_full, s_empty,
+                                         ptrs)
+                    b_slot = b_stage % B
+                    mbar_wait(s_full + 8 * b_slot, (b_stage // B) & 1)
+                    cur = self._round_words(s_stages + b_slot * self.stage_bytes, b_u, wid, g, t)
+                elif cutlass.const_expr(self.across):
+                    cur = pipe[0]
+                    pipe = pipe[1:]
                     # slice i + D of this tile, or past its end the next tile's first ones (my_slices >= D)
                     nx = cutlass.Int32(i + D >= my_slices)
                     pipe.append(self._load_slice(wid + (i + D - nx * my_slices) * W, g, t,
                                                  row0 + nx * (row_next - row0), *ptrs))
                 else:
+                    cur = pipe[0]
+                    pipe = pipe[1:]
                     pipe.append(self._load_slice(wid + (i + D) * W, g, t, row0, *ptrs))
                 if cutlass.const_expr(self.late):
                     a0 = x_lane[0] + i * x_lane[2]
@@ -498,6 +602,11 @@ class Nvfp4GemvW4A16(OpLaunch):
                     acc = self._slice_products(acc, cur, zero, xw)
                 else:
                     acc = self._slice_products(acc, cur, zero)
+                if cutlass.const_expr(B > 0):
+                    # every thread arrives once it has used the stage's last round (its words consumed)
+                    if b_u == self.span - 1:
+                        mbar_arrive(s_empty + 8 * b_slot)
+                    b_pos = b_pos + 1
 
             for u in cutlass.range_constexpr(U):
                 for a in cutlass.range_constexpr(AT):
@@ -699,6 +808,7 @@ class W4A16Plan:
                 fail_gemv(ValueError, "out", f"rows that do not overlap (stride(0) >= {m})", f"strides {out.stride()}")
             out_rs = out.stride(0)
         self.dequant = n >= DEQUANT_MIN_TOKENS
+        self.ws_mask = 1  # address bits of w_scale that must be 0 (checked each call; bulk's below)
         self.k = k
         self.wb = wb
         self.launches = []
@@ -710,9 +820,21 @@ class W4A16Plan:
         tile = 512 * (-(-(k // 16) // 4))  # bytes of a 128-row tile of blocked scales
         ws_rs = tile if wb else w_scale.stride(0)
         x_rs = x.stride(0) * 2
+
+        def ws_align(tune):  # the alignment of w_scale's rows a build's scale reads need
+            return 16 if tune.get("bulk") else 2
+
+        def ws_fits(tune):
+            mask = ws_align(tune) - 1
+            return not (w_scale.data_ptr() & mask or (not wb and ws_rs & mask) or (tune.get("bulk") and wb))
+
         for t0 in range(0, n, g):
             nt = min(g, n - t0)
             tune = {**default_tuning(nt, m, sms, k), **tuning}
+            if not ws_fits(tune):  # bulk (never routed) copies 16-byte rows of plain scales
+                fail_gemv(ValueError, "w_scale", "plain rows at 16-byte aligned addresses for bulk",
+                          f"{'blocked scales' if wb else f'row stride {ws_rs}'} at address {w_scale.data_ptr():#x}")
+            self.ws_mask = max(self.ws_mask, ws_align(tune) - 1)
             groups = tune.pop("groups", None) or pick_groups(nt, m, sms, even=bool(tune.get("w_a")))
             key = ("w4a16", self.dev, k, nt, groups, x.dtype == torch.bfloat16, wb, alpha is not None,
                    out_dtype == torch.bfloat16, tuple(sorted(tune.items())))
@@ -724,10 +846,10 @@ class W4A16Plan:
         # addresses are not in the plan's key: checked on every call (the kernel reads 16-byte rows of x and
         # w and 2-byte scale pairs; a misaligned read would fault and break the CUDA context)
         px, pw, pws = x.data_ptr(), w.data_ptr(), w_scale.data_ptr()
-        if (px | pw) & 15 or pws & 1:
-            bad = [nm for nm, p, mask in (("x", px, 15), ("w", pw, 15), ("w_scale", pws, 1)) if p & mask][0]
-            fail_gemv(ValueError, bad, "16-byte aligned rows of x and w, an even address of w_scale",
-                      f"address {dict(x=px, w=pw, w_scale=pws)[bad]:#x}")
+        if (px | pw) & 15 or pws & self.ws_mask:
+            bad = [nm for nm, p, mask in (("x", px, 15), ("w", pw, 15), ("w_scale", pws, self.ws_mask)) if p & mask][0]
+            fail_gemv(ValueError, bad, f"16-byte aligned rows of x and w, a w_scale address a multiple of "
+                      f"{self.ws_mask + 1}", f"address {dict(x=px, w=pw, w_scale=pws)[bad]:#x}")
         if self.dequant:
             return dequant_mm(x, w, w_scale, alpha, out, out_dtype, self.k, self.wb)
         if out is None:

@@ -152,6 +152,20 @@ def test_w4a16_kernel_compiles_without_gpu_and_without_spills(arch, k, tokens, g
     assert info["lds_before_bar"] == 0 and info["frame_bytes"] <= known, info
 
 
+ONE_TOKEN = "threads=256,ctas=4,w_a=1,dec=1,xpair=1,late=1"
+
+
+@pytest.mark.parametrize("arch,k,tokens,groups,tune", [
+    ("sm_90a", 4096, 1, 2, ONE_TOKEN + ",across=1,probe=1"), ("sm_100a", 4096, 1, 2, ONE_TOKEN + ",across=1,probe=3"),
+    ("sm_90a", 16384, 1, 2, ONE_TOKEN + ",bulk=2,span=4"), ("sm_100a", 6144, 2, 2, ONE_TOKEN[:-7] + ",x_smem=1,bulk=3")])
+def test_w4a16_measuring_builds_compile_without_gpu(arch, k, tokens, groups, tune, tmp_path):
+    """The sweeps' measuring builds, never routed, still build on both archs (and in CI on both DSL versions):
+    ``probe`` 1 and 3 (the loads kept, the arithmetic dropped; w's loads alone), ``bulk`` (stages of w and its
+    scales by cp.async.bulk on mbarriers)."""
+    info = compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--w4a16", str(groups), "--tune", tune)
+    assert info["elf"] and info["launch"] == "tvm-ffi" and info["fp4_cvt"] == [], info
+
+
 @pytest.mark.parametrize("arch,k,extra", [("sm_90a", 16384, ()), ("sm_100a", 4096, ("--f16",))])
 def test_quantize_kernel_compiles_without_gpu(arch, k, extra, tmp_path):
     """No e2m1 conversion (sm_90a has none): the codes come from comparisons."""

@@ -323,7 +323,7 @@ def test_tunings_on_and_off_the_route_match_float64(tuning, n, m, k, dtype):
 # tuning key -> the kernel attribute it sets
 BUILT_AS = {"w_a": "w_a", "groups": "groups", "threads": "threads", "ctas": "min_blocks", "x_smem": "x_smem",
             "chains": "chains", "dec": "dec", "xpair": "xpair", "late": "late", "depth": "depth", "across": "across",
-            "xbatch": "xbatch"}
+            "xbatch": "xbatch", "bulk": "bulk", "span": "span"}
 
 
 def assert_built_as(plan, tuning):
@@ -412,6 +412,64 @@ def test_across_on_the_registers_route_matches_float64(n, tuning, dtype):
     where the groups do not divide M / 8 (7 groups); ``K % 128 == 64``."""
     bad, msg = w4a16_violations(*run_forced(tuning, n, 17536, 4160, n + 70, dtype))
     assert bad == 0, msg
+
+
+BULK_ROUTES = [(1, {**LATE, "groups": 2, "ctas": 4}), (1, {**LATE, "groups": 4, "ctas": 2}),
+               (1, {**LATE, "threads": 512, "groups": 2, "ctas": 2}),
+               (2, {"threads": 256, "ctas": 4, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "w_a": 1}),
+               (8, {"threads": 512, "ctas": 2, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "w_a": 1}),
+               (9, {"threads": 512, "x_smem": 1, "groups": 2})]
+
+
+@pytest.mark.parametrize("bulk", [2, 3])
+@pytest.mark.parametrize("n,tuning", BULK_ROUTES)
+def test_bulk_rounds_on_every_shared_x_route_match_float64(bulk, n, tuning):
+    """``bulk`` (warp 0 copies rounds of W slices of the tile's rows into shared memory, cp.async.bulk a row,
+    mbarriers) on the builds with x in shared memory: 17536 rows (several tiles a CTA, the stages running on
+    into the next tile, the last tile moved back), K = 6144 (6 rounds of 8 warps, 3 of 16)."""
+    bad, msg = w4a16_violations(*run_forced({**tuning, "bulk": bulk}, n, 17536, 6144, n + bulk, torch.bfloat16))
+    assert bad == 0, msg
+
+
+@pytest.mark.parametrize("bulk,span,n,tuning", [
+    (bulk, span, n, tuning) for bulk, span in ((2, 2), (3, 2), (2, 3), (2, 6)) for n, tuning in BULK_ROUTES
+    if tuning.get("threads") != 512 and span * tuning["groups"] <= 12])  # (two stages of 6 x 4 groups: 226 KB)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bulk_stages_of_several_rounds_match_float64(bulk, span, n, tuning, dtype):
+    """``span``: a stage holds that many rounds (one copy of ``span x W x 64`` bytes a row): K = 6144 (6 rounds
+    of 8 warps: 3, 2 or 1 stages a tile), 17536 rows (the stages running on into the next tile)."""
+    bad, msg = w4a16_violations(*run_forced({**tuning, "bulk": bulk, "span": span}, n, 17536, 6144, n + span, dtype))
+    assert bad == 0, msg
+
+
+@pytest.mark.parametrize("bulk", [2, 4])
+@pytest.mark.parametrize("m,k,kw", [(1152, 4096, {"min_exp": 0, "max_exp": 1}), (640, 3072, {}),
+                                    (256, 8192, {"cancel": True}), (11264, 1024, {})])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bulk_rounds_of_one_token_match_float64(bulk, m, k, kw, dtype):
+    """``bulk`` on the one-token route (``late``): subnormal scales, 3 rounds (K = 3072), cancelling sums, one
+    round a tile (K = 1024) over many tiles, so that 4 stages in flight reach 3 tiles on, both x dtypes."""
+    tuning = {**LATE, "groups": 2, "ctas": 4, "bulk": bulk}
+    bad, msg = w4a16_violations(*run_forced(tuning, 1, m, k, m + k + bulk, dtype, **kw))
+    assert bad == 0, msg
+
+
+def test_bulk_refuses_scales_off_sixteen_byte_rows():
+    """Bulk copies take 16-byte aligned rows of plain scales: scales at an address 4 bytes off are refused for
+    a tuning that asks for ``bulk``, naming ``w_scale``; the route for them goes without it."""
+    from nvfp4_gemv.reference import check_args
+
+    x, _, w, ws, a = w4a16_inputs(1, 1152, 4096, seed=6)
+    wide = torch.zeros(1152 * 256 + 4, dtype=torch.uint8, device="cuda")
+    off = wide[4:].view(1152, 256).view(torch.float8_e4m3fn)
+    off.copy_(ws)
+    out = torch.empty(1, 1152, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="argument 'w_scale'"):
+        w4a16.W4A16Plan(x, w, off, a, out, torch.bfloat16, check_args(x, None, w, off, a, torch.bfloat16, out),
+                        tuning=tuple(sorted({**LATE, "groups": 2, "ctas": 4, "bulk": 2}.items())))
+    got = gemv(x, None, w, off, a)
+    exact, terms = w4a16_exact(x, w, off, a)
+    assert w4a16_violations(got, exact, terms)[0] == 0
 
 
 @pytest.mark.parametrize("e", [-54, -40, 0, 30, 55])

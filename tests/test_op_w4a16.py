@@ -407,3 +407,39 @@ def test_measuring_builds_refuse_what_they_cannot_run():
     with pytest.raises(ValueError, match="probe=4"):
         w4a16.Nvfp4GemvW4A16(4096, 1, 2, True, False, True, True, probe=4)
     assert w4a16.Nvfp4GemvW4A16(4096, 1, 2, True, False, True, True, probe=3).probe == 3
+
+
+@pytest.mark.parametrize("kw,k,message", [({"bulk": 1}, 4096, "bulk=1"), ({"bulk": 9}, 4096, "bulk=9"),
+                                          ({"bulk": 2, "w_blocked": True}, 4096, "plain scales"),
+                                          ({"bulk": 2}, 4608, "whole stages"),
+                                          ({"bulk": 2, "span": 3}, 4096, "whole stages"),
+                                          ({"bulk": 2, "x_smem": 0}, 4096, "bulk takes x in shared memory")])
+def test_bulk_refuses_builds_it_cannot_make(kw, k, message):
+    """``bulk`` (rounds of W slices of the tile's rows copied into shared memory by cp.async.bulk) needs 2..8
+    stages, plain scales, whole stages of ``span`` rounds (K % (128 W span) == 0) and x in shared memory; it
+    replaces across (its stages run on into the next tile)."""
+    kw = {"threads": 256, "x_smem": 1, "w_blocked": False, **kw}
+    with pytest.raises(ValueError, match=message):
+        w4a16.Nvfp4GemvW4A16(k, 1, 2, True, kw.pop("w_blocked"), True, True, **kw)
+    op = w4a16.Nvfp4GemvW4A16(3072, 1, 2, True, False, True, True, threads=256, x_smem=1, bulk=4, across=1)
+    assert op.bulk == 4 and op.rounds == 3 and not op.across
+
+
+def test_a_prefill_sized_plan_checks_addresses_then_takes_the_dequantized_product(monkeypatch):
+    """From ``DEQUANT_MIN_TOKENS`` tokens the plan launches no kernel: a call checks the addresses as every call
+    does, then hands its tensors to ``dequant_mm`` (stubbed: fp32-output ``torch.mm`` is CUDA's; its result is
+    tested on the GPU)."""
+    from nvfp4_gemv.reference import check_args
+
+    n, m, k = w4a16.DEQUANT_MIN_TOKENS, 128, 256
+    x = torch.zeros(n, k + 8, dtype=torch.bfloat16)
+    w = torch.zeros(m, k // 2, dtype=torch.uint8)
+    ws = torch.zeros(m, k // 16, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    plan = w4a16.W4A16Plan(x[:, :k], w, ws, None, None, torch.bfloat16,
+                           check_args(x[:, :k], None, w, ws, None, torch.bfloat16, None))
+    assert plan.dequant and not plan.launches
+    got = []
+    monkeypatch.setattr(w4a16, "dequant_mm", lambda *args: got.append(args) or "product")
+    assert plan(x[:, :k], w, ws, None, None, torch.bfloat16) == "product" and got[0][6:] == (k, False)
+    with pytest.raises(ValueError, match="argument 'x'"):
+        plan(x[:, 4:k + 4], w, ws, None, None, torch.bfloat16)
