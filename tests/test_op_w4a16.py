@@ -443,3 +443,30 @@ def test_a_prefill_sized_plan_checks_addresses_then_takes_the_dequantized_produc
     assert plan(x[:, :k], w, ws, None, None, torch.bfloat16) == "product" and got[0][6:] == (k, False)
     with pytest.raises(ValueError, match="argument 'x'"):
         plan(x[:, 4:k + 4], w, ws, None, None, torch.bfloat16)
+
+
+@pytest.mark.parametrize("offset", [2, 4, 8])
+def test_bulk_is_refused_for_scales_off_sixteen_byte_rows(offset, monkeypatch):
+    """A tuning that asks for ``bulk`` (16-byte bulk copies of the scales' rows) is refused, naming
+    ``w_scale``, for scales at an address off 16 bytes (no GPU: the plan's kernels are built, not compiled);
+    at an aligned one it builds, and every call then checks the 16-byte alignment."""
+    from nvfp4_gemv.reference import check_args
+
+    monkeypatch.setattr(w4a16, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(w4a16, "_get_kernel", lambda dev, key: _FakeKernel(
+        w4a16.Nvfp4GemvW4A16(key[2], key[3], key[4], key[5], key[6], key[7], key[8], **dict(key[9]))))
+    m, k = 1152, 4096
+    x = torch.zeros(1, k, dtype=torch.bfloat16)
+    w = torch.zeros(m, k // 2, dtype=torch.uint8)
+    tune = {"threads": 256, "w_a": 1, "x_smem": 1, "xpair": 1, "late": 1, "groups": 2, "ctas": 4, "bulk": 2}
+    base = torch.zeros(m * k // 16 + 16, dtype=torch.uint8)
+    at = (-base.data_ptr()) % 16
+    for off, ok in ((at, True), (at + offset, False)):
+        ws = base[off: off + m * k // 16].view(m, k // 16).view(torch.float8_e4m3fn)
+        args = (x, w, ws, None, None, torch.bfloat16, check_args(x, None, w, ws, None, torch.bfloat16, None))
+        if ok:
+            plan = w4a16.W4A16Plan(*args, tuning=tuple(sorted(tune.items())))
+            assert plan.ws_mask == 15 and plan.launches[0][0].op.bulk == 2
+        else:
+            with pytest.raises(ValueError, match="argument 'w_scale'.*16-byte aligned"):
+                w4a16.W4A16Plan(*args, tuning=tuple(sorted(tune.items())))
