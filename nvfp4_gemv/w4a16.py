@@ -65,7 +65,8 @@ saturated (docs/design.md, "W4A16").
 
 Measuring builds (never routed): ``probe`` (loads only, arithmetic only, w's loads only) and ``bulk`` (w and its
 scales brought into shared memory by ``cp.async.bulk`` a row, stages on mbarriers, warp 0 copying; its loads alone
-beat the route's, the whole kernel was slower: docs/results.md, "Tenth session").
+beat the route's, the whole kernel was slower on the large weights, level at 4096 x 4096: docs/results.md, "Tenth
+session").
 
 Layouts: ``w`` [M, K/2] uint8 and ``x`` [N, K] K-contiguous with 16-byte aligned rows; ``ws`` plain [M, K/16]
 K-contiguous with even row strides, or 128x4 blocked; ``out`` [N, M] unit stride along M; ``alpha`` one fp32
@@ -212,9 +213,11 @@ class Nvfp4GemvW4A16(OpLaunch):
         self.rounds = self.n_slices // self.warps
         self.bulk_bytes = self.bulk * (self.stage_bytes + 16)  # the stages, then a full and an empty barrier each
         if self.bulk and not (2 <= self.bulk <= 8 and not w_blocked and k % (128 * self.warps) == 0
-                              and self.rounds % self.span == 0 and self.row_s % 16 == 0):
-            raise ValueError(f"nvfp4_gemv: bulk={bulk} takes 2..8 stages, plain scales and whole stages a tile "
-                             f"(K % (128 x warps x span) == 0), not K={k} with {self.warps} warps, span {self.span}")
+                              and self.rounds % self.span == 0 and self.row_s % 16 == 0 and self.rows <= 32):
+            raise ValueError(f"nvfp4_gemv: bulk={bulk} takes 2..8 stages, plain scales, whole stages a tile "
+                             f"(K % (128 x warps x span) == 0), scale rows of whole 16 bytes (warps x span even) "
+                             f"and at most 4 groups (a lane copies a row), not K={k} with {self.warps} warps, span "
+                             f"{self.span}, {groups} groups")
         fits = self.red_bytes + self.bulk_bytes + n_tok * self.x_row_bytes <= SMEM_CTA
         self.x_smem = fits if x_smem is None else bool(x_smem)
         if self.x_smem and not fits:
@@ -824,14 +827,14 @@ class W4A16Plan:
         def ws_align(tune):  # the alignment of w_scale's rows a build's scale reads need
             return 16 if tune.get("bulk") else 2
 
-        def ws_fits(tune):
+        def ws_fits(tune):  # asked of bulk builds only: the others' addresses are checked each call
             mask = ws_align(tune) - 1
-            return not (w_scale.data_ptr() & mask or (not wb and ws_rs & mask) or (tune.get("bulk") and wb))
+            return not (w_scale.data_ptr() & mask or (not wb and ws_rs & mask) or wb)
 
         for t0 in range(0, n, g):
             nt = min(g, n - t0)
             tune = {**default_tuning(nt, m, sms, k), **tuning}
-            if not ws_fits(tune):  # bulk (never routed) copies 16-byte rows of plain scales
+            if tune.get("bulk") and not ws_fits(tune):  # bulk (never routed) copies 16-byte rows of plain scales
                 fail_gemv(ValueError, "w_scale", "plain rows at 16-byte aligned addresses for bulk",
                           f"{'blocked scales' if wb else f'row stride {ws_rs}'} at address {w_scale.data_ptr():#x}")
             self.ws_mask = max(self.ws_mask, ws_align(tune) - 1)

@@ -448,7 +448,8 @@ def test_bulk_stages_of_several_rounds_match_float64(bulk, span, n, tuning, dtyp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_bulk_rounds_of_one_token_match_float64(bulk, m, k, kw, dtype):
     """``bulk`` on the one-token route (``late``): subnormal scales, 3 rounds (K = 3072), cancelling sums, one
-    round a tile (K = 1024) over many tiles, so that 4 stages in flight reach 3 tiles on, both x dtypes."""
+    round a tile (K = 1024) over 704 tiles (on 132 SMs at most 2 a CTA: the stages past a CTA's last tile are
+    not copied), both x dtypes."""
     tuning = {**LATE, "groups": 2, "ctas": 4, "bulk": bulk}
     bad, msg = w4a16_violations(*run_forced(tuning, 1, m, k, m + k + bulk, dtype, **kw))
     assert bad == 0, msg

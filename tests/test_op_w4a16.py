@@ -413,14 +413,16 @@ def test_measuring_builds_refuse_what_they_cannot_run():
                                           ({"bulk": 2, "w_blocked": True}, 4096, "plain scales"),
                                           ({"bulk": 2}, 4608, "whole stages"),
                                           ({"bulk": 2, "span": 3}, 4096, "whole stages"),
+                                          ({"bulk": 2, "groups": 5}, 4096, "at most 4 groups"),
                                           ({"bulk": 2, "x_smem": 0}, 4096, "bulk takes x in shared memory")])
 def test_bulk_refuses_builds_it_cannot_make(kw, k, message):
     """``bulk`` (rounds of W slices of the tile's rows copied into shared memory by cp.async.bulk) needs 2..8
-    stages, plain scales, whole stages of ``span`` rounds (K % (128 W span) == 0) and x in shared memory; it
-    replaces across (its stages run on into the next tile)."""
-    kw = {"threads": 256, "x_smem": 1, "w_blocked": False, **kw}
+    stages, plain scales, whole stages of ``span`` rounds (K % (128 W span) == 0), at most 4 groups (32 rows: a
+    lane copies a row) and x in shared memory; it replaces across (its stages run on into the next tile)."""
+    kw = {"threads": 256, "x_smem": 1, "w_blocked": False, "groups": 2, **kw}
+    n_tok = 9 if kw["groups"] > 4 else 1  # (one token's w_a takes even groups)
     with pytest.raises(ValueError, match=message):
-        w4a16.Nvfp4GemvW4A16(k, 1, 2, True, kw.pop("w_blocked"), True, True, **kw)
+        w4a16.Nvfp4GemvW4A16(k, n_tok, kw.pop("groups"), True, kw.pop("w_blocked"), True, True, **kw)
     op = w4a16.Nvfp4GemvW4A16(3072, 1, 2, True, False, True, True, threads=256, x_smem=1, bulk=4, across=1)
     assert op.bulk == 4 and op.rounds == 3 and not op.across
 
@@ -448,8 +450,9 @@ def test_a_prefill_sized_plan_checks_addresses_then_takes_the_dequantized_produc
 @pytest.mark.parametrize("offset", [2, 4, 8])
 def test_bulk_is_refused_for_scales_off_sixteen_byte_rows(offset, monkeypatch):
     """A tuning that asks for ``bulk`` (16-byte bulk copies of the scales' rows) is refused, naming
-    ``w_scale``, for scales at an address off 16 bytes (no GPU: the plan's kernels are built, not compiled);
-    at an aligned one it builds, and every call then checks the 16-byte alignment."""
+    ``w_scale``, for scales at an address off 16 bytes or with rows off 16 bytes (no GPU: the plan's kernels are
+    built, not compiled); at an aligned one it builds, and a call with scales moved off 16 bytes (same shape and
+    strides) is refused before any launch."""
     from nvfp4_gemv.reference import check_args
 
     monkeypatch.setattr(w4a16, "_sm_count", lambda dev: 132)
@@ -467,6 +470,13 @@ def test_bulk_is_refused_for_scales_off_sixteen_byte_rows(offset, monkeypatch):
         if ok:
             plan = w4a16.W4A16Plan(*args, tuning=tuple(sorted(tune.items())))
             assert plan.ws_mask == 15 and plan.launches[0][0].op.bulk == 2
+            moved = base[off + offset: off + offset + m * k // 16].view(m, k // 16).view(torch.float8_e4m3fn)
+            with pytest.raises(ValueError, match="argument 'w_scale'.*a multiple of 16"):
+                plan(x, w, moved, None, None, torch.bfloat16)
         else:
             with pytest.raises(ValueError, match="argument 'w_scale'.*16-byte aligned"):
                 w4a16.W4A16Plan(*args, tuning=tuple(sorted(tune.items())))
+    wide = torch.zeros(m, k // 16 + 8, dtype=torch.uint8)[:, :k // 16].view(torch.float8_e4m3fn)  # rows 264 apart
+    with pytest.raises(ValueError, match="argument 'w_scale'.*row stride 264"):
+        w4a16.W4A16Plan(x, w, wide, None, None, torch.bfloat16, check_args(x, None, w, wide, None, torch.bfloat16, None),
+                        tuning=tuple(sorted(tune.items())))
