@@ -311,7 +311,7 @@ class Nvfp4GemvW4A16(OpLaunch):
         return vals
 
     @cute.jit
-    def _bulk_round(self, q, bidx, gdimx, n_tiles, lane, m, s_stage, s_full, s_empty, ptrs):
+    def _bulk_stage(self, q, bidx, gdimx, n_tiles, lane, m, s_stage, s_full, s_empty, ptrs):
         """``bulk``, warp 0: stage ``q`` of this CTA (``span`` rounds: of its tiles the ``q // (rounds / span)``-th,
         there the ``q % (rounds / span)``-th stage) into slot ``q % bulk`` once the warps have used what it held
         (stage ``q - bulk``); nothing past the last tile. Lane 0 announces the bytes; lane ``i < rows`` copies
@@ -550,7 +550,7 @@ class Nvfp4GemvW4A16(OpLaunch):
             b_pos = cutlass.Int32(0)  # this CTA's rounds so far (all tiles)
             if wid == 0:
                 for bq in cutlass.range_constexpr(B - 1):
-                    self._bulk_round(bq, bidx, gdimx, n_tiles, lane, m, s_stages, s_full, s_empty, ptrs)
+                    self._bulk_stage(bq, bidx, gdimx, n_tiles, lane, m, s_stages, s_full, s_empty, ptrs)
         elif cutlass.const_expr(self.across):
             # the first tile's first slices; later tiles' come in with the previous tile's last slices
             pipe = []
@@ -579,7 +579,7 @@ class Nvfp4GemvW4A16(OpLaunch):
                     b_stage = b_pos // self.span
                     b_u = b_pos % self.span
                     if wid == 0 and b_u == 0:
-                        self._bulk_round(b_stage + B - 1, bidx, gdimx, n_tiles, lane, m, s_stages, s_full, s_empty,
+                        self._bulk_stage(b_stage + B - 1, bidx, gdimx, n_tiles, lane, m, s_stages, s_full, s_empty,
                                          ptrs)
                     b_slot = b_stage % B
                     mbar_wait(s_full + 8 * b_slot, (b_stage // B) & 1)
@@ -824,20 +824,14 @@ class W4A16Plan:
         ws_rs = tile if wb else w_scale.stride(0)
         x_rs = x.stride(0) * 2
 
-        def ws_align(tune):  # the alignment of w_scale's rows a build's scale reads need
-            return 16 if tune.get("bulk") else 2
-
-        def ws_fits(tune):  # asked of bulk builds only: the others' addresses are checked each call
-            mask = ws_align(tune) - 1
-            return not (w_scale.data_ptr() & mask or (not wb and ws_rs & mask) or wb)
-
         for t0 in range(0, n, g):
             nt = min(g, n - t0)
             tune = {**default_tuning(nt, m, sms, k), **tuning}
-            if tune.get("bulk") and not ws_fits(tune):  # bulk (never routed) copies 16-byte rows of plain scales
-                fail_gemv(ValueError, "w_scale", "plain rows at 16-byte aligned addresses for bulk",
-                          f"{'blocked scales' if wb else f'row stride {ws_rs}'} at address {w_scale.data_ptr():#x}")
-            self.ws_mask = max(self.ws_mask, ws_align(tune) - 1)
+            if tune.get("bulk"):  # (never routed) bulk copies 16-byte rows of plain scales
+                if wb or (w_scale.data_ptr() | ws_rs) & 15:
+                    fail_gemv(ValueError, "w_scale", "plain rows at 16-byte aligned addresses for bulk",
+                              f"{'blocked scales' if wb else f'row stride {ws_rs}'} at address {w_scale.data_ptr():#x}")
+                self.ws_mask = 15
             groups = tune.pop("groups", None) or pick_groups(nt, m, sms, even=bool(tune.get("w_a")))
             key = ("w4a16", self.dev, k, nt, groups, x.dtype == torch.bfloat16, wb, alpha is not None,
                    out_dtype == torch.bfloat16, tuple(sorted(tune.items())))
