@@ -124,6 +124,7 @@ SHARED_X_MIN_K = 2048  # ... and K at least this (measured from 2048; the one-to
 XBATCH = 8  # copies of x (16 bytes each) a thread has in flight while x is copied into shared memory
 FEW_ROWS_MIN_K = 4096  # 1..4 tokens on rows whose 4-group tiles do not pass the SMs: 16-warp CTAs from this K
 MANY_TOKENS_X_VALUES = 65536  # 9..16 tokens on many rows: x in shared memory (one 16-warp CTA) up to this N x K
+ONE_SLICE_K = 2048  # ... and, at this K (a slice for each of 16 warps), 9..32 tokens (17..32 on any rows)
 LONG_K_PAIR_VALUES = 32768  # 2 tokens on many rows past SHARED_X_VALUES: 2 CTAs of 4 groups up to this N x K
 
 
@@ -696,7 +697,9 @@ def default_tuning(n_tok, m, sms, k):
     groups with x in shared memory, without ``late`` (28672 x 4096 at N = 2 38.56 -> 28.51 us; seventh
     session). Otherwise from 2 tokens on x stays in registers with ``across``; from 9 tokens a CTA takes up
     to 8 groups, or 16 warps of up to 4 (sixth session, docs/results.md: N = 32 at 7168 x 16384 99.95 -> 54.40
-    us, N = 16 at 4096 x 14336 27.12 -> 22.02). Eighth session: 1..4 tokens on fewer rows (``M / 32`` within the
+    us, N = 16 at 4096 x 14336 27.12 -> 22.02), or one 16-warp CTA with x in shared memory: 9..16 tokens on
+    many rows where N x K <= 65536 from K = 4096 (ninth session), and at K = 2048 9..16 tokens on many rows and
+    17..32 on any (eleventh). Eighth session: 1..4 tokens on fewer rows (``M / 32`` within the
     SMs, ``M / 16`` at least seven eighths of them, K >= 4096) take 16-warp CTAs, two a SM, of 2 groups with x in
     shared memory (4096 x 14336 N = 1 20.66 -> 15.84 us); 2 tokens on many rows with ``16384 < N x K <= 32768``
     two CTAs of 4 groups with x in shared memory (7168 x 16384 34.98 -> 29.36)."""
@@ -753,12 +756,18 @@ def default_tuning(n_tok, m, sms, k):
     # (6 spill at 128 registers a thread)
     if n_tok <= 16 and k >= 2048 and m // 32 <= 2 * sms:
         return {"threads": 512, "x_smem": 0, "across": 1, "groups": pick_groups(n_tok, m, sms, cap=4)}
-    if n_tok <= 16 and k >= FEW_ROWS_MIN_K and n_tok * k <= MANY_TOKENS_X_VALUES:
-        # 9..16 tokens on the many rows past that, up to the measured N x K (x and the partials 160 KB of the
-        # SM's shared memory at 16 x 4096, one CTA): x read once a CTA from shared memory instead of once a
+    if n_tok * k <= MANY_TOKENS_X_VALUES and (k == ONE_SLICE_K or (n_tok <= 16 and k >= FEW_ROWS_MIN_K)):
+        # 9..16 tokens on the many rows past that from K = 4096, up to the measured N x K (x and the partials 160 KB
+        # of the SM's shared memory at 16 x 4096, one CTA): x read once a CTA from shared memory instead of once a
         # tile, 16 warps of 4 groups (ninth session, docs/results.md: 28672 x 4096 N = 16 46.98 -> 39.36 us,
-        # 14336 x 4096 26.46 -> 25.17)
-        return {"threads": 512, "x_smem": 1, "across": 1, "groups": 4}
+        # 14336 x 4096 26.46 -> 25.17). At K = 2048 (a slice a warp) the same for 9..16 tokens on many rows
+        # (eleventh session: 28672 x 2048 N = 16 28.02 -> 26.08, 16384 x 2048 18.72 -> 17.66) and 17..32 tokens on
+        # any rows (28672 x 2048 N = 32 39.39 -> 28.58, N = 17 34.90 -> 27.74), of as many groups as fill the SMs
+        # (the best of 2, 3 and 4 on 2048, 3072, 16384 and 28672 rows: 2048 x 2048 N = 32 10.61 -> 8.96 with 2).
+        # Not past it: at 17..24 tokens K = 2688 was slower (16384 x 2688 N = 24 28.06 -> 33.04: 21 slices on 16
+        # warps, and 4 groups keep bytes on the stack there), K = 3840 level (28672 x 3840 N = 17 55.50 / 55.81)
+        return {"threads": 512, "x_smem": 1, "across": 1,
+                "groups": 4 if n_tok <= 16 else pick_groups(n_tok, m, sms, cap=4)}
     return {"threads": 256, "x_smem": 0, "across": 1, "groups": pick_groups(n_tok, m, sms, cap=MAX_GROUPS)}
 
 

@@ -128,6 +128,9 @@ def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, tune, blocked, tmp
     ("sm_100a", 4160, 5, 2, ("--f16", "--blocked", "--tune", "threads=512,ctas=2,w_a=1,x_smem=1,dec=1,xpair=1,across=1")),
     ("sm_90a", 4096, 16, 4, ("--tune", "threads=512,x_smem=1,across=1")),
     ("sm_100a", 4160, 9, 4, ("--f16", "--tune", "threads=512,x_smem=1,across=1")),
+    # 17..32 tokens with x in shared memory at K = 2048
+    ("sm_90a", 2048, 32, 4, ("--blocked", "--tune", "threads=512,x_smem=1,across=1")),
+    ("sm_100a", 2048, 17, 2, ("--f16", "--tune", "threads=512,x_smem=1,across=1")),
     ("sm_90a", 4096, 8, 8, ("--tune", "threads=256,x_smem=0,w_a=1,across=1")),
     ("sm_100a", 7168, 2, 4, ("--f16", "--tune", "threads=256,x_smem=0,w_a=1,across=1")),
     # 16 warps of 4 groups (9..16 tokens); known: DSL 4.8.1 keeps 24 bytes a thread on the stack (4.3.5: none)

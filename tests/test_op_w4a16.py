@@ -198,15 +198,16 @@ def test_five_to_eight_tokens_take_16_warp_ctas_with_x_in_shared_memory_where_tw
 
 @pytest.mark.parametrize("n,m,k,taken", [
     (9, 28672, 4096, True), (16, 28672, 4096, True), (12, 14336, 4096, True), (16, 8576, 4096, True),
-    (13, 57344, 4992, True), (9, 28672, 7168, True),
-    # N x K past 65536 (16 x 4160, 10 x 7168); K below 4096; rows whose 4-group tiles fill at most two rounds
-    # (8448: 16 warps, x in registers); 8 and 17 tokens
-    (16, 28672, 4160, False), (10, 28672, 7168, False), (16, 28672, 2048, False), (16, 8448, 4096, False),
-    (8, 28672, 4096, False), (17, 28672, 4096, False)])
+    (13, 57344, 4992, True), (9, 28672, 7168, True), (16, 28672, 2048, True), (12, 16384, 2048, True),
+    # N x K past 65536 (16 x 4160, 10 x 7168); K below 4096 other than 2048; rows whose 4-group tiles fill at
+    # most two rounds (8448: 16 warps, x in registers); 8 tokens
+    (16, 28672, 4160, False), (10, 28672, 7168, False), (16, 28672, 1984, False), (12, 28672, 3072, False),
+    (16, 8448, 4096, False), (8, 28672, 4096, False)])
 def test_nine_to_sixteen_tokens_on_many_rows_take_x_in_shared_memory_up_to_16_by_4096(n, m, k, taken):
     """9..16 tokens (x the A operand) on rows past two rounds of 4-group tiles (``M / 32 > 2 * SMs``), from
-    K = 4096, with ``N x K <= 65536``: one CTA of 16 warps and 4 groups with x in shared memory, read once a CTA
-    instead of once a tile (H200: 28672 x 4096 N = 16 46.98 -> 39.36 us; docs/results.md, "Ninth session")."""
+    K = 4096 with ``N x K <= 65536``, and at K = 2048: one CTA of 16 warps and 4 groups with x in shared memory,
+    read once a CTA instead of once a tile (H200: 28672 x 4096 N = 16 46.98 -> 39.36 us, ninth session;
+    28672 x 2048 28.02 -> 26.08, eleventh; docs/results.md)."""
     tune = w4a16.default_tuning(n, m, 132, k)
     if not taken:
         assert tune != {"threads": 512, "x_smem": 1, "across": 1, "groups": 4}, tune
@@ -215,6 +216,28 @@ def test_nine_to_sixteen_tokens_on_many_rows_take_x_in_shared_memory_up_to_16_by
     tune.pop("groups")
     op = w4a16.Nvfp4GemvW4A16(k, n, 4, True, False, True, True, **tune)
     assert op.x_smem and op.warps == 16 and not op.w_a and op.smem_bytes <= w4a16.SMEM_CTA
+
+
+@pytest.mark.parametrize("n,m,k,groups", [
+    (24, 28672, 2048, 4), (32, 16384, 2048, 4), (32, 3072, 2048, 3), (32, 2048, 2048, 2), (17, 1152, 2048, 2),
+    (20, 57344, 2048, 4),
+    # other K with N x K within 65536 (measured slower at 2688, level at 3840), past it (32 x 4096); K below 2048
+    (17, 4096, 3840, None), (30, 1152, 2112, None), (24, 16384, 2688, None), (32, 28672, 4096, None),
+    (32, 4096, 1024, None), (17, 28672, 1984, None)])
+def test_seventeen_to_32_tokens_take_x_in_shared_memory_at_k_2048(n, m, k, groups):
+    """17..32 tokens on any rows at K = 2048 (a slice for each of 16 warps): one CTA of 16 warps with x (the A
+    operand, two tiles) in shared memory, read once a CTA instead of once a tile per warp, of as many groups
+    (up to 4) as fill the SMs evenly (H200, eleventh session: 28672 x 2048 N = 32 39.39 -> 28.58 us with 4
+    groups, 2048 x 2048 10.61 -> 8.96 with 2, the best of 2, 3 and 4 on four row counts; 16384 x 2688 N = 24
+    28.06 -> 33.04, so not past 2048; docs/results.md)."""
+    tune = w4a16.default_tuning(n, m, 132, k)
+    if groups is None:
+        assert not tune["x_smem"] and tune["threads"] == 256, tune
+        return
+    assert tune == {"threads": 512, "x_smem": 1, "across": 1, "groups": groups}, tune
+    tune.pop("groups")
+    op = w4a16.Nvfp4GemvW4A16(k, n, groups, True, False, True, True, **tune)
+    assert op.x_smem and op.warps == 16 and op.a_tiles == 2 and not op.w_a and op.smem_bytes <= w4a16.SMEM_CTA
 
 
 @pytest.mark.parametrize("sms", [78, 132, 148])
@@ -271,8 +294,10 @@ def test_from_nine_tokens_the_tiles_take_as_many_groups_as_the_registers_hold(n,
     tune = w4a16.default_tuning(n, m, 132, k)
     if n > 16 and threads == 512:
         threads, groups = 256, {4096: 4, 7168: 7, 8192: 8, 6144: 6, 1024: 1, 8448: 8}[m]
-    if n <= 16 and m // 32 > 2 * 132 and k >= 4096 and n * k <= 65536:  # x in shared memory (test above)
+    if n <= 16 and m // 32 > 2 * 132 and (k >= 4096 or k == 2048) and n * k <= 65536:  # shared x (tests above)
         threads, groups = 512, 4
+    if n > 16 and k == 2048:  # x in shared memory (test above)
+        threads, groups = 512, w4a16.pick_groups(n, m, 132, cap=4)
     assert (tune["threads"], tune["groups"], tune["across"]) == (threads, groups, 1), tune
     # what 16 warps of 128 registers hold without a stack (sm_90a, tests/test_compile.py)
     assert tune["groups"] <= (4 if tune["threads"] == 512 else w4a16.MAX_GROUPS)
