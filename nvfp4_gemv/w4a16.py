@@ -762,12 +762,14 @@ def default_tuning(n_tok, m, sms, k):
         # tile, 16 warps of 4 groups (ninth session, docs/results.md: 28672 x 4096 N = 16 46.98 -> 39.36 us,
         # 14336 x 4096 26.46 -> 25.17). At K = 2048 (a slice a warp) the same for 9..16 tokens on many rows
         # (eleventh session: 28672 x 2048 N = 16 28.02 -> 26.08, 16384 x 2048 18.72 -> 17.66) and 17..32 tokens on
-        # any rows (28672 x 2048 N = 32 39.39 -> 28.58, N = 17 34.90 -> 27.74), of as many groups as fill the SMs
-        # (the best of 2, 3 and 4 on 2048, 3072, 16384 and 28672 rows: 2048 x 2048 N = 32 10.61 -> 8.96 with 2).
+        # any rows (28672 x 2048 N = 32 39.39 -> 28.58, N = 17 34.90 -> 27.74; at K = 2048 N x K is always within
+        # the bound), of as many groups as fill the SMs, 2 to 4 (the best of 2, 3 and 4 at 24 and 32 tokens on
+        # 2048, 3072, 16384 and 28672 rows: 2048 x 2048 N = 32 10.61 -> 8.96 with 2; one group not measured).
         # Not past it: at 17..24 tokens K = 2688 was slower (16384 x 2688 N = 24 28.06 -> 33.04: 21 slices on 16
-        # warps, and 4 groups keep bytes on the stack there), K = 3840 level (28672 x 3840 N = 17 55.50 / 55.81)
+        # warps, and 4 groups keep bytes on the stack there), K = 3840 level on many rows (28672 x 3840 N = 17
+        # 55.50 / 55.81) and 7% faster on few (1152 x 3840: 10.51 -> 9.78): not taken, one rule for K = 2048
         return {"threads": 512, "x_smem": 1, "across": 1,
-                "groups": 4 if n_tok <= 16 else pick_groups(n_tok, m, sms, cap=4)}
+                "groups": 4 if n_tok <= 16 else max(2, pick_groups(n_tok, m, sms, cap=4))}
     return {"threads": 256, "x_smem": 0, "across": 1, "groups": pick_groups(n_tok, m, sms, cap=MAX_GROUPS)}
 
 

@@ -131,11 +131,12 @@ def test_nine_to_sixteen_tokens_on_many_rows_take_shared_x_and_match_float64(n, 
 
 @pytest.mark.parametrize("n", [17, 24, 32])
 @pytest.mark.parametrize("m,k,kw", [(28672, 2048, {}), (2048, 2048, {"blocked": True}), (3072, 2048, {"cancel": True}),
-                                    (1152, 2048, {"min_exp": 0, "max_exp": 1})])
+                                    (1152, 2048, {"min_exp": 0, "max_exp": 1}), (128, 2048, {})])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_seventeen_to_32_tokens_take_shared_x_and_match_float64(n, m, k, kw, dtype):
     """The routed build of 17..32 tokens at K = 2048 (one CTA of 16 warps, x as two A tiles from shared memory,
-    2..4 groups): many rows and few (one tile a CTA or less), blocked scales, cancelling sums, subnormal scales."""
+    2..4 groups): many rows and few (one tile a CTA or less; 128 rows: the floor of 2 groups), blocked scales,
+    cancelling sums, subnormal scales."""
     tune = w4a16.default_tuning(n, m, torch.cuda.get_device_properties(0).multi_processor_count, k)
     assert tune["threads"] == 512 and tune["x_smem"] and 2 <= tune["groups"] <= 4, tune
     check(n, m, k, seed=n + m + k, dtype=dtype, **kw)

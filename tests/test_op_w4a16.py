@@ -210,7 +210,7 @@ def test_nine_to_sixteen_tokens_on_many_rows_take_x_in_shared_memory_up_to_16_by
     28672 x 2048 28.02 -> 26.08, eleventh; docs/results.md)."""
     tune = w4a16.default_tuning(n, m, 132, k)
     if not taken:
-        assert tune != {"threads": 512, "x_smem": 1, "across": 1, "groups": 4}, tune
+        assert not (tune.get("x_smem") and not tune.get("w_a")), tune  # (x as B from shared memory: 8 tokens)
         return
     assert tune == {"threads": 512, "x_smem": 1, "across": 1, "groups": 4}
     tune.pop("groups")
@@ -220,14 +220,15 @@ def test_nine_to_sixteen_tokens_on_many_rows_take_x_in_shared_memory_up_to_16_by
 
 @pytest.mark.parametrize("n,m,k,groups", [
     (24, 28672, 2048, 4), (32, 16384, 2048, 4), (32, 3072, 2048, 3), (32, 2048, 2048, 2), (17, 1152, 2048, 2),
-    (20, 57344, 2048, 4),
-    # other K with N x K within 65536 (measured slower at 2688, level at 3840), past it (32 x 4096); K below 2048
+    (20, 57344, 2048, 4), (32, 128, 2048, 2),
+    # other K with N x K within 65536 (measured slower at 2688, level or faster at 3840), past it (32 x 4096); K
+    # below 2048
     (17, 4096, 3840, None), (30, 1152, 2112, None), (24, 16384, 2688, None), (32, 28672, 4096, None),
     (32, 4096, 1024, None), (17, 28672, 1984, None)])
 def test_seventeen_to_32_tokens_take_x_in_shared_memory_at_k_2048(n, m, k, groups):
     """17..32 tokens on any rows at K = 2048 (a slice for each of 16 warps): one CTA of 16 warps with x (the A
     operand, two tiles) in shared memory, read once a CTA instead of once a tile per warp, of as many groups
-    (up to 4) as fill the SMs evenly (H200, eleventh session: 28672 x 2048 N = 32 39.39 -> 28.58 us with 4
+    (2 to 4) as fill the SMs evenly (H200, eleventh session: 28672 x 2048 N = 32 39.39 -> 28.58 us with 4
     groups, 2048 x 2048 10.61 -> 8.96 with 2, the best of 2, 3 and 4 on four row counts; 16384 x 2688 N = 24
     28.06 -> 33.04, so not past 2048; docs/results.md)."""
     tune = w4a16.default_tuning(n, m, 132, k)
