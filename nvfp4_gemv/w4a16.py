@@ -125,6 +125,8 @@ XBATCH = 8  # copies of x (16 bytes each) a thread has in flight while x is copi
 FEW_ROWS_MIN_K = 4096  # 1..4 tokens on rows whose 4-group tiles do not pass the SMs: 16-warp CTAs from this K
 MANY_TOKENS_X_VALUES = 65536  # 9..16 tokens on many rows: x in shared memory (one 16-warp CTA) up to this N x K
 ONE_SLICE_K = 2048  # ... and, at this K (a slice for each of 16 warps), 9..32 tokens (17..32 on any rows)
+FOUR_WARPS_K = (2048, 6144)  # one token on many rows at K in this range: CTAs of 4 warps, 8 a SM (level at 8192)
+FOUR_WARPS_TILES = 5  # ... where the 2-group tiles are at least this many a SM (faster from 768 on 132, slower at 512)
 LONG_K_PAIR_VALUES = 32768  # 2 tokens on many rows past SHARED_X_VALUES: 2 CTAs of 4 groups up to this N x K
 
 
@@ -151,7 +153,7 @@ class Nvfp4GemvW4A16(OpLaunch):
 
     def __init__(self, k: int, n_tok: int, groups: int, x_bf16: bool, w_blocked: bool, has_alpha: bool,
                  out_bf16: bool, threads=None, depth=None, ctas=None, x_smem=None, chains=None, w_a=None,
-                 dec=None, xpair=None, late=None, across=None, xbatch=None, probe=None, bulk=None, span=None):
+                 dec=None, xpair=None, late=None, across=None, xbatch=None, probe=None, bulk=None, span=None, even=None):
         if not 1 <= n_tok <= MAX_TOKENS:
             raise ValueError(f"nvfp4_gemv: the W4A16 kernel takes 1..{MAX_TOKENS} tokens, not {n_tok}")
         if k % 64 or k <= 0:
@@ -261,13 +263,20 @@ class Nvfp4GemvW4A16(OpLaunch):
             raise ValueError(f"nvfp4_gemv: probe={probe}: expected 0..3")
         if self.bulk and not self.x_smem:
             raise ValueError("nvfp4_gemv: bulk takes x in shared memory")
+        # even (host side only): as many CTAs as take the tiles in the fewest rounds with every CTA's count
+        # within one of the others' (1792 tiles on 1056 slots: 896 CTAs of 2 tiles instead of 1056 of 1 or 2)
+        self.even = bool(even)
         self.min_blocks = int(ctas or 1)  # CTAs a SM (launch bound: registers a thread <= 64K / (ctas * threads))
         # undoes the weights' (and with late bf16 x's) power of two; with late bf16 2^54 * alpha, so alpha < 2^74
         self.sum_scale = F16_SUM_SCALE if not self.x_bf16 else LATE_BF16_SUM_SCALE if self.late else BF16_SUM_SCALE
 
     def grid_x(self, m, sms):
         tiles = -(-(m // 8) // self.groups)
-        return max(1, min(tiles, sms * self.min_blocks))
+        slots = sms * self.min_blocks
+        if self.even:
+            rounds = -(-tiles // slots)
+            return max(1, -(-tiles // rounds))
+        return max(1, min(tiles, slots))
 
     def _load_slice(self, sl, g, t, row0, w_ptr, ws_ptr, x_ptr, w_rs, ws_rs, x_rs):
         """What a lane reads for slice ``sl``: per group its 16-byte chunk of ``w`` (4 words) and the chunk's
@@ -702,7 +711,9 @@ def default_tuning(n_tok, m, sms, k):
     17..32 on any (eleventh). Eighth session: 1..4 tokens on fewer rows (``M / 32`` within the
     SMs, ``M / 16`` at least seven eighths of them, K >= 4096) take 16-warp CTAs, two a SM, of 2 groups with x in
     shared memory (4096 x 14336 N = 1 20.66 -> 15.84 us); 2 tokens on many rows with ``16384 < N x K <= 32768``
-    two CTAs of 4 groups with x in shared memory (7168 x 16384 34.98 -> 29.36)."""
+    two CTAs of 4 groups with x in shared memory (7168 x 16384 34.98 -> 29.36). Twelfth session: one token at K
+    2048..6144 on rows of at least 5 two-group tiles a SM takes CTAs of 4 warps, 8 a SM, in even rounds
+    (28672 x 4096 27.68 -> 25.34 us)."""
     w_a = {"w_a": 1} if n_tok <= W_A_TOKENS else {}
     if n_tok == 1 and m // 32 > sms:
         # four 2-group CTAs where their shared memory (as the class sizes it) and the 1 KiB a SM keeps for each
@@ -715,6 +726,16 @@ def default_tuning(n_tok, m, sms, k):
         ctas = 5 if fit >= 5 and 4 * sms < m // 16 <= 5 * sms else 4
         # across where every warp has a slice (tested and timed there)
         across = {"across": 1} if k >= 1024 else {}
+        if FOUR_WARPS_K[0] <= k <= FOUR_WARPS_K[1] and m // 16 >= FOUR_WARPS_TILES * sms:
+            # CTAs of 4 warps, 8 a SM (the same 32 warps), as many as take the tiles in even rounds: a warp takes 8
+            # slices a tile instead of 4 before the partials meet, 4 warps meet instead of 8, and no CTA has a
+            # tile more than another (H200, twelfth session: 28672 x 4096 27.68 -> 25.34 us, 896 CTAs of 2
+            # tiles; 14336 x 4096 17.55 -> 15.65, 12288 x 4096 15.47 -> 14.54; 28672 x 2048 / 3072 / 6144 and
+            # 14336 x 5120 3-5% faster; level at 20480 x 4096 and at K = 8192 (10240 and 57344 rows); slower on
+            # 8192 and 6144 rows at K = 4096: 11.52 -> 12.61, 512 tiles, too few warps a SM). Eight such CTAs
+            # take at most 124 KB of a SM's shared memory (K = 6144; a test checks the fit)
+            return {"threads": 128, "ctas": 8, "even": 1, "groups": 2, "late": 1, "dec": 1, "xpair": 1, **across,
+                    **w_a}
         return {"threads": 256, "ctas": ctas, "groups": 2, "dec": 1, "xpair": 1, "late": 1, **across, **w_a}
     if 2 <= n_tok <= SHARED_X_TOKENS and SHARED_X_MIN_K <= k and n_tok * k <= SHARED_X_VALUES and m // 32 > sms:
         # 2..4 tokens on many rows: the one-token route's 4 CTAs of 2 groups with x in shared memory, without

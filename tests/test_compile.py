@@ -112,6 +112,9 @@ def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, tune, blocked, tmp
     # known: DSL 4.8.1 spills 8 bytes a thread in the five-CTA build (4.3.5: none; not timed on 4.8.1)
     ("sm_90a", 8192, 1, 2, ("--tune", "threads=256,ctas=5,w_a=1,dec=1,xpair=1,late=1,across=1")),
     ("sm_90a", 28672, 1, 4, ("--tune", "threads=256,ctas=2,w_a=1,dec=1,xpair=1,late=1")),
+    # K 2048..6144 on many rows: 4-warp CTAs, 8 a SM (K % 128 == 64 for sm_100a)
+    ("sm_90a", 6144, 1, 2, ("--tune", "threads=128,ctas=8,w_a=1,dec=1,xpair=1,late=1,across=1,even=1")),
+    ("sm_100a", 4160, 1, 2, ("--f16", "--tune", "threads=128,ctas=8,w_a=1,dec=1,xpair=1,late=1,across=1,even=1")),
     ("sm_100a", 4096, 1, 2, ("--f16", "--tune", "threads=256,ctas=4,w_a=1,dec=1,xpair=1,late=1,across=1")),
     # 2..4 tokens on many rows where N x K <= 16384: x in shared memory, 4 CTAs of 2 groups (the copy of x in
     # batches of 8; K % 128 == 64 for sm_100a)

@@ -56,6 +56,32 @@ def test_the_one_token_route_of_many_rows_matches_float64(k, kw, dtype):
     check(1, m, k, seed=k + 3, dtype=dtype, **kw)
 
 
+@pytest.mark.parametrize("m,kw", [(28672, {}), (12288, {"blocked": True}), (10752, {"cancel": True}),
+                                  (14336, {"min_exp": 0, "max_exp": 1, "alpha": False})])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_token_on_many_rows_at_k_4096_takes_four_warp_ctas_in_even_rounds_and_matches_float64(m, kw, dtype):
+    """One token at K = 4096 (the route's K run from 2048 to 6144) on rows whose 2-group tiles are at least 5 a SM: CTAs of 4 warps, 8 a SM, as many
+    as take the tiles in even rounds (28672 rows: 896 CTAs of 2 tiles on an H200), each warp 8 slices a tile;
+    blocked scales, cancelling sums, subnormal scales with the weights' 0.5."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tune = w4a16.default_tuning(1, m, sms, 4096)
+    if m // 16 < w4a16.FOUR_WARPS_TILES * sms:
+        pytest.skip(f"{m} rows are too few for the route on {sms} SMs")
+    assert tune["threads"] == 128 and tune["ctas"] == 8 and tune["even"] == 1 and tune["late"], tune
+    check(1, m, 4096, seed=m + 5, dtype=dtype, **kw)
+
+
+@pytest.mark.parametrize("k", [4160, 2048, 6144, 8192])
+@pytest.mark.parametrize("m", [28672, 8576])
+def test_four_warp_ctas_in_even_rounds_match_float64_at_other_k_and_rows(k, m):
+    """The same build forced at the route's ends and past them (``K % 128 == 64``: 33 slices on 4 warps; 2048:
+    4 slices a warp; 8192, not routed) and on fewer tiles than slots (8576 rows: 536 tiles, one a CTA)."""
+    tuning = {"threads": 128, "ctas": 8, "groups": 2, "dec": 1, "xpair": 1, "late": 1, "across": 1, "even": 1,
+              "w_a": 1}
+    bad, msg = w4a16_violations(*run_forced(tuning, 1, m, k, m + k, torch.bfloat16))
+    assert bad == 0, msg
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("m,k,kw", [(17536, 4096, {}), (17536, 4160, {"blocked": True}), (8704, 2048, {"cancel": True}),
                                     (None, 4096, {"min_exp": 0, "max_exp": 1})])
@@ -336,7 +362,7 @@ def test_tunings_on_and_off_the_route_match_float64(tuning, n, m, k, dtype):
 # tuning key -> the kernel attribute it sets
 BUILT_AS = {"w_a": "w_a", "groups": "groups", "threads": "threads", "ctas": "min_blocks", "x_smem": "x_smem",
             "chains": "chains", "dec": "dec", "xpair": "xpair", "late": "late", "depth": "depth", "across": "across",
-            "xbatch": "xbatch", "bulk": "bulk", "span": "span"}
+            "xbatch": "xbatch", "bulk": "bulk", "span": "span", "even": "even"}
 
 
 def assert_built_as(plan, tuning):

@@ -409,6 +409,41 @@ def test_one_token_route_of_many_rows_takes_four_ctas_where_their_x_fits(m, k, w
     assert op.x_smem and op.xpair and op.dec and op.late and op.min_blocks * (op.smem_bytes + 1024) <= w4a16.SMEM_A_SM
 
 
+@pytest.mark.parametrize("m,k,taken", [
+    (28672, 4096, True), (14336, 4096, True), (12288, 4096, True), (10752, 4096, True),  # 672 tiles: 5.1 a SM
+    (10240, 4096, False), (8192, 4096, False), (6144, 4096, False),  # 640 / 512 / 384 tiles (5 CTAs; 4; 4)
+    (28672, 2048, True), (28672, 3072, True), (14336, 5120, True), (28672, 6144, True), (28672, 4160, True),
+    (28672, 1984, False), (28672, 6208, False), (28672, 8192, False)])  # measured 2048..6144 (level at 8192)
+def test_one_token_from_k_2048_to_6144_on_many_rows_takes_four_warp_ctas_in_even_rounds(m, k, taken):
+    """One token at K 2048..6144 where the 2-group tiles are at least 5 a SM: CTAs of 4 warps, 8 a SM, the
+    grid cut to even rounds (H200: 28672 x 4096 27.68 -> 25.34 us, docs/results.md, "Twelfth session");
+    elsewhere the 8-warp CTAs as before."""
+    tune = w4a16.default_tuning(1, m, 132, k)
+    assert (tune["threads"] == 128) == taken and (tune.get("even") == 1) == taken, tune
+    if taken:
+        assert tune == {"threads": 128, "ctas": 8, "groups": 2, "dec": 1, "xpair": 1, "late": 1, "across": 1,
+                        "even": 1, "w_a": 1}
+        groups = tune.pop("groups")
+        op = w4a16.Nvfp4GemvW4A16(k, 1, groups, True, False, True, True, **tune)
+        assert op.min_blocks * (op.smem_bytes + 1024) <= w4a16.SMEM_A_SM
+        tiles = m // 16
+        grid = op.grid_x(m, 132)
+        rounds = -(-tiles // grid)
+        assert grid <= 8 * 132 and rounds == -(-tiles // (8 * 132)) and grid * rounds - tiles < grid
+        if m == 28672:
+            assert (grid, rounds) == (896, 2)  # 896 CTAs of 2 tiles
+
+
+def test_even_rounds_cut_the_grid_only_where_the_tiles_leave_a_partial_round():
+    """``even`` (host side): the fewest rounds, then the fewest CTAs that take them; without it one CTA a slot."""
+    kw = dict(threads=128, ctas=8, groups=2, dec=1, xpair=1, late=1, across=1, w_a=1)
+    even = w4a16.Nvfp4GemvW4A16(4096, 1, 2, True, False, True, True, even=1, **{k: v for k, v in kw.items() if k != "groups"})
+    plain = w4a16.Nvfp4GemvW4A16(4096, 1, 2, True, False, True, True, **{k: v for k, v in kw.items() if k != "groups"})
+    for m, want_even, want_plain in ((28672, 896, 1056), (16384, 1024, 1024), (20480, 640, 1056), (128, 8, 8),
+                                     (33792, 1056, 1056), (35840, 747, 1056)):
+        assert (even.grid_x(m, 132), plain.grid_x(m, 132)) == (want_even, want_plain), m
+
+
 @pytest.mark.parametrize("kw,k,message", [
     ({"late": 1, "w_a": 1, "xpair": 1, "x_smem": 1, "groups": 2, "n_tok": 2}, 4096, "late takes one token"),
     ({"late": 1, "w_a": 0, "xpair": 1, "x_smem": 1, "groups": 2}, 4096, "late takes one token"),
