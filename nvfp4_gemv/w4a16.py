@@ -731,8 +731,8 @@ def default_tuning(n_tok, m, sms, k):
             # slices a tile instead of 4 before the partials meet, 4 warps meet instead of 8, and no CTA has a
             # tile more than another (H200, twelfth session: 28672 x 4096 27.68 -> 25.34 us, 896 CTAs of 2
             # tiles; 14336 x 4096 17.55 -> 15.65, 12288 x 4096 15.47 -> 14.54; 28672 x 2048 / 3072 / 6144 and
-            # 14336 x 5120 3-5% faster; level at 20480 x 4096 and at K = 8192 (10240 and 57344 rows); slower on
-            # 8192 and 6144 rows at K = 4096: 11.52 -> 12.61, 512 tiles, too few warps a SM). Eight such CTAs
+            # 14336 x 5120 2.6-5.1% faster; 1-2% slower at 20480 x 4096, level at K = 8192 (10240 and 57344 rows);
+            # slower on 8192 and 8704 rows at K = 4096: 11.52 -> 12.61, 512 tiles, too few warps a SM). Eight such CTAs
             # take at most 124 KB of a SM's shared memory (K = 6144; a test checks the fit)
             return {"threads": 128, "ctas": 8, "even": 1, "groups": 2, "late": 1, "dec": 1, "xpair": 1, **across,
                     **w_a}
