@@ -126,7 +126,7 @@ FEW_ROWS_MIN_K = 4096  # 1..4 tokens on rows whose 4-group tiles do not pass the
 MANY_TOKENS_X_VALUES = 65536  # 9..16 tokens on many rows: x in shared memory (one 16-warp CTA) up to this N x K
 ONE_SLICE_K = 2048  # ... and, at this K (a slice for each of 16 warps), 9..32 tokens (17..32 on any rows)
 FOUR_WARPS_K = (2048, 6144)  # one token on many rows at K in this range: CTAs of 4 warps, 8 a SM (level at 8192)
-FOUR_WARPS_TILES = 5  # ... where the 2-group tiles are at least this many a SM (faster from 768 on 132, slower at 512)
+FOUR_WARPS_TILES = 5  # ... where the 2-group tiles are at least this many a SM (faster from 672 on 132, slower at 544)
 LONG_K_PAIR_VALUES = 32768  # 2 tokens on many rows past SHARED_X_VALUES: 2 CTAs of 4 groups up to this N x K
 
 
@@ -716,6 +716,16 @@ def default_tuning(n_tok, m, sms, k):
     (28672 x 4096 27.68 -> 25.34 us)."""
     w_a = {"w_a": 1} if n_tok <= W_A_TOKENS else {}
     if n_tok == 1 and m // 32 > sms:
+        if FOUR_WARPS_K[0] <= k <= FOUR_WARPS_K[1] and m // 16 >= FOUR_WARPS_TILES * sms:
+            # CTAs of 4 warps, 8 a SM (the same 32 warps), as many as take the tiles in even rounds: a warp takes 8
+            # slices a tile instead of 4 before the partials meet, 4 warps meet instead of 8, and no CTA has a
+            # tile more than another (H200, twelfth session: 28672 x 4096 27.68 -> 25.34 us, 896 CTAs of 2
+            # tiles; 14336 x 4096 17.55 -> 15.65, 12288 x 4096 15.47 -> 14.54; 28672 x 2048 / 3072 / 6144 and
+            # 14336 x 5120 2.6-5.1% faster; 1-2% slower at 20480 x 4096, level at K = 8192 (10240 and 57344 rows);
+            # slower on 8192 and 8704 rows at K = 4096: 11.52 -> 12.61, 512 tiles, too few warps a SM).
+            # Eight such CTAs take at most 124 KB of a SM's shared memory (K = 6144; a test checks the fit)
+            return {"threads": 128, "ctas": 8, "even": 1, "groups": 2, "late": 1, "dec": 1, "xpair": 1, "across": 1,
+                    **w_a}
         # four 2-group CTAs where their shared memory (as the class sizes it) and the 1 KiB a SM keeps for each
         # CTA fit a SM
         two = Nvfp4GemvW4A16(k, 1, 2, True, False, False, True, threads=256, x_smem=1, xpair=1, late=1, **w_a)
@@ -726,16 +736,6 @@ def default_tuning(n_tok, m, sms, k):
         ctas = 5 if fit >= 5 and 4 * sms < m // 16 <= 5 * sms else 4
         # across where every warp has a slice (tested and timed there)
         across = {"across": 1} if k >= 1024 else {}
-        if FOUR_WARPS_K[0] <= k <= FOUR_WARPS_K[1] and m // 16 >= FOUR_WARPS_TILES * sms:
-            # CTAs of 4 warps, 8 a SM (the same 32 warps), as many as take the tiles in even rounds: a warp takes 8
-            # slices a tile instead of 4 before the partials meet, 4 warps meet instead of 8, and no CTA has a
-            # tile more than another (H200, twelfth session: 28672 x 4096 27.68 -> 25.34 us, 896 CTAs of 2
-            # tiles; 14336 x 4096 17.55 -> 15.65, 12288 x 4096 15.47 -> 14.54; 28672 x 2048 / 3072 / 6144 and
-            # 14336 x 5120 2.6-5.1% faster; 1-2% slower at 20480 x 4096, level at K = 8192 (10240 and 57344 rows);
-            # slower on 8192 and 8704 rows at K = 4096: 11.52 -> 12.61, 512 tiles, too few warps a SM). Eight such CTAs
-            # take at most 124 KB of a SM's shared memory (K = 6144; a test checks the fit)
-            return {"threads": 128, "ctas": 8, "even": 1, "groups": 2, "late": 1, "dec": 1, "xpair": 1, **across,
-                    **w_a}
         return {"threads": 256, "ctas": ctas, "groups": 2, "dec": 1, "xpair": 1, "late": 1, **across, **w_a}
     if 2 <= n_tok <= SHARED_X_TOKENS and SHARED_X_MIN_K <= k and n_tok * k <= SHARED_X_VALUES and m // 32 > sms:
         # 2..4 tokens on many rows: the one-token route's 4 CTAs of 2 groups with x in shared memory, without
