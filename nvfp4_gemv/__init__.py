@@ -7,10 +7,11 @@ repository's ``submission.py`` is that module and the ones it imports, stitched 
 leaderboard by tools/gen_submission.py).
 
 For models: ``quantize`` (NVFP4 activations, ``nvfp4_gemv.quant``), ``NVFP4Linear`` and ``quantize_model``
-(``nvfp4_gemv.linear``), ``save_modelopt`` / ``load_modelopt`` (NVIDIA ModelOpt NVFP4 checkpoints in the
+(``nvfp4_gemv.linear``), ``fuse_linears`` (one GEMV for q/k/v and for gate/up, ``nvfp4_gemv.fuse``), ``save_modelopt`` / ``load_modelopt`` (NVIDIA ModelOpt NVFP4 checkpoints in the
 Hugging Face layout, ``nvfp4_gemv.modelopt``; needs the ``hf`` extra: safetensors, transformers).
 """
 
+from .fuse import fuse_linears
 from .leaderboard import check_inputs, custom_kernel
 from .linear import NVFP4Linear, calibrate_input_scales, input_scale_from, quantize_model
 from .modelopt import load_modelopt, save_modelopt
@@ -18,6 +19,6 @@ from .op import gemv
 from .quant import dequantize, quantize, quantize_reference, quantize_weight
 from .reference import gemv_reference, swizzled_scale_shape
 
-__all__ = ["NVFP4Linear", "calibrate_input_scales", "check_inputs", "custom_kernel", "dequantize", "gemv",
+__all__ = ["NVFP4Linear", "calibrate_input_scales", "check_inputs", "custom_kernel", "dequantize", "fuse_linears", "gemv",
            "gemv_reference", "input_scale_from", "load_modelopt", "quantize", "quantize_model", "quantize_reference",
            "quantize_weight", "save_modelopt", "swizzled_scale_shape"]

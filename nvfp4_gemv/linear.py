@@ -21,7 +21,8 @@ from .quant import BLOCK, E2M1_MAX, E4M3_MAX, quantize, quantize_weight
 MODES = ("w4a16", "w4a4")
 _X_DTYPES = (torch.bfloat16, torch.float16)
 # buffers whose dtype is the format's: Module.to(dtype) / .half() must not convert them
-_FORMAT_BUFFERS = ("weight", "weight_scale", "weight_scale_2", "input_scale", "_alpha", "_inv_input_scale")
+_FORMAT_BUFFERS = ("weight", "weight_scale", "weight_scale_2", "input_scale", "_alpha", "_inv_input_scale",
+                   "_fused_weight", "_fused_weight_scale")
 
 
 def kernel_takes(in_features, out_features, mode="w4a16"):
@@ -102,6 +103,7 @@ class NVFP4Linear(torch.nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None)
         self.register_buffer("_alpha", None, persistent=False)
         self.register_buffer("_inv_input_scale", None, persistent=False)
+        self._siblings, self._sibling_index = None, 0  # set by fuse_linears (nvfp4_gemv.fuse)
         self._refresh()
 
     # -- construction --------------------------------------------------------------------------------
@@ -127,8 +129,14 @@ class NVFP4Linear(torch.nn.Module):
         w = linear.weight.detach()
         if not bool(torch.isfinite(w).all()):
             raise ValueError("NVFP4Linear.from_linear: 'linear.weight' has non-finite values")
-        q, s, ws2 = quantize_weight(w)
-        dev = w.device
+        return cls._from_quantized(linear, *quantize_weight(w), mode, input_scale)
+
+    @classmethod
+    def _from_quantized(cls, linear, q, s, ws2, mode, input_scale):
+        """The module of ``linear`` (its shape, bias) with its weight already quantized (``q``, ``s``,
+        ``ws2``: ``quantize_weight``'s outputs, or a fused group's rows of them)."""
+        out_f, in_f = linear.weight.shape
+        dev = linear.weight.device
         mod = cls(in_f, out_f, bias=linear.bias is not None, mode=mode, input_scale=input_scale is not None,
                   device=dev, bias_dtype=linear.bias.dtype if linear.bias is not None else torch.bfloat16)
         mod.weight.copy_(q)
@@ -230,16 +238,30 @@ class NVFP4Linear(torch.nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self._refresh()
+        sib = self._siblings
+        if sib is not None and sib.active and self is not sib.owner:  # the owner loads first (registered first)
+            o = sib.owner
+            same = torch.equal(self.weight_scale_2, o.weight_scale_2) and (
+                (self.input_scale is None) == (o.input_scale is None)
+                and (self.input_scale is None or torch.equal(self.input_scale, o.input_scale)))
+            if not same:
+                sib.dissolve("load_state_dict gave its modules different global scales")
 
     def _apply(self, fn, recurse=True):
         # Module.to(dtype), .half(), .bfloat16() convert floating-point buffers: the format's keep their dtype
         # (moved to the new device from the original, so nothing is rounded); bias follows the model
+        sib = self._siblings
+        if sib is not None and not sib.active and self is sib.owner:  # a dissolved group's concatenations
+            for name in ("_fused_weight", "_fused_weight_scale", "_fused_bias"):  # are not moved along
+                self._buffers[name] = None
         before = {n: self._buffers[n] for n in _FORMAT_BUFFERS if self._buffers.get(n) is not None}
         super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._buffers[name]
             if new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(new.device)
+        if sib is not None and sib.active:
+            sib.repoint(self)
         return self
 
     def extra_repr(self):
@@ -265,19 +287,29 @@ class NVFP4Linear(torch.nn.Module):
         # own allocations are aligned)
         if not torch.compiler.is_compiling() and x2.data_ptr() % 16:
             x2 = x2.clone()
-        if x2.shape[0] == 0:
-            out = x.new_empty((0, self.out_features))
-        elif self.mode == "w4a16":
-            out = gemv(x2, None, self.weight, self.weight_scale, alpha=self.weight_scale_2,
-                       out_dtype=x.dtype)
-        else:
-            if self._inv_input_scale is None:
-                raise ValueError("NVFP4Linear: mode 'w4a4' needs 'input_scale' (None here): set it, or use mode 'w4a16'")
-            xq, xs = quantize(x2, self._inv_input_scale)
-            out = gemv(xq, xs, self.weight, self.weight_scale, alpha=self._alpha, out_dtype=x.dtype)
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
+        if self.mode == "w4a4" and self._inv_input_scale is None:
+            raise ValueError("NVFP4Linear: mode 'w4a4' needs 'input_scale' (None here): set it, or use mode 'w4a16'")
+        out = None
+        sib = self._siblings
+        if sib is not None and sib.active and x2.shape[0]:
+            out = sib.take(self, x, x2)  # the group's one GEMV (nvfp4_gemv.fuse), keyed by the x object
+        if out is None:
+            out = self._product(x2, self.weight, self.weight_scale, self.bias)
         return out.reshape(*lead, self.out_features)
+
+    def _product(self, x2, weight, weight_scale, bias):
+        """``x2 @ dequant(weight).T (+ bias)`` in x2's dtype, with this module's mode and global scales (a
+        fused group's owner passes the group's concatenated rows)."""
+        if x2.shape[0] == 0:
+            return x2.new_empty((0, weight.shape[0]))
+        if self.mode == "w4a16":
+            out = gemv(x2, None, weight, weight_scale, alpha=self.weight_scale_2, out_dtype=x2.dtype)
+        else:
+            xq, xs = quantize(x2, self._inv_input_scale)
+            out = gemv(xq, xs, weight, weight_scale, alpha=self._alpha, out_dtype=x2.dtype)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -307,7 +339,7 @@ def _set_submodule(model, name, new):
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None):
+def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None, fuse=False):
     """Replaces, in place, each ``nn.Linear`` of ``model`` whose weight shape the kernels take
     (``kernel_takes``) and whose name ``skip`` does not match (``name_matches``: equal, a ``.``-suffix, or
     an fnmatch glob) by ``NVFP4Linear.from_linear``; returns the model. Linears of other shapes stay as
@@ -315,6 +347,10 @@ def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None):
 
     :param input_scales: ``{qualified name: input_scale}`` (e.g. from ``calibrate_input_scales``): required
         for every replaced linear in mode "w4a4", stored (and ignored by forward) in mode "w4a16".
+    :param fuse: also fuse sibling linears that read one input (q/k/v, gate/up: ``fuse_linears``) into one
+        GEMV a forward, the fast path for transformers models. Each group is then quantized with one
+        ``weight_scale_2`` (the group's amax, as ModelOpt exports the groups that serving fuses) instead of
+        one a linear; groups whose input_scales differ are quantized and left unfused.
     """
     if mode not in MODES:
         raise ValueError(f"quantize_model: 'mode': expected one of {MODES}, got {mode!r}")
@@ -329,12 +365,61 @@ def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None):
                              f"'input_scales' lacks {missing[:4]}{' ...' if len(missing) > 4 else ''} "
                              "(calibrate_input_scales(model, forward_loop) makes them)")
     done = {}
+    if fuse:
+        for names in _fusable_groups(model, targets, scales):
+            lins = [model.get_submodule(n) for n in names]
+            for lin in lins:
+                if not bool(torch.isfinite(lin.weight).all()):
+                    raise ValueError(f"quantize_model: '{names[lins.index(lin)]}.weight' has non-finite values")
+            q, s, ws2 = quantize_weight(torch.cat([lin.weight.detach() for lin in lins]))  # one global scale
+            lo = 0
+            for n, lin in zip(names, lins):
+                hi = lo + lin.out_features
+                done[id(lin)] = NVFP4Linear._from_quantized(lin, q[lo:hi], s[lo:hi], ws2, mode, scales.get(n))
+                lo = hi
     for name, lin in targets:
         new = done.get(id(lin))
         if new is None:
             new = done[id(lin)] = NVFP4Linear.from_linear(lin, mode=mode, input_scale=scales.get(name))
         _set_submodule(model, name, new)
+    if fuse:
+        from .fuse import fuse_linears
+
+        fuse_linears(model)
     return model
+
+
+def _fusable_groups(model, targets, scales):
+    """Qualified names of each sibling group (``fuse.FUSE_GROUPS``) whose linears are all being quantized,
+    each once, with one in_features, bias or none, and equal input scales (compared: a sync a group)."""
+    from .fuse import FUSE_GROUPS
+
+    by_name = {n: m for n, m in targets}
+    count = {}
+    for _, m in targets:
+        count[id(m)] = count.get(id(m), 0) + 1
+    out = []
+    for pname, parent in model.named_modules():
+        kids = dict(parent.named_children())
+        for group in FUSE_GROUPS:
+            order = [c for c in kids if c in group]
+            if len(order) != len(group):
+                continue
+            names = [f"{pname}.{c}" if pname else c for c in order]
+            lins = [by_name.get(n) for n in names]
+            if any(lin is None or count[id(lin)] != 1 for lin in lins) or len({id(lin) for lin in lins}) != len(lins):
+                continue
+            if len({lin.in_features for lin in lins}) != 1 or len({lin.bias is None for lin in lins}) != 1:
+                continue
+            given = [scales.get(n) for n in names]
+            if any(g is not None for g in given):
+                if any(g is None for g in given):
+                    continue
+                t = [_scalar(g, "input_scale", lins[0].weight.device) for g in given]
+                if not all(torch.equal(t[0], u) for u in t[1:]):
+                    continue
+            out.append(names)
+    return out
 
 
 def calibrate_input_scales(model, forward_loop, skip=("lm_head",)):

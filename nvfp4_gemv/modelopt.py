@@ -279,7 +279,7 @@ def _fused_tensors(tensors, parts, fused_name):
     return out
 
 
-def load_modelopt(model, path, mode="w4a16"):
+def load_modelopt(model, path, mode="w4a16", fuse=False):
     """Fills ``model`` (a transformers model of the checkpoint's architecture, e.g. built from its
     config.json, its parameters materialized) from the ModelOpt NVFP4 export directory ``path``: each
     quantized linear (a checkpoint prefix with a ``weight_scale``) becomes an ``NVFP4Linear`` (``mode``
@@ -294,7 +294,8 @@ def load_modelopt(model, path, mode="w4a16"):
     their global scales, as ModelOpt exports them (else the error says so); a checkpoint's fused module
     loads into a model's separate ones (rows split). Tied weights (one tensor under two names in the
     model) need the checkpoint to hold only one of the names. One sync per fused group (the scales'
-    comparison); no Python loop per value.
+    comparison); no Python loop per value. ``fuse=True`` then fuses the model's separate sibling linears
+    (q/k/v, gate/up) whose global scales agree into one GEMV a forward (``fuse_linears``; one sync more).
     """
     from .linear import MODES
 
@@ -461,6 +462,10 @@ def load_modelopt(model, path, mode="w4a16"):
     if kv_ignored:
         warnings.warn(f"load_modelopt: {len(kv_ignored)} KV-cache scales ({cfg.kv_cache_quant_algo}) ignored: "
                       "the cache stays in the model's dtype", RuntimeWarning, stacklevel=2)
+    if fuse:
+        from .fuse import fuse_linears
+
+        fuse_linears(model)
     return model
 
 
@@ -500,7 +505,10 @@ def save_modelopt(model, path, max_shard_bytes=None):
             if ident in seen:
                 continue
             seen.add(ident)
-        state[k] = t.detach().to("cpu").contiguous()
+        v = t.detach().to("cpu").contiguous()
+        if v.numel() and v.untyped_storage().nbytes() != v.numel() * v.element_size():
+            v = v.clone()  # a view (a fused group's rows): safetensors writes whole tensors only
+        state[k] = v
     if algo == "W4A16_NVFP4":
         state = {k: v for k, v in state.items() if not k.endswith(".input_scale")}
     os.makedirs(path, exist_ok=True)

@@ -371,14 +371,15 @@ def bench_hf(args, device):
         if variant != "bf16" and not quantized:
             sample = torch.randint(1, model.config.vocab_size, (1, prompt_len), device=device)
             scales = calibrate_input_scales(model, lambda m: m(input_ids=sample))
-            quantize_model(model, mode="w4a16", input_scales=scales)  # lm_head stays bf16
+            quantize_model(model, mode="w4a16", input_scales=scales, fuse=args.hf_fuse)  # lm_head stays bf16
         if variant != "bf16":  # one quantized model, both modes (its layers keep the input scales)
             for m in model.modules():
                 if isinstance(m, NVFP4Linear):
                     m.mode = variant
         mem = weight_bytes(model)
         for b in args.batches:
-            row = {"variant": variant, "batch": b, "weight_GB": mem / 1e9, "capture": args.hf_capture}
+            row = {"variant": variant, "batch": b, "weight_GB": mem / 1e9, "capture": args.hf_capture,
+                   "fused": bool(args.hf_fuse) and variant != "bf16"}
             try:
                 dec = Decoder(model, b, prompt_len, max_len, args.hf_capture, device)
                 t0 = time.perf_counter()
@@ -405,7 +406,7 @@ def bench_hf(args, device):
             except Exception as e:  # noqa: BLE001 - reported in the table
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             rows.append(row)
-            print(f"hf {variant:6s} batch {b:2d}: " + (f"{row['ms_per_token']:.2f} ms/token, "
+            print(f"hf {variant:6s}{' fused' if row['fused'] else ''} batch {b:2d}: " + (f"{row['ms_per_token']:.2f} ms/token, "
                   f"{row['tokens_per_s']:.0f} tokens/s" if "ms_per_token" in row else row.get("error", "")),
                   flush=True)
             if device.type == "cuda":
@@ -417,7 +418,7 @@ def bench_hf(args, device):
         r["vs_bf16"] = b["ms_per_token"] / r["ms_per_token"] if b and "ms_per_token" in b and "ms_per_token" in r else None
     cfg = model.config
     meta = {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
-            "prompt_len": prompt_len, "decode_tokens": tokens, "capture": args.hf_capture,
+            "prompt_len": prompt_len, "decode_tokens": tokens, "capture": args.hf_capture, "fuse": bool(args.hf_fuse),
             "note": "random weights; greedy; static cache; lm_head and embeddings bf16"}
     return {"meta": meta, "rows": rows}
 
@@ -431,10 +432,10 @@ def hf_table(result):
     for r in result["rows"]:
         if "ms_per_token" in r:
             vs = f"{r['vs_bf16']:.2f}x" if r.get("vs_bf16") else "-"
-            lines.append(f"| {r['variant']} | {r['batch']} | {r['ms_per_token']:.2f} | {r['tokens_per_s']:.0f} | "
+            lines.append(f"| {r['variant']}{' fused' if r.get('fused') else ''} | {r['batch']} | {r['ms_per_token']:.2f} | {r['tokens_per_s']:.0f} | "
                          f"{vs} | {r['weight_GB']:.3g} |")
         else:
-            lines.append(f"| {r['variant']} | {r['batch']} | n/a ({r.get('error')}) | - | - | {r['weight_GB']:.3g} |")
+            lines.append(f"| {r['variant']}{' fused' if r.get('fused') else ''} | {r['batch']} | n/a ({r.get('error')}) | - | - | {r['weight_GB']:.3g} |")
     return "\n".join(lines)
 
 
@@ -471,6 +472,8 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=ints, default=None, help="--hf batch sizes (default 1,4,16)")
     p.add_argument("--hf-variants", type=names(("bf16", "w4a16", "w4a4")), default=["bf16", "w4a16", "w4a4"])
     p.add_argument("--hf-capture", choices=("compile", "graph"), default="compile")
+    p.add_argument("--hf-fuse", action="store_true",
+                   help="--hf: quantize_model(fuse=True): one GEMV for q/k/v and one for gate/up a layer")
     p.add_argument("--tokens", type=int, default=None, help="--hf decode tokens timed (default 64, --quick 16)")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)

@@ -1,0 +1,185 @@
+"""One GEMV for sibling linears that read the same input: ``fuse_linears``.
+
+A transformers Llama calls ``q_proj``, ``k_proj`` and ``v_proj`` on one hidden state, and ``gate_proj`` and
+``up_proj`` on another: five launches a layer where two would do, and the smallest of them (k and v, 1024
+rows on Llama-3-8B) use a fraction of the GPU. Serving stacks fuse these weights in their own model code
+(``qkv_proj``, ``gate_up_proj``); a transformers model's code is not ours, so the fusion happens at the
+modules instead:
+
+* the group's weights, scales and biases are concatenated once into buffers of the group's first module
+  (its owner: non-persistent, so the state_dict keeps ModelOpt's names), and every module's own buffers
+  become row views of them (no second copy of a weight);
+* the first call of a round (any module of the group, an input ``x`` not seen before) runs one GEMV over
+  the concatenated rows and keeps its output; each module returns its column slice (a view, as
+  ``torch.split`` would give), and the round ends, keeping nothing, once every module took its part of
+  that same ``x`` object. Under ``torch.compile`` this traces to one op and slices (no graph break); in a
+  CUDA graph it is one launch.
+* a call pattern that does not fit (a module called again, or with another input, before the round ends)
+  dissolves the group's fast path for good, with one warning; the modules then compute on their own
+  views, as unfused modules do.
+
+Fusing needs what one GEMV can compute for all parts: the same ``in_features``, mode, device, bias or no
+bias, and one ``weight_scale_2`` (and, for mode "w4a4", one ``input_scale``): the global scales multiply
+the whole output. ModelOpt exports fused-in-serving groups with shared global scales, and
+``quantize_model(fuse=True)`` quantizes each group with one (the group's amax); groups whose scalars
+differ stay unfused (checking them syncs once a model). Move the model as a whole after fusing (``.to``
+re-points each module's views at the moved concatenation); a load_state_dict that gives the parts
+different global scales dissolves the group, with a warning.
+"""
+
+import warnings
+
+import torch
+
+# sibling groups by child name, as Llama, Mistral, Qwen2 and most decoder models in transformers name them
+FUSE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# the owner's concatenations, and the part buffer each one backs
+FUSED_BUFFERS = {"_fused_weight": "weight", "_fused_weight_scale": "weight_scale", "_fused_bias": "bias"}
+
+
+class Siblings:
+    """The shared state of one fused group (not a module: it holds references to its parts, which hold
+    it as ``_siblings``). ``take(part, x2)`` is a part's forward while the group is active."""
+
+    def __init__(self, name, owner, parts):
+        self.name, self.owner, self.parts = name, owner, list(parts)
+        self.bounds, lo = [], 0
+        for p in self.parts:
+            self.bounds.append((lo, lo + p.out_features))
+            lo += p.out_features
+        self.out_features = lo
+        self.full = (1 << len(self.parts)) - 1
+        self.active = True
+        self._x = self._out = None
+        self._seen = 0
+
+    def dissolve(self, why):
+        """Stops fusing this group (once; the parts keep their views and compute alone)."""
+        if self.active:
+            self.active = False
+            self._x = self._out = None
+            self._seen = 0
+            warnings.warn(f"nvfp4_gemv: {self.name}: no longer fused ({why}); each module now runs its own GEMV",
+                          stacklevel=3)
+
+    def take(self, part, x, x2):
+        """``part``'s output rows for ``x2`` [R, in] (``x`` reshaped; the round is keyed by the ``x``
+        object the model passed) from the group's one GEMV, or None when the group is no longer active
+        (the caller then computes alone)."""
+        i = part._sibling_index
+        bit = 1 << i
+        owner = self.owner
+        if any(p.mode != owner.mode for p in self.parts):
+            self.dissolve("its modules' modes differ")
+            return None
+        if self._x is not x or self._seen & bit:
+            if self._seen:
+                self.dissolve("its modules were not each called once on one input before another input came")
+                return None
+            self._x, self._seen = x, 0
+            self._out = owner._product(x2, owner._fused_weight, owner._fused_weight_scale, owner._fused_bias)
+        self._seen |= bit
+        lo, hi = self.bounds[i]
+        out = self._out[:, lo:hi]
+        if self._seen == self.full:  # the round is complete: keep nothing between forwards
+            self._x = self._out = None
+            self._seen = 0
+        return out
+
+    def repoint(self, part):
+        """After ``part`` moved (``Module._apply``): its buffers as views of the owner's concatenations
+        again, where those are already on the same device with the same dtype (the owner, registered
+        first, moves first); otherwise the group dissolves."""
+        owner, (lo, hi) = self.owner, self.bounds[part._sibling_index]
+        for fused, mine in FUSED_BUFFERS.items():
+            f, t = owner._buffers.get(fused), part._buffers.get(mine)
+            if f is None or t is None:
+                continue
+            if f.device != t.device or f.dtype != t.dtype:
+                self.dissolve(f"'{mine}' moved to {t.device}/{t.dtype} apart from the group's {f.device}/{f.dtype}")
+                return
+            part._buffers[mine] = f[lo:hi]
+
+
+def _groups(model, groups):
+    """``(qualified group name, parent, [(child name, module)])`` for each parent whose children of one
+    group are all ``NVFP4Linear``, not yet fused, in the parent's registration order."""
+    from .linear import NVFP4Linear
+
+    out = []
+    for pname, parent in model.named_modules():
+        kids = dict(parent.named_children())
+        for names in groups:
+            if not all(isinstance(kids.get(n), NVFP4Linear) for n in names):
+                continue
+            order = [n for n in kids if n in names]  # the owner is the first registered (it moves first)
+            parts = [(n, kids[n]) for n in order]
+            if any(m._siblings is not None for _, m in parts) or len({id(m) for _, m in parts}) != len(parts):
+                continue
+            label = f"{pname + '.' if pname else ''}{{{','.join(order)}}}"
+            out.append((label, parent, parts))
+    return out
+
+
+def _compatible(parts):
+    """Why one GEMV cannot serve these parts (metadata only), or None."""
+    first = parts[0]
+    for m in parts[1:]:
+        if m.in_features != first.in_features:
+            return "in_features differ"
+        if m.mode != first.mode:
+            return "modes differ"
+        if m.weight.device != first.weight.device or m.weight.device.type == "meta":
+            return "devices differ" if m.weight.device != first.weight.device else "on the meta device"
+        if (m.bias is None) != (first.bias is None) or (m.bias is not None and m.bias.dtype != first.bias.dtype):
+            return "bias differs"
+        if (m.input_scale is None) != (first.input_scale is None):
+            return "one has an input_scale, another not"
+    return None
+
+
+def fuse_linears(model, groups=FUSE_GROUPS):
+    """Fuses, in place, each group of sibling ``NVFP4Linear`` modules that read the same input (by child
+    name, ``groups``: q/k/v and gate/up by default) into one GEMV a forward (module docstring). Groups
+    that one GEMV cannot compute (different ``in_features``, mode, device or bias, or different global
+    scales) are left as they are. Syncs once (the global scales' comparison); no copy of a weight stays
+    behind. :return: the names of the groups fused, e.g. ``"model.layers.0.self_attn.{q_proj,k_proj,v_proj}"``.
+    """
+    cands = []
+    for label, parent, parts in _groups(model, groups):
+        mods = [m for _, m in parts]
+        if _compatible(mods) is None:
+            cands.append((label, mods))
+    if not cands:
+        return []
+    # one sync for the whole model: do the parts of each group share their global scales?
+    checks = []
+    for _, mods in cands:
+        ws2 = torch.stack([m.weight_scale_2.reshape(()) for m in mods])
+        ok = (ws2 == ws2[0]).all()
+        if mods[0].input_scale is not None:
+            ins = torch.stack([m.input_scale.reshape(()) for m in mods])
+            ok = ok & (ins == ins[0]).all()
+        checks.append(ok)
+    agree = torch.stack([c.to(checks[0].device) for c in checks]).tolist()
+    fused = []
+    for (label, mods), ok in zip(cands, agree):
+        if not ok:
+            continue
+        _fuse(label, mods)
+        fused.append(label)
+    return fused
+
+
+def _fuse(label, mods):
+    owner = mods[0]
+    with torch.no_grad():
+        cat = {fused: torch.cat([m._buffers[mine] for m in mods], dim=0)
+               for fused, mine in FUSED_BUFFERS.items() if owner._buffers.get(mine) is not None}
+    for fused in FUSED_BUFFERS:
+        owner.register_buffer(fused, cat.get(fused), persistent=False)
+    sib = Siblings(label, owner, mods)
+    for i, m in enumerate(mods):
+        m._sibling_index = i
+        m._siblings = sib
+        sib.repoint(m)  # the parts' own copies are freed here

@@ -1,0 +1,323 @@
+"""fuse_linears: one GEMV for sibling linears that read one input (q/k/v, gate/up), on the CPU (the ops'
+exact references, so a fused model must give the unfused model's outputs bit for bit) and on the GPU.
+
+The contract: the state_dict keeps ModelOpt's names and shapes; the parts' buffers are views of one
+concatenation (no second copy of a weight); one GEMV a group a forward, eager and under torch.compile
+(no graph break); groups one GEMV cannot compute stay unfused; a call pattern that does not fit
+dissolves the group with one warning and stays correct."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import nvfp4_gemv.linear as linear_mod
+from nvfp4_gemv import NVFP4Linear, fuse_linears, quantize_model, quantize_weight
+
+
+class Block(torch.nn.Module):
+    """The two sibling groups of a decoder layer, called as transformers' Llama calls them."""
+
+    def __init__(self, hidden=128, q=256, kv=128, inter=384, bias=False, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        lin = lambda i, o: torch.nn.Linear(i, o, bias=bias, dtype=torch.bfloat16)  # noqa: E731
+        self.q_proj, self.k_proj, self.v_proj = lin(hidden, q), lin(hidden, kv), lin(hidden, kv)
+        self.o_proj = lin(q, hidden)
+        self.gate_proj, self.up_proj, self.down_proj = lin(hidden, inter), lin(hidden, inter), lin(inter, hidden)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.normal_(0, 0.05)
+
+    def forward(self, x):
+        a = self.q_proj(x) + torch.cat([self.k_proj(x), self.v_proj(x)], dim=-1)
+        h = x + self.o_proj(a)
+        return h + self.down_proj(torch.nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def pair(mode="w4a16", bias=False):
+    """(unfused, fused) quantized copies of one Block with the same bytes (the fused one's group-wide
+    global scales loaded into the unfused one)."""
+    base = Block(bias=bias)
+    scales = {n: torch.tensor(0.01) for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
+    fused = quantize_model(copy.deepcopy(base), mode=mode, skip=(), input_scales=scales, fuse=True)
+    plain = quantize_model(copy.deepcopy(base), mode=mode, skip=(), input_scales=scales)
+    plain.load_state_dict(fused.state_dict())
+    return plain, fused
+
+
+def x_of(*lead, hidden=128, seed=1):
+    torch.manual_seed(seed)
+    return torch.randn(*lead, hidden, dtype=torch.bfloat16)
+
+
+class CountGemv:
+    """Counts calls of the op the module's forward makes."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        real = linear_mod.gemv
+
+        def counted(*a, **k):
+            self.n += 1
+            return real(*a, **k)
+
+        monkeypatch.setattr(linear_mod, "gemv", counted)
+
+
+# ----------------------------------------------------------------------------------------------------
+# What fusing does to the modules
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_quantize_model_fuse_fuses_both_groups_and_names_them():
+    base = Block()
+    names = fuse_linears(quantize_model(copy.deepcopy(base), skip=()))  # per-linear global scales: no group
+    assert names == []
+    m = quantize_model(base, skip=(), fuse=True)
+    assert m.q_proj._siblings is not None and m.gate_proj._siblings is not None
+    assert m.o_proj._siblings is None and m.down_proj._siblings is None
+    assert m.q_proj._siblings.name == "{q_proj,k_proj,v_proj}"
+    assert fuse_linears(m) == []  # already fused
+
+
+def test_a_group_is_quantized_with_one_global_scale_the_groups_amax():
+    base = Block()
+    w = torch.cat([base.q_proj.weight, base.k_proj.weight, base.v_proj.weight]).detach()
+    q, s, ws2 = quantize_weight(w)
+    m = quantize_model(base, skip=(), fuse=True)
+    for name, lo, hi in (("q_proj", 0, 256), ("k_proj", 256, 384), ("v_proj", 384, 512)):
+        part = getattr(m, name)
+        assert torch.equal(part.weight_scale_2, ws2)
+        assert torch.equal(part.weight, q[lo:hi])
+        assert torch.equal(part.weight_scale.view(torch.uint8), s[lo:hi].view(torch.uint8))
+
+
+def test_the_parts_buffers_are_row_views_of_the_owners_concatenation():
+    _, m = pair(bias=True)
+    owner = m.q_proj
+    for name, lo in (("q_proj", 0), ("k_proj", 256), ("v_proj", 384)):
+        part = getattr(m, name)
+        for mine, fused, width in (("weight", "_fused_weight", 64), ("weight_scale", "_fused_weight_scale", 8),
+                                   ("bias", "_fused_bias", 1)):
+            t, f = getattr(part, mine), getattr(owner, fused)
+            assert t.untyped_storage().data_ptr() == f.untyped_storage().data_ptr(), (name, mine)
+            assert t.data_ptr() == f.data_ptr() + lo * width * f.element_size(), (name, mine)
+    assert owner._fused_weight.shape == (512, 64)
+
+
+def test_the_state_dict_keeps_the_checkpoint_names_and_shapes():
+    plain, fused = pair(bias=True)
+    a, b = plain.state_dict(), fused.state_dict()
+    assert list(a) == list(b)
+    for k in a:
+        assert a[k].shape == b[k].shape and a[k].dtype == b[k].dtype, k
+
+
+@pytest.mark.parametrize("why, edit", [
+    ("in_features", lambda blk: setattr(blk, "k_proj", torch.nn.Linear(64, 128, bias=False, dtype=torch.bfloat16))),
+    ("bias", lambda blk: setattr(blk, "v_proj", torch.nn.Linear(128, 128, bias=True, dtype=torch.bfloat16))),
+])
+def test_siblings_one_gemv_cannot_compute_stay_unfused(why, edit):
+    base = Block()
+    edit(base)
+    m = quantize_model(base, skip=(), fuse=True)
+    assert m.q_proj._siblings is None and m.k_proj._siblings is None, why
+    assert m.gate_proj._siblings is not None
+
+
+def test_different_global_scales_or_input_scales_leave_a_group_unfused():
+    base = Block()
+    m = quantize_model(copy.deepcopy(base), skip=())  # each linear its own weight_scale_2
+    assert fuse_linears(m) == []
+    scales = {n: torch.tensor(0.01) for n, mod in base.named_modules() if isinstance(mod, torch.nn.Linear)}
+    scales["k_proj"] = torch.tensor(0.02)
+    m = quantize_model(base, mode="w4a4", skip=(), input_scales=scales, fuse=True)
+    assert m.q_proj._siblings is None and m.gate_proj._siblings is not None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("lead", [(1,), (5,), (2, 3)])
+def test_a_fused_block_gives_the_unfused_blocks_result_bit_for_bit(mode, bias, lead):
+    plain, fused = pair(mode, bias)
+    x = x_of(*lead)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the normal call pattern warns of nothing
+        for _ in range(2):  # a second forward starts a new round
+            assert torch.equal(fused(x), plain(x))
+
+
+def test_one_gemv_a_group_a_forward(monkeypatch):
+    _, fused = pair()
+    count = CountGemv(monkeypatch)
+    fused(x_of(3))
+    assert count.n == 4  # qkv, o, gate_up, down
+    count.n = 0
+    fused(x_of(3))
+    assert count.n == 4
+
+
+def test_each_part_returns_its_columns_of_the_one_product():
+    plain, fused = pair()
+    x = x_of(4)
+    outs = [fused.q_proj(x), fused.k_proj(x), fused.v_proj(x)]
+    for name, got in zip(("q_proj", "k_proj", "v_proj"), outs):
+        assert torch.equal(got, getattr(plain, name)(x)), name
+    assert fused.q_proj._siblings._x is None  # the round ended: nothing kept
+
+
+def test_a_call_pattern_that_does_not_fit_dissolves_the_group_once_and_stays_correct(monkeypatch):
+    plain, fused = pair()
+    x, y = x_of(2), x_of(2, seed=5)
+    with pytest.warns(UserWarning, match=r"\{q_proj,k_proj,v_proj\}: no longer fused"):
+        fused.q_proj(x)
+        got = fused.q_proj(y)  # q again before k and v took their part of x
+    assert torch.equal(got, plain.q_proj(y))
+    assert not fused.q_proj._siblings.active
+    want = plain(x)
+    count = CountGemv(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(fused(x), want)  # q, k, v alone now; gate/up still fused
+    assert count.n == 6
+
+
+def test_modes_that_differ_across_a_group_dissolve_it():
+    plain, fused = pair("w4a4")
+    fused.k_proj.mode = plain.k_proj.mode = "w4a16"
+    x = x_of(2)
+    with pytest.warns(UserWarning, match="modes differ"):
+        got = fused(x)
+    assert torch.equal(got, plain(x))
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_compiles_fullgraph_to_one_gemv_a_group(mode):
+    plain, fused = pair(mode)
+    graphs = []
+
+    def backend(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    f = torch.compile(fused, fullgraph=True, backend=backend)
+    x = x_of(3)
+    with torch.no_grad():
+        assert torch.equal(f(x), plain(x))
+        assert torch.equal(f(x_of(3, seed=2)), plain(x_of(3, seed=2)))
+    assert len(graphs) == 1  # no recompile on the second round
+    ops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "nvfp4.gemv" in str(n.target)]
+    assert len(ops) == 4
+    assert fused.q_proj._siblings._x is None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Moves, loads, checkpoints
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to(torch.float32), lambda m: m.to("cpu")])
+def test_dtype_and_device_moves_keep_the_views(convert):
+    plain, fused = pair(bias=True)
+    convert(fused)
+    convert(plain)
+    owner = fused.q_proj
+    assert fused.k_proj.weight.untyped_storage().data_ptr() == owner._fused_weight.untyped_storage().data_ptr()
+    assert owner._fused_weight_scale.dtype == torch.float8_e4m3fn
+    assert fused.k_proj.bias.untyped_storage().data_ptr() == owner._fused_bias.untyped_storage().data_ptr()
+    x = x_of(2).to(plain.q_proj.bias.dtype) if plain.q_proj.bias.dtype != torch.float32 else x_of(2)
+    assert torch.equal(fused(x), plain(x))
+
+
+def test_load_state_dict_writes_through_the_views():
+    plain, fused = pair()
+    scales = {n: torch.tensor(0.01) for n, m in fused.named_modules() if isinstance(m, NVFP4Linear)}
+    other = quantize_model(Block(seed=3), skip=(), input_scales=scales, fuse=True)
+    fused.load_state_dict(other.state_dict())
+    plain.load_state_dict(other.state_dict())
+    x = x_of(2)
+    assert torch.equal(fused(x), plain(x))
+    assert torch.equal(fused.q_proj._fused_weight[256:384], other.k_proj.weight)
+
+
+def test_load_state_dict_with_different_global_scales_dissolves_the_group():
+    plain, fused = pair()
+    sd = fused.state_dict()
+    sd["v_proj.weight_scale_2"] = sd["v_proj.weight_scale_2"] * 2
+    with pytest.warns(UserWarning, match="different global scales"):
+        fused.load_state_dict(sd)
+    plain.load_state_dict(sd)
+    assert not fused.q_proj._siblings.active
+    x = x_of(2)
+    assert torch.equal(fused(x), plain(x))
+
+
+def test_a_fused_llama_saves_loads_and_fuses_again(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nvfp4_gemv import load_modelopt, save_modelopt
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, vocab_size=200, head_dim=64)
+    base = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    fused = quantize_model(copy.deepcopy(base), fuse=True)
+    assert sum(m._siblings is not None for m in fused.modules() if isinstance(m, NVFP4Linear)) == 10
+    save_modelopt(fused, str(tmp_path))
+    loaded = load_modelopt(LlamaForCausalLM(cfg).to(torch.bfloat16).eval(), str(tmp_path), fuse=True)
+    plain = load_modelopt(LlamaForCausalLM(cfg).to(torch.bfloat16).eval(), str(tmp_path))
+    assert sum(m._siblings is not None for m in loaded.modules() if isinstance(m, NVFP4Linear)) == 10
+    ids = torch.randint(0, 200, (2, 5))
+    with torch.no_grad():
+        want = fused(ids).logits
+        assert torch.equal(loaded(ids).logits, want)
+        assert torch.equal(plain(ids).logits, want)
+
+
+# ----------------------------------------------------------------------------------------------------
+# On the GPU: the kernels, no syncs, CUDA graphs
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("n", [1, 4, 16])
+def test_gpu_fused_block_matches_its_parts_without_syncs_and_in_a_graph(mode, n):
+    # shapes the kernels route as a model's: 4096 -> q 4096, k/v 1024 (qkv 6144), gate/up 2 x 14336
+    base = Block(hidden=4096, q=4096, kv=1024, inter=14336)
+    scales = {nm: torch.tensor(0.004) for nm, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
+    fused = quantize_model(copy.deepcopy(base).cuda(), mode=mode, skip=(), input_scales=scales, fuse=True)
+    plain = quantize_model(copy.deepcopy(base).cuda(), mode=mode, skip=(), input_scales=scales)
+    plain.load_state_dict(fused.state_dict())
+    assert fused.q_proj._siblings is not None and fused.gate_proj._siblings is not None
+    x = x_of(n, hidden=4096).cuda()
+    want = [plain.q_proj(x), plain.k_proj(x), plain.v_proj(x), plain.gate_proj(x), plain.up_proj(x)]
+    fused(x)  # warm up (compiles, plans)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = [fused.q_proj(x), fused.k_proj(x), fused.v_proj(x), fused.gate_proj(x), fused.up_proj(x)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name, g, w in zip(("q", "k", "v", "gate", "up"), got, want):
+        # different row counts may route to different kernels: each within the op's bound of the exact
+        # sum, so within 2 ulps of each other (the ulp of the larger magnitude)
+        eps = torch.finfo(torch.bfloat16).eps
+        scale = torch.maximum(g.abs(), w.abs()).float().clamp_min(2 ** -20)
+        assert ((g.float() - w.float()).abs() / (scale * eps)).max().item() <= 2, name
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fused(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, fused(x))
