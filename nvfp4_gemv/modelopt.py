@@ -505,10 +505,7 @@ def save_modelopt(model, path, max_shard_bytes=None):
             if ident in seen:
                 continue
             seen.add(ident)
-        v = t.detach().to("cpu").contiguous()
-        if v.numel() and v.untyped_storage().nbytes() != v.numel() * v.element_size():
-            v = v.clone()  # a view (a fused group's rows): safetensors writes whole tensors only
-        state[k] = v
+        state[k] = t.detach().to("cpu").contiguous()
     if algo == "W4A16_NVFP4":
         state = {k: v for k, v in state.items() if not k.endswith(".input_scale")}
     os.makedirs(path, exist_ok=True)

@@ -31,7 +31,8 @@ class Block(torch.nn.Module):
                 p.normal_(0, 0.05)
 
     def forward(self, x):
-        a = self.q_proj(x) + torch.cat([self.k_proj(x), self.v_proj(x)], dim=-1)
+        k, v = self.k_proj(x), self.v_proj(x)  # grouped heads: k and v repeated up to q's width
+        a = self.q_proj(x) + torch.cat([k, v] * (self.q_proj.out_features // (2 * k.shape[-1])), dim=-1)
         h = x + self.o_proj(a)
         return h + self.down_proj(torch.nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
 
@@ -187,6 +188,16 @@ def test_a_call_pattern_that_does_not_fit_dissolves_the_group_once_and_stays_cor
         warnings.simplefilter("error")
         assert torch.equal(fused(x), want)  # q, k, v alone now; gate/up still fused
     assert count.n == 6
+
+
+def test_an_input_updated_in_place_between_calls_is_not_served_a_stale_result():
+    plain, fused = pair()
+    x = x_of(2)
+    fused.q_proj(x)
+    x.add_(1)  # the same object, new values: q's second call must not reuse the round's product
+    with pytest.warns(UserWarning, match="no longer fused"):
+        got = fused.q_proj(x)
+    assert torch.equal(got, plain.q_proj(x))
 
 
 def test_modes_that_differ_across_a_group_dissolve_it():

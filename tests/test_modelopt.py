@@ -444,11 +444,15 @@ def test_read_quant_config_prefers_hf_quant_config_json(export):
 
 
 @pytest.mark.gpu
-def test_gpu_loaded_model_matches_the_cpu_one_in_logits_and_greedy_tokens(export):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_gpu_loaded_model_matches_the_cpu_one_in_logits_and_greedy_tokens(export, fuse):
     mode, path, _, _ = export
     cpu = load_modelopt(fresh(path), path, mode=mode)
-    gpu = load_modelopt(fresh(path).cuda(), path, mode=mode)
+    gpu = load_modelopt(fresh(path).cuda(), path, mode=mode, fuse=fuse)
     assert all(m.weight.is_cuda for m in gpu.modules() if isinstance(m, NVFP4Linear))
+    assert all((m._siblings is not None) == (fuse and name.rpartition(".")[2] != "o_proj"
+                                             and name.rpartition(".")[2] != "down_proj")
+               for name, m in gpu.named_modules() if isinstance(m, NVFP4Linear))
     with torch.no_grad():
         want, got = cpu(PROMPT).logits.float(), gpu(PROMPT.cuda()).logits.float().cpu()
     # the kernels' fp32 sums against exact ones: bf16 rounding of each linear's output

@@ -42,6 +42,7 @@ QUANT = "nvfp4_gemv/quant.py"
 QKERN = "nvfp4_gemv/quant_kernel.py"
 LINEAR = "nvfp4_gemv/linear.py"
 MODELOPT = "nvfp4_gemv/modelopt.py"
+FUSE = "nvfp4_gemv/fuse.py"
 
 # (name, file, old, new, tests, gpu)
 MUTANTS = [
@@ -373,6 +374,27 @@ MUTANTS = [
      "                pass", ["tests/test_modelopt.py"], False),
     ("modelopt: an excluded fused tensor not split into dense parts", MODELOPT, "                dense_split[k] = parts",
      "                pass", ["tests/test_modelopt.py"], False),
+    ("fuse: a round's product kept after every part took its slice", FUSE, "if self._seen == self.full:",
+     "if False:", ["tests/test_fuse.py"], False),
+    ("fuse: a part's second call of a round served the round's product", FUSE,
+     "if self._x is not x or self._seen & bit:", "if self._x is not x:", ["tests/test_fuse.py"], False),
+    ("fuse: the parts' global scales not compared", FUSE, "        if not ok:\n            continue",
+     "        if False:\n            continue", ["tests/test_fuse.py"], False),
+    ("fuse: a part's slice starts at column 0", FUSE, "out = self._out[:, lo:hi]", "out = self._out[:, :hi - lo]",
+     ["tests/test_fuse.py"], False),
+    ("fuse: the parts keep their own copies", FUSE, "            part._buffers[mine] = f[lo:hi]",
+     "            pass", ["tests/test_fuse.py"], False),
+    ("fuse: modes across a group not compared", FUSE, "if any(p.mode != owner.mode for p in self.parts):",
+     "if False:", ["tests/test_fuse.py"], False),
+    ("linear: a move leaves a fused part's copies", LINEAR,
+     "        if sib is not None and sib.active:\n            sib.repoint(self)",
+     "        if False:\n            sib.repoint(self)", ["tests/test_fuse.py"], False),
+    ("linear: load_state_dict's global scales not checked against the group's", LINEAR,
+     "            if not same:\n                sib.dissolve", "            if False:\n                sib.dissolve",
+     ["tests/test_fuse.py"], False),
+    ("linear: quantize_model(fuse=True) quantizes a group per linear", LINEAR,
+     "        for names in _fusable_groups(model, targets, scales):", "        for names in []:",
+     ["tests/test_fuse.py"], False),
     # -- W4A16 and quantize kernels (GPU) --
     ("w4a16: bf16 decode drops a magnitude bit", DECODE, '            body.append("and.b32 a, a, 0x01C001C0;")',
      '            body.append("and.b32 a, a, 0x01C000C0;")', ["tests/test_gpu_w4a16.py"], True),
