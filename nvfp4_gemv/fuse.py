@@ -145,11 +145,12 @@ def fuse_linears(model, groups=FUSE_GROUPS):
     scales) are left as they are. Syncs once (the global scales' comparison); no copy of a weight stays
     behind. :return: the names of the groups fused, e.g. ``"model.layers.0.self_attn.{q_proj,k_proj,v_proj}"``.
     """
-    cands = []
+    cands, taken = [], set()
     for label, parent, parts in _groups(model, groups):
         mods = [m for _, m in parts]
-        if _compatible(mods) is None:
-            cands.append((label, mods))
+        if _compatible(mods) is None and not taken & {id(m) for m in mods}:  # a module shared by two
+            cands.append((label, mods))                                     # parents joins one group
+            taken |= {id(m) for m in mods}
     if not cands:
         return []
     # one sync for the whole model: do the parts of each group share their global scales?

@@ -235,6 +235,32 @@ def test_compiles_fullgraph_to_one_gemv_a_group(mode):
 # ----------------------------------------------------------------------------------------------------
 
 
+def test_a_device_move_re_points_every_part_at_the_moved_concatenation():
+    _, fused = pair(bias=True)
+    fused.to("meta")  # a real move (copies), on any machine
+    owner = fused.q_proj
+    assert owner._fused_weight.device.type == "meta" and owner._siblings.active
+    for name in ("q_proj", "k_proj", "v_proj"):
+        part = getattr(fused, name)
+        assert part.weight._base is owner._fused_weight, name
+        assert part.weight_scale._base is owner._fused_weight_scale, name
+        assert part.bias._base is owner._fused_bias, name
+
+
+def test_a_module_shared_by_two_parents_joins_one_group():
+    blk = Block()
+    blk.extra = torch.nn.Module()
+    blk.extra.q_proj, blk.extra.k_proj, blk.extra.v_proj = blk.q_proj, torch.nn.Linear(
+        128, 128, bias=False, dtype=torch.bfloat16), blk.v_proj
+    m = quantize_model(blk, skip=())  # one weight_scale_2 for all: fuse after the fact
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, NVFP4Linear):
+                mod.weight_scale_2 = torch.tensor(2.0 ** -10)
+    names = fuse_linears(m)
+    assert names == ["{q_proj,k_proj,v_proj}", "{gate_proj,up_proj}"]
+
+
 @pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to(torch.float32), lambda m: m.to("cpu")])
 def test_dtype_and_device_moves_keep_the_views(convert):
     plain, fused = pair(bias=True)
@@ -289,7 +315,8 @@ def test_a_fused_llama_saves_loads_and_fuses_again(tmp_path):
     plain = load_modelopt(LlamaForCausalLM(cfg).to(torch.bfloat16).eval(), str(tmp_path))
     assert sum(m._siblings is not None for m in loaded.modules() if isinstance(m, NVFP4Linear)) == 10
     ids = torch.randint(0, 200, (2, 5))
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # transformers' layers call each group's parts once on one tensor
         want = fused(ids).logits
         assert torch.equal(loaded(ids).logits, want)
         assert torch.equal(plain(ids).logits, want)
@@ -332,3 +359,25 @@ def test_gpu_fused_block_matches_its_parts_without_syncs_and_in_a_graph(mode, n)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, fused(x))
+
+
+@pytest.mark.gpu
+def test_gpu_a_block_fused_on_the_cpu_then_moved_keeps_one_copy_and_its_results():
+    _, fused = pair(bias=True)
+    x = x_of(3)
+    parts = ("q_proj", "k_proj", "v_proj")
+    want = [getattr(fused, n)(x) for n in parts]  # the exact CPU products
+    fused.cuda()
+    owner = fused.q_proj
+    for name in parts:
+        part = getattr(fused, name)
+        assert part.weight.is_cuda and part.weight.untyped_storage().data_ptr() == \
+            owner._fused_weight.untyped_storage().data_ptr(), name
+    xg = x.cuda()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = [getattr(fused, n)(xg).cpu() for n in parts]
+    eps = torch.finfo(torch.bfloat16).eps
+    for name, g, w in zip(parts, got, want):
+        scale = torch.maximum(g.abs(), w.abs()).float().clamp_min(2 ** -20)
+        assert ((g.float() - w.float()).abs() / (scale * eps)).max().item() <= 1, name
