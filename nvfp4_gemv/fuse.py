@@ -15,16 +15,20 @@ modules instead:
   that same ``x`` object. Under ``torch.compile`` this traces to one op and slices (no graph break); in a
   CUDA graph it is one launch.
 * a call pattern that does not fit (a module called again, or with another input, before the round ends)
-  dissolves the group's fast path for good, with one warning; the modules then compute on their own
-  views, as unfused modules do.
+  dissolves the group's fast path, with one warning; the modules then compute on their own views, as
+  unfused modules do, until ``fuse_linears`` fuses them again.
 
 Fusing needs what one GEMV can compute for all parts: the same ``in_features``, mode, device, bias or no
 bias, and one ``weight_scale_2`` (and, for mode "w4a4", one ``input_scale``): the global scales multiply
 the whole output. ModelOpt exports fused-in-serving groups with shared global scales, and
 ``quantize_model(fuse=True)`` quantizes each group with one (the group's amax); groups whose scalars
 differ stay unfused (checking them syncs once a model). Move the model as a whole after fusing (``.to``
-re-points each module's views at the moved concatenation); a load_state_dict that gives the parts
-different global scales dissolves the group, with a warning.
+re-points each module's views at the moved concatenation). Anything else that changes a part's state ends
+its group's fast path, with a warning (``fuse_linears`` fuses it again): a load_state_dict into a fused
+module, a buffer replaced by any route (checked by identity at every call), an input changed in place
+between the parts' calls (eager; under torch.compile the parts must see one tensor's values, as models
+give them). Edit a scale in place and the group keeps the owner's: reassign it, or load, instead (as for
+any ``NVFP4Linear``, whose derived scalars an in-place edit leaves stale).
 """
 
 import warnings
@@ -37,9 +41,19 @@ FUSE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 FUSED_BUFFERS = {"_fused_weight": "weight", "_fused_weight_scale": "weight_scale", "_fused_bias": "bias"}
 
 
+# what a fused product reads of each part: checked by identity before every use, so that a buffer
+# replaced by any route (setattr, load_state_dict(assign=True), torch.func.functional_call) is noticed
+_PART_BUFFERS = ("weight", "weight_scale", "bias", "weight_scale_2", "input_scale")
+
+
+def _warn_at_trace(ctx):
+    """Warns while dynamo traces (``comptime``: warnings.warn itself cannot be traced)."""
+    warnings.warn(ctx.get_local("msg").as_python_constant(), stacklevel=2)
+
+
 class Siblings:
     """The shared state of one fused group (not a module: it holds references to its parts, which hold
-    it as ``_siblings``). ``take(part, x2)`` is a part's forward while the group is active."""
+    it as ``_siblings``). ``take(part, x, x2)`` is a part's forward while the group is active."""
 
     def __init__(self, name, owner, parts):
         self.name, self.owner, self.parts = name, owner, list(parts)
@@ -51,16 +65,39 @@ class Siblings:
         self.full = (1 << len(self.parts)) - 1
         self.active = True
         self._x = self._out = None
-        self._seen = 0
+        self._seen, self._version = 0, 0
+        self._held = [None] * len(self.parts)  # each part's buffers as fused (see _PART_BUFFERS)
+        self._fused = None
+
+    def record(self, part):
+        """Notes ``part``'s buffers (and, for the owner, the concatenations) as the ones fused."""
+        self._held[part._sibling_index] = tuple(part._buffers.get(n) for n in _PART_BUFFERS)
+        if part is self.owner:
+            self._fused = tuple(part._buffers.get(n) for n in FUSED_BUFFERS)
+
+    def _intact(self, part):
+        """Whether ``part`` and the owner still hold the buffers the group fused (identity, no values)."""
+        for p in (part, self.owner):
+            held = self._held[p._sibling_index]
+            for n, t in zip(_PART_BUFFERS, held):
+                if p._buffers.get(n) is not t:
+                    return False
+        return all(self.owner._buffers.get(n) is t for n, t in zip(FUSED_BUFFERS, self._fused))
 
     def dissolve(self, why):
-        """Stops fusing this group (once; the parts keep their views and compute alone)."""
+        """Stops fusing this group (the parts keep their views and compute alone; ``fuse_linears`` fuses
+        it again), with one warning, also while torch.compile traces."""
         if self.active:
             self.active = False
             self._x = self._out = None
             self._seen = 0
-            warnings.warn(f"nvfp4_gemv: {self.name}: no longer fused ({why}); each module now runs its own GEMV",
-                          stacklevel=3)
+            msg = f"nvfp4_gemv: {self.name}: no longer fused ({why}); each module now runs its own GEMV"
+            if torch.compiler.is_compiling():
+                from torch._dynamo.comptime import comptime
+
+                comptime(_warn_at_trace)
+            else:
+                warnings.warn(msg, stacklevel=3)
 
     def take(self, part, x, x2):
         """``part``'s output rows for ``x2`` [R, in] (``x`` reshaped; the round is keyed by the ``x``
@@ -69,14 +106,26 @@ class Siblings:
         i = part._sibling_index
         bit = 1 << i
         owner = self.owner
+        if not self._intact(part):
+            self.dissolve(f"a buffer of '{self.name}' was replaced (fuse_linears again to fuse it)")
+            return None
         if any(p.mode != owner.mode for p in self.parts):
             self.dissolve("its modules' modes differ")
+            return None
+        if owner._fused_weight.device != x2.device:
+            self.dissolve(f"its concatenation is on {owner._fused_weight.device}, the input on {x2.device}")
+            return None
+        eager = not torch.compiler.is_compiling()  # (a version counter is not known while tracing)
+        if self._x is x and not self._seen & bit and eager and x._version != self._version:
+            self.dissolve("its input was changed in place between its modules' calls")
             return None
         if self._x is not x or self._seen & bit:
             if self._seen:
                 self.dissolve("its modules were not each called once on one input before another input came")
                 return None
             self._x, self._seen = x, 0
+            if eager:
+                self._version = x._version
             self._out = owner._product(x2, owner._fused_weight, owner._fused_weight_scale, owner._fused_bias)
         self._seen |= bit
         lo, hi = self.bounds[i]
@@ -99,6 +148,7 @@ class Siblings:
                 self.dissolve(f"'{mine}' moved to {t.device}/{t.dtype} apart from the group's {f.device}/{f.dtype}")
                 return
             part._buffers[mine] = f[lo:hi]
+        self.record(part)
 
 
 def _groups(model, groups):
@@ -114,7 +164,8 @@ def _groups(model, groups):
                 continue
             order = [n for n in kids if n in names]  # the owner is the first registered (it moves first)
             parts = [(n, kids[n]) for n in order]
-            if any(m._siblings is not None for _, m in parts) or len({id(m) for _, m in parts}) != len(parts):
+            if any(m._siblings is not None and m._siblings.active for _, m in parts) \
+                    or len({id(m) for _, m in parts}) != len(parts):
                 continue
             label = f"{pname + '.' if pname else ''}{{{','.join(order)}}}"
             out.append((label, parent, parts))
@@ -177,10 +228,16 @@ def _fuse(label, mods):
     with torch.no_grad():
         cat = {fused: torch.cat([m._buffers[mine] for m in mods], dim=0)
                for fused, mine in FUSED_BUFFERS.items() if owner._buffers.get(mine) is not None}
+    for m in mods:  # a dissolved group fused again: its old owner lets go of the old concatenations
+        old = m._siblings
+        if old is not None and old.owner is not owner:
+            for fused in FUSED_BUFFERS:
+                old.owner._buffers[fused] = None
     for fused in FUSED_BUFFERS:
         owner.register_buffer(fused, cat.get(fused), persistent=False)
     sib = Siblings(label, owner, mods)
     for i, m in enumerate(mods):
         m._sibling_index = i
         m._siblings = sib
-        sib.repoint(m)  # the parts' own copies are freed here
+    for m in mods:
+        sib.repoint(m)  # the parts' own copies are freed here; each part's buffers recorded

@@ -233,19 +233,16 @@ class NVFP4Linear(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        sib = self._siblings
+        if sib is not None and sib.active:
+            # the loaded global scales may differ across the group, which one GEMV cannot compute (and
+            # comparing them would sync): a fused group ends at a load, fuse_linears fuses it again
+            sib.dissolve("load_state_dict into a fused module; call fuse_linears(model) after loading")
         if self.input_scale is None and prefix + "input_scale" in state_dict:  # a checkpoint that has one
             self.input_scale = torch.empty((), dtype=torch.float32, device=self.weight.device)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self._refresh()
-        sib = self._siblings
-        if sib is not None and sib.active and self is not sib.owner:  # the owner loads first (registered first)
-            o = sib.owner
-            same = torch.equal(self.weight_scale_2, o.weight_scale_2) and (
-                (self.input_scale is None) == (o.input_scale is None)
-                and (self.input_scale is None or torch.equal(self.input_scale, o.input_scale)))
-            if not same:
-                sib.dissolve("load_state_dict gave its modules different global scales")
 
     def _apply(self, fn, recurse=True):
         # Module.to(dtype), .half(), .bfloat16() convert floating-point buffers: the format's keep their dtype
@@ -287,8 +284,6 @@ class NVFP4Linear(torch.nn.Module):
         # own allocations are aligned)
         if not torch.compiler.is_compiling() and x2.data_ptr() % 16:
             x2 = x2.clone()
-        if self.mode == "w4a4" and self._inv_input_scale is None:
-            raise ValueError("NVFP4Linear: mode 'w4a4' needs 'input_scale' (None here): set it, or use mode 'w4a16'")
         out = None
         sib = self._siblings
         if sib is not None and sib.active and x2.shape[0]:
@@ -302,6 +297,8 @@ class NVFP4Linear(torch.nn.Module):
         fused group's owner passes the group's concatenated rows)."""
         if x2.shape[0] == 0:
             return x2.new_empty((0, weight.shape[0]))
+        if self.mode == "w4a4" and self._inv_input_scale is None:
+            raise ValueError("NVFP4Linear: mode 'w4a4' needs 'input_scale' (None here): set it, or use mode 'w4a16'")
         if self.mode == "w4a16":
             out = gemv(x2, None, weight, weight_scale, alpha=self.weight_scale_2, out_dtype=x2.dtype)
         else:
@@ -409,7 +406,8 @@ def _fusable_groups(model, targets, scales):
             lins = [by_name.get(n) for n in names]
             if any(lin is None or count[id(lin)] != 1 for lin in lins) or len({id(lin) for lin in lins}) != len(lins):
                 continue
-            if len({lin.in_features for lin in lins}) != 1 or len({lin.bias is None for lin in lins}) != 1:
+            if len({lin.in_features for lin in lins}) != 1 or len({lin.bias is None for lin in lins}) != 1 \
+                    or len({lin.weight.device for lin in lins}) != 1:
                 continue
             given = [scales.get(n) for n in names]
             if any(g is not None for g in given):

@@ -48,6 +48,14 @@ def pair(mode="w4a16", bias=False):
     return plain, fused
 
 
+def one_global_scale(model, value=2.0 ** -10):
+    """Gives every NVFP4Linear of ``model`` the same weight_scale_2 (so that only the other rules decide)."""
+    for mod in model.modules():
+        if isinstance(mod, NVFP4Linear):
+            mod.weight_scale_2 = torch.tensor(value)
+    return model
+
+
 def x_of(*lead, hidden=128, seed=1):
     torch.manual_seed(seed)
     return torch.randn(*lead, hidden, dtype=torch.bfloat16)
@@ -123,9 +131,11 @@ def test_the_state_dict_keeps_the_checkpoint_names_and_shapes():
 def test_siblings_one_gemv_cannot_compute_stay_unfused(why, edit):
     base = Block()
     edit(base)
-    m = quantize_model(base, skip=(), fuse=True)
+    m = quantize_model(copy.deepcopy(base), skip=(), fuse=True)
     assert m.q_proj._siblings is None and m.k_proj._siblings is None, why
     assert m.gate_proj._siblings is not None
+    m = one_global_scale(quantize_model(base, skip=()))  # fuse_linears' own check, with one global scale
+    assert fuse_linears(m) == ["{gate_proj,up_proj}"], why
 
 
 def test_different_global_scales_or_input_scales_leave_a_group_unfused():
@@ -134,8 +144,10 @@ def test_different_global_scales_or_input_scales_leave_a_group_unfused():
     assert fuse_linears(m) == []
     scales = {n: torch.tensor(0.01) for n, mod in base.named_modules() if isinstance(mod, torch.nn.Linear)}
     scales["k_proj"] = torch.tensor(0.02)
-    m = quantize_model(base, mode="w4a4", skip=(), input_scales=scales, fuse=True)
+    m = quantize_model(copy.deepcopy(base), mode="w4a4", skip=(), input_scales=scales, fuse=True)
     assert m.q_proj._siblings is None and m.gate_proj._siblings is not None
+    m = one_global_scale(quantize_model(base, mode="w4a4", skip=(), input_scales=scales))
+    assert fuse_linears(m) == ["{gate_proj,up_proj}"]  # fuse_linears' own input_scale check
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -252,11 +264,7 @@ def test_a_module_shared_by_two_parents_joins_one_group():
     blk.extra = torch.nn.Module()
     blk.extra.q_proj, blk.extra.k_proj, blk.extra.v_proj = blk.q_proj, torch.nn.Linear(
         128, 128, bias=False, dtype=torch.bfloat16), blk.v_proj
-    m = quantize_model(blk, skip=())  # one weight_scale_2 for all: fuse after the fact
-    with torch.no_grad():
-        for mod in m.modules():
-            if isinstance(mod, NVFP4Linear):
-                mod.weight_scale_2 = torch.tensor(2.0 ** -10)
+    m = one_global_scale(quantize_model(blk, skip=()))
     names = fuse_linears(m)
     assert names == ["{q_proj,k_proj,v_proj}", "{gate_proj,up_proj}"]
 
@@ -274,27 +282,96 @@ def test_dtype_and_device_moves_keep_the_views(convert):
     assert torch.equal(fused(x), plain(x))
 
 
-def test_load_state_dict_writes_through_the_views():
+def test_a_load_ends_the_groups_and_fuse_linears_fuses_them_again(monkeypatch):
     plain, fused = pair()
     scales = {n: torch.tensor(0.01) for n, m in fused.named_modules() if isinstance(m, NVFP4Linear)}
     other = quantize_model(Block(seed=3), skip=(), input_scales=scales, fuse=True)
-    fused.load_state_dict(other.state_dict())
+    with pytest.warns(UserWarning, match="load_state_dict into a fused module"):
+        fused.load_state_dict(other.state_dict())
     plain.load_state_dict(other.state_dict())
     x = x_of(2)
+    assert not fused.q_proj._siblings.active
     assert torch.equal(fused(x), plain(x))
-    assert torch.equal(fused.q_proj._fused_weight[256:384], other.k_proj.weight)
+    assert fuse_linears(fused) == ["{q_proj,k_proj,v_proj}", "{gate_proj,up_proj}"]
+    assert fused.k_proj.weight._base is fused.q_proj._fused_weight
+    want = plain(x)
+    count = CountGemv(monkeypatch)
+    assert torch.equal(fused(x), want)
+    assert count.n == 4
 
 
-def test_load_state_dict_with_different_global_scales_dissolves_the_group():
+def test_a_load_that_gives_a_group_different_global_scales_leaves_it_unfused():
     plain, fused = pair()
     sd = fused.state_dict()
     sd["v_proj.weight_scale_2"] = sd["v_proj.weight_scale_2"] * 2
-    with pytest.warns(UserWarning, match="different global scales"):
+    with pytest.warns(UserWarning, match="load_state_dict"):
         fused.load_state_dict(sd)
     plain.load_state_dict(sd)
-    assert not fused.q_proj._siblings.active
+    assert fuse_linears(fused) == ["{gate_proj,up_proj}"]
     x = x_of(2)
     assert torch.equal(fused(x), plain(x))
+
+
+@pytest.mark.parametrize("how", ["assign", "setattr", "functional_call"])
+def test_a_buffer_replaced_by_any_route_ends_the_group_and_is_used(how):
+    plain, fused = pair()
+    x = x_of(2)
+    sd = {k: v.clone() for k, v in plain.state_dict().items()}
+    sd["k_proj.weight_scale_2"] = sd["k_proj.weight_scale_2"] * 2
+    sd["v_proj.weight"] = torch.flip(sd["v_proj.weight"], dims=[0]).contiguous()
+    ref = copy.deepcopy(plain)
+    ref.load_state_dict(sd)
+    with pytest.warns(UserWarning, match="no longer fused"):
+        if how == "assign":
+            fused.load_state_dict(sd, assign=True)
+            got = fused(x)
+        elif how == "setattr":
+            fused.k_proj.weight_scale_2 = sd["k_proj.weight_scale_2"]
+            fused.v_proj.weight = sd["v_proj.weight"]
+            got = fused(x)
+        else:
+            got = torch.func.functional_call(fused, sd, (x,))
+    assert torch.equal(got, ref(x))
+
+
+def test_an_input_changed_in_place_between_two_parts_is_seen_by_the_second():
+    plain, fused = pair()
+    x = x_of(2)
+    fused.q_proj(x)
+    x.mul_(3)
+    with pytest.warns(UserWarning, match="changed in place"):
+        got = fused.k_proj(x)
+    assert torch.equal(got, plain.k_proj(x))
+
+
+def test_a_load_onto_the_meta_device_does_not_compare_values():
+    _, fused = pair()
+    sd = fused.state_dict()
+    fused.to("meta")
+    with pytest.warns(UserWarning, match="load_state_dict"):
+        fused.load_state_dict(sd, assign=True)
+    assert fused.k_proj.weight.device.type == "cpu"
+
+
+class Twice(torch.nn.Module):
+    """A parent whose q/k/v the model calls in a pattern one round cannot serve (q on two inputs)."""
+
+    def __init__(self, blk):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = blk.q_proj, blk.k_proj, blk.v_proj
+
+    def forward(self, x, y):
+        return self.q_proj(x) + self.q_proj(y) + torch.cat([self.k_proj(x), self.v_proj(x)], dim=-1)
+
+
+def test_under_compile_a_pattern_that_does_not_fit_warns_and_is_right():
+    plain, fused = pair()
+    torch._dynamo.reset()
+    f = torch.compile(Twice(fused), fullgraph=True, backend="eager")
+    x, y = x_of(2), x_of(2, seed=4)
+    with pytest.warns(UserWarning, match="no longer fused"):
+        got = f(x, y)
+    assert torch.equal(got, Twice(plain)(x, y))
 
 
 def test_a_fused_llama_saves_loads_and_fuses_again(tmp_path):
