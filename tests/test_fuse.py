@@ -399,6 +399,36 @@ def test_a_fused_llama_saves_loads_and_fuses_again(tmp_path):
         assert torch.equal(plain(ids).logits, want)
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_a_fused_llama_compiles_fullgraph_with_one_gemv_a_group(mode):
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, vocab_size=200, head_dim=64)
+    base = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    scales = {n: torch.tensor(0.01) for n, m in base.named_modules()
+              if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    fused = quantize_model(copy.deepcopy(base), mode=mode, input_scales=scales, fuse=True)
+    graphs = []
+
+    def backend(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    f = torch.compile(fused, fullgraph=True, backend=backend)
+    ids = torch.randint(0, 200, (2, 5))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = f(input_ids=ids).logits
+        want = fused(input_ids=ids).logits
+    assert torch.equal(got, want)
+    ops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "nvfp4.gemv" in str(n.target)]
+    assert len(ops) == 2 * 4  # two layers of qkv, o, gate_up, down
+
+
 # ----------------------------------------------------------------------------------------------------
 # On the GPU: the kernels, no syncs, CUDA graphs
 # ----------------------------------------------------------------------------------------------------
