@@ -44,3 +44,14 @@ def test_tiny_cpu_run_writes_the_tables_and_json(tmp_path, capsys):
     assert set(rows) == {"bf16", "w4a16", "w4a4"} and all(x["eager"] > 0 for x in rows.values())
     hf = {x["variant"]: x for x in r["hf"]["rows"]}
     assert hf["w4a16"]["weight_GB"] < hf["bf16"]["weight_GB"] and hf["w4a16"]["ms_per_token"] > 0
+
+
+def test_hf_profile_lists_where_a_token_goes(capsys):
+    pytest.importorskip("transformers")
+    r = bench_model.bench_hf(bench_model.parse_args(["--hf", "--device", "cpu", "--tiny", "--batches", "1",
+                                                      "--tokens", "1", "--hf-variants", "w4a16", "--hf-fuse",
+                                                      "--hf-profile", "2"]), torch.device("cpu"))
+    row = r["rows"][0]
+    assert row["fused"] and row["profile"]["steps"] == 2 and row["profile"]["top"]
+    assert any("nvfp4" in t["name"] for t in row["profile"]["top"])
+    assert "profile of w4a16 fused batch 1" in capsys.readouterr().out

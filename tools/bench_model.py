@@ -403,9 +403,13 @@ def bench_hf(args, device):
                     ms = (time.perf_counter() - t0) * 1e3 / tokens
                 row["ms_per_token"] = ms
                 row["tokens_per_s"] = 1e3 * b / ms
+                if args.hf_profile:
+                    row["profile"] = profile_steps(dec, args.hf_profile, device)
             except Exception as e:  # noqa: BLE001 - reported in the table
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             rows.append(row)
+            if "profile" in row:
+                print(profile_text(row), flush=True)
             print(f"hf {variant:6s}{' fused' if row['fused'] else ''} batch {b:2d}: " + (f"{row['ms_per_token']:.2f} ms/token, "
                   f"{row['tokens_per_s']:.0f} tokens/s" if "ms_per_token" in row else row.get("error", "")),
                   flush=True)
@@ -421,6 +425,38 @@ def bench_hf(args, device):
             "prompt_len": prompt_len, "decode_tokens": tokens, "capture": args.hf_capture, "fuse": bool(args.hf_fuse),
             "note": "random weights; greedy; static cache; lm_head and embeddings bf16"}
     return {"meta": meta, "rows": rows}
+
+
+def profile_steps(dec, steps, device, top=25):
+    """Where a decode token's time goes: ``torch.profiler`` over ``steps`` more steps (CUDA kernels on a
+    GPU, CPU ops otherwise), each kernel's time and count a step, the largest ``top``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            dec.step()
+        if cuda:
+            torch.cuda.synchronize()
+    agg = {}
+    for e in prof.events():
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t = e.device_time_total if cuda else e.self_cpu_time_total
+        n, us = agg.get(e.name, (0, 0.0))
+        agg[e.name] = (n + 1, us + t)
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][1])
+    return {"steps": steps, "kernels_a_step": sum(n for n, _ in agg.values()) / steps,
+            "us_a_step": sum(us for _, us in agg.values()) / steps,
+            "top": [{"name": k, "us_a_step": us / steps, "calls_a_step": n / steps} for k, (n, us) in rows[:top]]}
+
+
+def profile_text(row):
+    p = row["profile"]
+    lines = [f"profile of {row['variant']}{' fused' if row.get('fused') else ''} batch {row['batch']}: "
+             f"{p['kernels_a_step']:.0f} kernels, {p['us_a_step']:.0f} us a step"]
+    lines += [f"  {t['us_a_step']:9.1f} us {t['calls_a_step']:6.1f}x  {t['name'][:110]}" for t in p["top"]]
+    return "\n".join(lines)
 
 
 def hf_table(result):
@@ -472,6 +508,8 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=ints, default=None, help="--hf batch sizes (default 1,4,16)")
     p.add_argument("--hf-variants", type=names(("bf16", "w4a16", "w4a4")), default=["bf16", "w4a16", "w4a4"])
     p.add_argument("--hf-capture", choices=("compile", "graph"), default="compile")
+    p.add_argument("--hf-profile", type=int, default=0, metavar="STEPS",
+                   help="--hf: after timing, profile STEPS more decode steps (torch.profiler) and print the top kernels")
     p.add_argument("--hf-fuse", action="store_true",
                    help="--hf: quantize_model(fuse=True): one GEMV for q/k/v and one for gate/up a layer")
     p.add_argument("--tokens", type=int, default=None, help="--hf decode tokens timed (default 64, --quick 16)")
