@@ -61,7 +61,6 @@ class Siblings:
         for p in self.parts:
             self.bounds.append((lo, lo + p.out_features))
             lo += p.out_features
-        self.out_features = lo
         self.full = (1 << len(self.parts)) - 1
         self.active = True
         self._x = self._out = None

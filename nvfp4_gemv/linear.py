@@ -14,6 +14,7 @@ import fnmatch
 
 import torch
 
+from .fuse import FUSED_BUFFERS
 from .op import gemv
 from .reference import check_args
 from .quant import BLOCK, E2M1_MAX, E4M3_MAX, quantize, quantize_weight
@@ -249,7 +250,7 @@ class NVFP4Linear(torch.nn.Module):
         # (moved to the new device from the original, so nothing is rounded); bias follows the model
         sib = self._siblings
         if sib is not None and not sib.active and self is sib.owner:  # a dissolved group's concatenations
-            for name in ("_fused_weight", "_fused_weight_scale", "_fused_bias"):  # are not moved along
+            for name in FUSED_BUFFERS:                                 # are not moved along
                 self._buffers[name] = None
         before = {n: self._buffers[n] for n in _FORMAT_BUFFERS if self._buffers.get(n) is not None}
         super()._apply(fn, recurse)

@@ -61,6 +61,38 @@ def x_of(*lead, hidden=128, seed=1):
     return torch.randn(*lead, hidden, dtype=torch.bfloat16)
 
 
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, vocab_size=200, head_dim=64)
+    return LlamaForCausalLM(cfg).to(torch.bfloat16).eval(), cfg
+
+
+def compile_recording(model):
+    """``torch.compile(model, fullgraph=True)`` with a backend that keeps the FX graphs it is given."""
+    graphs = []
+
+    def backend(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    return torch.compile(model, fullgraph=True, backend=backend), graphs
+
+
+def gemv_nodes(graph_module):
+    return [n for n in graph_module.graph.nodes if n.op == "call_function" and "nvfp4.gemv" in str(n.target)]
+
+
+def ulps(got, want):
+    """|got - want| in bf16 ulps of the larger magnitude (magnitudes under 2^-20 count as 2^-20)."""
+    eps = torch.finfo(torch.bfloat16).eps
+    scale = torch.maximum(got.abs(), want.abs()).float().clamp_min(2 ** -20)
+    return ((got.float() - want.float()).abs() / (scale * eps)).max().item()
+
+
 class CountGemv:
     """Counts calls of the op the module's forward makes."""
 
@@ -224,21 +256,13 @@ def test_modes_that_differ_across_a_group_dissolve_it():
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_compiles_fullgraph_to_one_gemv_a_group(mode):
     plain, fused = pair(mode)
-    graphs = []
-
-    def backend(gm, _inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    f = torch.compile(fused, fullgraph=True, backend=backend)
+    f, graphs = compile_recording(fused)
     x = x_of(3)
     with torch.no_grad():
         assert torch.equal(f(x), plain(x))
         assert torch.equal(f(x_of(3, seed=2)), plain(x_of(3, seed=2)))
     assert len(graphs) == 1  # no recompile on the second round
-    ops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "nvfp4.gemv" in str(n.target)]
-    assert len(ops) == 4
+    assert len(gemv_nodes(graphs[0])) == 4
     assert fused.q_proj._siblings._x is None
 
 
@@ -257,6 +281,15 @@ def test_a_device_move_re_points_every_part_at_the_moved_concatenation():
         assert part.weight._base is owner._fused_weight, name
         assert part.weight_scale._base is owner._fused_weight_scale, name
         assert part.bias._base is owner._fused_bias, name
+
+
+def test_a_concatenation_moved_apart_from_the_input_ends_the_group():
+    plain, fused = pair()
+    fused.q_proj.to("meta")  # the owner alone: k and v stay on the CPU, the concatenation does not
+    x = x_of(2)
+    with pytest.warns(UserWarning, match="its concatenation is on meta"):
+        got = fused.k_proj(x)
+    assert torch.equal(got, plain.k_proj(x))
 
 
 def test_a_module_shared_by_two_parents_joins_one_group():
@@ -377,14 +410,11 @@ def test_under_compile_a_pattern_that_does_not_fit_warns_and_is_right():
 def test_a_fused_llama_saves_loads_and_fuses_again(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from nvfp4_gemv import load_modelopt, save_modelopt
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=2, vocab_size=200, head_dim=64)
-    base = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    base, cfg = tiny_llama()
     fused = quantize_model(copy.deepcopy(base), fuse=True)
     assert sum(m._siblings is not None for m in fused.modules() if isinstance(m, NVFP4Linear)) == 10
     save_modelopt(fused, str(tmp_path))
@@ -402,31 +432,18 @@ def test_a_fused_llama_saves_loads_and_fuses_again(tmp_path):
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_a_fused_llama_compiles_fullgraph_with_one_gemv_a_group(mode):
     pytest.importorskip("transformers")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=2, vocab_size=200, head_dim=64)
-    base = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    base, _ = tiny_llama()
     scales = {n: torch.tensor(0.01) for n, m in base.named_modules()
               if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     fused = quantize_model(copy.deepcopy(base), mode=mode, input_scales=scales, fuse=True)
-    graphs = []
-
-    def backend(gm, _inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    f = torch.compile(fused, fullgraph=True, backend=backend)
+    f, graphs = compile_recording(fused)
     ids = torch.randint(0, 200, (2, 5))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")
         got = f(input_ids=ids).logits
         want = fused(input_ids=ids).logits
     assert torch.equal(got, want)
-    ops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "nvfp4.gemv" in str(n.target)]
-    assert len(ops) == 2 * 4  # two layers of qkv, o, gate_up, down
+    assert len(gemv_nodes(graphs[0])) == 2 * 4  # two layers of qkv, o, gate_up, down
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -457,9 +474,7 @@ def test_gpu_fused_block_matches_its_parts_without_syncs_and_in_a_graph(mode, n)
     for name, g, w in zip(("q", "k", "v", "gate", "up"), got, want):
         # different row counts may route to different kernels: each within the op's bound of the exact
         # sum, so within 2 ulps of each other (the ulp of the larger magnitude)
-        eps = torch.finfo(torch.bfloat16).eps
-        scale = torch.maximum(g.abs(), w.abs()).float().clamp_min(2 ** -20)
-        assert ((g.float() - w.float()).abs() / (scale * eps)).max().item() <= 2, name
+        assert ulps(g, w) <= 2, name
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static = fused(x)
@@ -484,7 +499,5 @@ def test_gpu_a_block_fused_on_the_cpu_then_moved_keeps_one_copy_and_its_results(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = [getattr(fused, n)(xg).cpu() for n in parts]
-    eps = torch.finfo(torch.bfloat16).eps
     for name, g, w in zip(parts, got, want):
-        scale = torch.maximum(g.abs(), w.abs()).float().clamp_min(2 ** -20)
-        assert ((g.float() - w.float()).abs() / (scale * eps)).max().item() <= 1, name
+        assert ulps(g, w) <= 1, name

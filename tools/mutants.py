@@ -399,6 +399,8 @@ MUTANTS = [
      ["tests/test_fuse.py"], False),
     ("fuse: an input changed in place between parts not noticed", FUSE,
      "and eager and x._version != self._version:", "and eager and False:", ["tests/test_fuse.py"], False),
+    ("fuse: a concatenation on another device than the input used", FUSE,
+     "        if owner._fused_weight.device != x2.device:", "        if False:", ["tests/test_fuse.py"], False),
     ("fuse: a dissolved group cannot be fused again", FUSE,
      "if any(m._siblings is not None and m._siblings.active for _, m in parts)",
      "if any(m._siblings is not None for _, m in parts)", ["tests/test_fuse.py"], False),
