@@ -19,7 +19,8 @@ modules instead:
   unfused modules do, until ``fuse_linears`` fuses them again.
 
 Fusing needs what one GEMV can compute for all parts: the same ``in_features``, mode, device, bias or no
-bias, and one ``weight_scale_2`` (and, for mode "w4a4", one ``input_scale``): the global scales multiply
+bias, weight layout (all packed, ``NVFP4Linear.pack``, or none; packed parts concatenate by rows, their
+8-row groups being self-contained), and one ``weight_scale_2`` (and, for mode "w4a4", one ``input_scale``): the global scales multiply
 the whole output. ModelOpt exports fused-in-serving groups with shared global scales, and
 ``quantize_model(fuse=True)`` quantizes each group with one (the group's amax); groups whose scalars
 differ stay unfused (checking them syncs once a model). Move the model as a whole after fusing (``.to``
@@ -179,6 +180,8 @@ def _compatible(parts):
             return "in_features differ"
         if m.mode != first.mode:
             return "modes differ"
+        if m.packed != first.packed:
+            return "one is packed, another not"
         if m.weight.device != first.weight.device or m.weight.device.type == "meta":
             return "devices differ" if m.weight.device != first.weight.device else "on the meta device"
         if (m.bias is None) != (first.bias is None) or (m.bias is not None and m.bias.dtype != first.bias.dtype):

@@ -8,6 +8,10 @@ Two modes:
 * ``"w4a4"``, what a ModelOpt NVFP4 checkpoint was calibrated for (as vLLM's ModelOpt NVFP4 linear method
   computes it): x quantized with ``quantize(x, 1 / input_scale)``, then the W4A4 op with
   ``alpha = input_scale * weight_scale_2``.
+
+``NVFP4Linear.pack()`` (or ``quantize_model(pack=True)``, ``load_modelopt(pack=True)``) stores a "w4a16"
+layer's weight in the W4A16 kernel's packed layout (``nvfp4_gemv.packed``: w and its scales in one buffer,
+5-9% faster a GEMV); its state_dict keeps ModelOpt's keys and layout.
 """
 
 import fnmatch
@@ -15,7 +19,8 @@ import fnmatch
 import torch
 
 from .fuse import FUSED_BUFFERS
-from .op import gemv
+from .op import gemv, gemv_packed
+from .packed import pack_weight, packed_takes, unpack_weight
 from .reference import check_args
 from .quant import BLOCK, E2M1_MAX, E4M3_MAX, quantize, quantize_weight
 
@@ -85,6 +90,10 @@ class NVFP4Linear(torch.nn.Module):
 
     Construct with ``from_linear`` (quantize an ``nn.Linear``) or ``from_modelopt`` (a checkpoint's
     tensors); the constructor makes zero-filled buffers of the right shapes (for ``load_state_dict``).
+
+    Packed (``pack()``, attribute ``packed``): ``weight`` is ``pack_weight``'s uint8 [out, 9*in/16] (the weight
+    and its scales in the kernel's order) and ``weight_scale`` None; ``state_dict()`` still gives ModelOpt's
+    ``weight`` and ``weight_scale`` (unpacked into new tensors on each call) and ``load_state_dict`` takes them.
     """
 
     def __init__(self, in_features, out_features, bias=False, mode="w4a16", input_scale=False, device=None,
@@ -105,6 +114,7 @@ class NVFP4Linear(torch.nn.Module):
         self.register_buffer("_alpha", None, persistent=False)
         self.register_buffer("_inv_input_scale", None, persistent=False)
         self._siblings, self._sibling_index = None, 0  # set by fuse_linears (nvfp4_gemv.fuse)
+        self.packed = False  # pack(): weight holds packed.py's layout, weight_scale is None
         self._refresh()
 
     # -- construction --------------------------------------------------------------------------------
@@ -241,9 +251,93 @@ class NVFP4Linear(torch.nn.Module):
             sib.dissolve("load_state_dict into a fused module; call fuse_linears(model) after loading")
         if self.input_scale is None and prefix + "input_scale" in state_dict:  # a checkpoint that has one
             self.input_scale = torch.empty((), dtype=torch.float32, device=self.weight.device)
+        given = state_dict
+        if self.packed:
+            state_dict = self._packed_incoming(state_dict, prefix, strict, missing_keys, error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        kw = prefix + "weight"
+        if state_dict is not given and kw in given and kw not in state_dict and kw in missing_keys:
+            missing_keys.remove(kw)  # given, but not loadable without its scales (reported as such)
         self._refresh()
+
+    def _packed_incoming(self, state_dict, prefix, strict, missing_keys, error_msgs):
+        """``state_dict`` with ModelOpt's ``weight`` and ``weight_scale`` of this (packed) layer replaced by
+        their packed form, for Module's loader (which then copies it into ``weight``)."""
+        kw, ks = prefix + "weight", prefix + "weight_scale"
+        sd = dict(state_dict)
+        w, ws = sd.pop(kw, None), sd.pop(ks, None)
+        if w is None or ws is None:
+            if strict:
+                missing_keys.extend(k for k, t in ((kw, w), (ks, ws)) if t is None)
+            return sd
+        shape_w, shape_s = (self.out_features, self.in_features // 2), (self.out_features, self.in_features // BLOCK)
+        if w.dtype == torch.float4_e2m1fn_x2:
+            w = w.view(torch.uint8)
+        if w.dtype != torch.uint8 or tuple(w.shape) != shape_w or ws.dtype != torch.float8_e4m3fn \
+                or tuple(ws.shape) != shape_s:
+            error_msgs.append(f"NVFP4Linear (packed) {prefix or '<root>'}: expected '{kw}' uint8 {shape_w} and "
+                              f"'{ks}' float8_e4m3fn {shape_s}, got {w.dtype} {tuple(w.shape)} and {ws.dtype} "
+                              f"{tuple(ws.shape)}")
+            return sd
+        with torch.no_grad():
+            sd[kw] = pack_weight(w, ws.to(w.device))
+        return sd
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        n0 = len(destination)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not self.packed:
+            return
+        # ModelOpt's keys and layout whatever the storage: this module's entries (the last ones added) again,
+        # in the unpacked module's order
+        mine = [destination.popitem() for _ in range(len(destination) - n0)][::-1]
+        for k, t in mine:
+            if k == prefix + "weight":
+                w, ws = unpack_weight(t.detach())
+                destination[k], destination[prefix + "weight_scale"] = w, ws
+            else:
+                destination[k] = t
+
+    # -- packed storage ------------------------------------------------------------------------------
+
+    def _why_not_packable(self):
+        if self.mode != "w4a16":
+            return f"the packed layout runs mode 'w4a16' only (this layer's mode is {self.mode!r})"
+        if not packed_takes(self.in_features, self.out_features):
+            return (f"a {self.out_features}x{self.in_features} (out x in) weight cannot be packed (in_features % 128 "
+                    "== 0, out_features % 128 == 0, in_features <= 32768)")
+        return None
+
+    def pack(self):
+        """Stores the weight in the W4A16 kernel's packed layout (``nvfp4_gemv.packed``), in place: ``weight``
+        becomes ``pack_weight(weight, weight_scale)`` and ``weight_scale`` None (no second copy kept); the
+        products are bit-identical, 5-9% faster a GEMV on H200. Mode "w4a16" only, ``in_features % 128 == 0``;
+        a fused group (``fuse_linears``) packs as a whole, its parts' buffers row views of the packed
+        concatenation. A packed layer stays packed (``state_dict`` unpacks, into new tensors). :return: self.
+        :raises ValueError: naming the reason, for a layer (or a fused part) that cannot be packed."""
+        if self.packed:
+            return self
+        sib = self._siblings
+        mods = sib.parts if sib is not None and sib.active else [self]
+        for m in mods:
+            why = m._why_not_packable()
+            if why is not None:
+                raise ValueError(f"NVFP4Linear.pack: {why}")
+        with torch.no_grad():
+            if sib is not None and sib.active:
+                owner = sib.owner
+                owner._buffers["_fused_weight"] = pack_weight(owner._fused_weight, owner._fused_weight_scale)
+                owner._buffers["_fused_weight_scale"] = None
+                for m in mods:
+                    m.packed = True
+                    m._buffers["weight_scale"] = None
+                    sib.repoint(m)  # weight: the part's rows of the packed concatenation (whole 8-row groups)
+            else:
+                self._buffers["weight"] = pack_weight(self.weight, self.weight_scale)
+                self._buffers["weight_scale"] = None
+                self.packed = True
+        return self
 
     def _apply(self, fn, recurse=True):
         # Module.to(dtype), .half(), .bfloat16() convert floating-point buffers: the format's keep their dtype
@@ -264,7 +358,8 @@ class NVFP4Linear(torch.nn.Module):
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"mode={self.mode!r}, input_scale={'yes' if self.input_scale is not None else 'no'}")
+                f"mode={self.mode!r}, input_scale={'yes' if self.input_scale is not None else 'no'}"
+                + (", packed=True" if self.packed else ""))
 
     # -- forward -------------------------------------------------------------------------------------
 
@@ -300,7 +395,11 @@ class NVFP4Linear(torch.nn.Module):
             return x2.new_empty((0, weight.shape[0]))
         if self.mode == "w4a4" and self._inv_input_scale is None:
             raise ValueError("NVFP4Linear: mode 'w4a4' needs 'input_scale' (None here): set it, or use mode 'w4a16'")
-        if self.mode == "w4a16":
+        if self.packed:
+            if self.mode != "w4a16":
+                raise ValueError(f"NVFP4Linear: a packed weight runs mode 'w4a16' only, not {self.mode!r}")
+            out = gemv_packed(x2, weight, alpha=self.weight_scale_2, out_dtype=x2.dtype)
+        elif self.mode == "w4a16":
             out = gemv(x2, None, weight, weight_scale, alpha=self.weight_scale_2, out_dtype=x2.dtype)
         else:
             xq, xs = quantize(x2, self._inv_input_scale)
@@ -337,7 +436,7 @@ def _set_submodule(model, name, new):
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None, fuse=False):
+def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None, fuse=False, pack=False):
     """Replaces, in place, each ``nn.Linear`` of ``model`` whose weight shape the kernels take
     (``kernel_takes``) and whose name ``skip`` does not match (``name_matches``: equal, a ``.``-suffix, or
     an fnmatch glob) by ``NVFP4Linear.from_linear``; returns the model. Linears of other shapes stay as
@@ -349,9 +448,14 @@ def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None, fu
         GEMV a forward, the fast path for transformers models. Each group is then quantized with one
         ``weight_scale_2`` (the group's amax, as ModelOpt exports the groups that serving fuses) instead of
         one a linear; groups whose input_scales differ are quantized and left unfused.
+    :param pack: also store each quantized weight whose shape allows it (in_features % 128 == 0) in the W4A16
+        kernel's packed layout (``NVFP4Linear.pack``: 5-9% faster a GEMV; the state_dict is the same). Mode
+        "w4a16" only.
     """
     if mode not in MODES:
         raise ValueError(f"quantize_model: 'mode': expected one of {MODES}, got {mode!r}")
+    if pack and mode != "w4a16":
+        raise ValueError(f"quantize_model: 'pack': the packed layout runs mode 'w4a16' only, not {mode!r}")
     if isinstance(skip, str):
         skip = (skip,)
     targets = _quantizable(model, skip, mode)
@@ -379,6 +483,8 @@ def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None, fu
         new = done.get(id(lin))
         if new is None:
             new = done[id(lin)] = NVFP4Linear.from_linear(lin, mode=mode, input_scale=scales.get(name))
+        if pack and not new.packed and new._why_not_packable() is None:
+            new.pack()
         _set_submodule(model, name, new)
     if fuse:
         from .fuse import fuse_linears

@@ -279,7 +279,7 @@ def _fused_tensors(tensors, parts, fused_name):
     return out
 
 
-def load_modelopt(model, path, mode="w4a16", fuse=False):
+def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
     """Fills ``model`` (a transformers model of the checkpoint's architecture, e.g. built from its
     config.json, its parameters materialized) from the ModelOpt NVFP4 export directory ``path``: each
     quantized linear (a checkpoint prefix with a ``weight_scale``) becomes an ``NVFP4Linear`` (``mode``
@@ -296,11 +296,16 @@ def load_modelopt(model, path, mode="w4a16", fuse=False):
     model) need the checkpoint to hold only one of the names. One sync per fused group (the scales'
     comparison); no Python loop per value. ``fuse=True`` then fuses the model's separate sibling linears
     (q/k/v, gate/up) whose global scales agree into one GEMV a forward (``fuse_linears``; one sync more).
+    ``pack=True`` (mode "w4a16") stores each quantized weight whose shape allows it in the W4A16 kernel's
+    packed layout (``NVFP4Linear.pack``: 5-9% faster a GEMV), module by module as it is placed (the
+    checkpoint's copy of that module is let go first, so a load holds about one extra layer at a time).
     """
     from .linear import MODES
 
     if mode not in MODES:
         raise ValueError(f"load_modelopt: 'mode': expected one of {MODES}, got {mode!r}")
+    if pack and mode != "w4a16":
+        raise ValueError(f"load_modelopt: 'pack': the packed layout runs mode 'w4a16' only, not {mode!r}")
     cfg = read_quant_config(path)
     if mode == "w4a4" and cfg.quant_algo == "W4A16_NVFP4":
         _fail(f"{cfg.source}: quant_algo 'W4A16_NVFP4' has no input scales, which mode 'w4a4' needs: use mode 'w4a16'")
@@ -429,13 +434,13 @@ def load_modelopt(model, path, mode="w4a16", fuse=False):
     for kind, name, prefixes in plans:
         if kind == "one":
             lin = modules[name]
-            replacements.append((name, _build(tensors, name, mode, lin.in_features, lin.out_features,
-                                              lin.bias is not None)))
+            replacements.append((name, [name], _build(tensors, name, mode, lin.in_features, lin.out_features,
+                                                      lin.bias is not None)))
         elif kind == "fuse":
             lin = modules[name]
             fused = _fused_tensors(tensors, prefixes, name)
-            replacements.append((name, _build(fused, name, mode, lin.in_features, lin.out_features,
-                                              lin.bias is not None)))
+            replacements.append((name, prefixes, _build(fused, name, mode, lin.in_features, lin.out_features,
+                                                        lin.bias is not None)))
         else:
             whole = {f"{name}.{s}": tensors[f"{name}.{s}"] for s in _QUANT_SUFFIXES if f"{name}.{s}" in tensors}
             rows = [modules[p].out_features for p in prefixes]
@@ -449,16 +454,21 @@ def load_modelopt(model, path, mode="w4a16", fuse=False):
                     suffix = s.rpartition(".")[2]
                     part[f"{p}.{suffix}"] = t[lo:lo + n] if suffix in ("weight", "weight_scale", "bias") else t
                 lin = modules[p]
-                replacements.append((p, _build(part, p, mode, lin.in_features, lin.out_features,
-                                               lin.bias is not None)))
+                replacements.append((p, [name], _build(part, p, mode, lin.in_features, lin.out_features,
+                                                       lin.bias is not None)))
 
     # all checked: now change the model
     with torch.no_grad():
         for k, src in assign.items():
             dense[k].copy_(src)
-    for name, new in replacements:
+    for name, sources, new in replacements:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
+        if pack and new._why_not_packable() is None:
+            for p in sources:  # the checkpoint's tensors of this module: only the module holds them now
+                for s in _QUANT_SUFFIXES:
+                    tensors.pop(f"{p}.{s}", None)
+            new.pack()
     if kv_ignored:
         warnings.warn(f"load_modelopt: {len(kv_ignored)} KV-cache scales ({cfg.kv_cache_quant_algo}) ignored: "
                       "the cache stays in the model's dtype", RuntimeWarning, stacklevel=2)

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from . import launch
+from . import packed
 from . import w4a16
 from .mma import compile_mma, pick_groups
 from .reference import OUT_DTYPES, check_args, fail_gemv, gemv_reference, unswizzle_scales
@@ -404,3 +405,73 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
         torch.ops.nvfp4.gemv_out(x, x_scale, w, w_scale, alpha, out)
         return out
     return _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Packed weights (nvfp4_gemv.packed): W4A16 only
+# ----------------------------------------------------------------------------------------------------
+
+
+def _run_packed(x, w_packed, alpha, out, out_dtype):
+    if w_packed.is_cuda:
+        return w4a16.run_cuda_packed(x, w_packed, alpha, out, out_dtype, packed.check_packed_args)
+    w, ws = packed.unpack_weight(w_packed)
+    res = gemv_reference(x, None, w, ws, alpha, out_dtype)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+@torch.library.custom_op("nvfp4::gemv_packed", mutates_args=())
+def _gemv_packed_op(x: torch.Tensor, w_packed: torch.Tensor, alpha: Optional[torch.Tensor],
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    return _run_packed(x, w_packed, alpha, None, out_dtype)
+
+
+@_gemv_packed_op.register_fake
+def _gemv_packed_fake(x, w_packed, alpha, out_dtype):
+    n, m, _ = packed.check_packed_args(x, w_packed, alpha, out_dtype)
+    return x.new_empty((n, m), dtype=out_dtype, device=w_packed.device)
+
+
+@torch.library.custom_op("nvfp4::gemv_packed_out", mutates_args=("out",))
+def _gemv_packed_out_op(x: torch.Tensor, w_packed: torch.Tensor, alpha: Optional[torch.Tensor],
+                        out: torch.Tensor) -> None:
+    packed.check_packed_args(x, w_packed, alpha, out.dtype, out)
+    _run_packed(x, w_packed, alpha, out, out.dtype)
+
+
+@_gemv_packed_out_op.register_fake
+def _gemv_packed_out_fake(x, w_packed, alpha, out):
+    packed.check_packed_args(x, w_packed, alpha, out.dtype, out)
+
+
+def gemv_packed(x, w_packed, alpha=None, out_dtype=torch.bfloat16, out=None):
+    """The W4A16 product ``(x @ dequant(w).T) * alpha`` with the weight packed by ``pack_weight(w, w_scale)``
+    (``nvfp4_gemv.packed``: w and its scales in one buffer in the kernel's order, 5-9% faster than ``gemv``
+    on the same weight at one token on H200). The same kernel, arithmetic and error bound as ``gemv``'s W4A16
+    form, so the results are bit-identical to ``gemv(x, None, w, w_scale, alpha, ...)``.
+
+    :param x: [N, K] ``torch.bfloat16`` or ``torch.float16`` activations as they are, K-contiguous rows.
+    :param w_packed: ``pack_weight``'s uint8 [M, 9K/16] (or whole 8-row groups of it); M % 128 == 0,
+        K % 128 == 0, K <= 32768.
+    :param alpha: None (1) or a one-element fp32 tensor on the device (e.g. ModelOpt's ``weight_scale_2``).
+    :param out_dtype, out: as ``gemv``'s.
+    :return: [N, M] ``out_dtype``.
+    :raises TypeError, ValueError: naming the argument, for inputs the op cannot take.
+    """
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype not in OUT_DTYPES:
+            fail_gemv(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor", getattr(out, "dtype", type(out).__name__))
+        out_dtype = out.dtype
+    direct = (type(w_packed) in _PLAIN and type(x) in _PLAIN and not torch.compiler.is_compiling()
+              and not torch._C._len_torch_dispatch_stack())
+    if direct and w_packed.is_cuda:
+        return w4a16.run_cuda_packed(x, w_packed, alpha, out, out_dtype, packed.check_packed_args)
+    if not torch.compiler.is_compiling():
+        packed.check_packed_args(x, w_packed, alpha, out_dtype, out)  # our errors, not the dispatcher's
+    if out is None:
+        return torch.ops.nvfp4.gemv_packed(x, w_packed, alpha, out_dtype)
+    torch.ops.nvfp4.gemv_packed_out(x, w_packed, alpha, out)
+    return out

@@ -153,7 +153,7 @@ class Nvfp4GemvW4A16(OpLaunch):
 
     def __init__(self, k: int, n_tok: int, groups: int, x_bf16: bool, w_blocked: bool, has_alpha: bool,
                  out_bf16: bool, threads=None, depth=None, ctas=None, x_smem=None, chains=None, w_a=None,
-                 dec=None, xpair=None, late=None, across=None, xbatch=None, probe=None, bulk=None, span=None, even=None):
+                 dec=None, xpair=None, late=None, across=None, xbatch=None, probe=None, bulk=None, span=None, even=None, packed=None):
         if not 1 <= n_tok <= MAX_TOKENS:
             raise ValueError(f"nvfp4_gemv: the W4A16 kernel takes 1..{MAX_TOKENS} tokens, not {n_tok}")
         if k % 64 or k <= 0:
@@ -266,6 +266,11 @@ class Nvfp4GemvW4A16(OpLaunch):
         # even (host side only): as many CTAs as take the tiles in the fewest rounds with every CTA's count
         # within one of the others' (1792 tiles on 1056 slots: 896 CTAs of 2 tiles instead of 1056 of 1 or 2)
         self.even = bool(even)
+        # packed: w and its scales in one buffer, ``packed.py``'s layout (an 8-row group's slice: 512 bytes of w,
+        # the 8 rows' 64 bytes one after another, then their 64 scale bytes), rows of 9K/16 bytes; ws_ptr unused
+        self.packed = bool(packed)
+        if self.packed and (k % 128 or w_blocked or bulk or probe):
+            raise ValueError(f"nvfp4_gemv: packed takes K % 128 == 0 and none of blocked scales, bulk, probe (K={k})")
         self.min_blocks = int(ctas or 1)  # CTAs a SM (launch bound: registers a thread <= 64K / (ctas * threads))
         # undoes the weights' (and with late bf16 x's) power of two; with late bf16 2^54 * alpha, so alpha < 2^74
         self.sum_scale = F16_SUM_SCALE if not self.x_bf16 else LATE_BF16_SUM_SCALE if self.late else BF16_SUM_SCALE
@@ -305,6 +310,12 @@ class Nvfp4GemvW4A16(OpLaunch):
             if cutlass.const_expr(self.probe == 2):
                 v = cutlass.Int32(sl * 0x01030507 + (g * 8 + t * 2 + gr) * 0x11111111)
                 vals += [v, v ^ 0x12345678, v ^ 0x3C3C3C3C, v ^ 0x0F0F0F0F, (v & 0x0707) | 0x3030]
+                continue
+            if cutlass.const_expr(self.packed):
+                # the group's slice: one 576-byte piece, w_rs = 9K/16 (8 rows are 9K/2 bytes, 576 a slice)
+                at = w_ptr + cutlass.Int64(row0 + 8 * gr) * w_rs + cutlass.Int64(sl) * 576
+                vals += ldg_w_v4(at + cutlass.Int64(g * 64 + t * 16))
+                vals.append(ldg_u16(at + cutlass.Int64(512 + g * 8 + t * 2)))
                 continue
             vals += ldg_w_v4(w_ptr + r * w_rs + kb)
             if cutlass.const_expr(self.w_blocked):
@@ -823,16 +834,21 @@ class W4A16Plan:
     """What the tensors' metadata fixes for the W4A16 launches (kernels, grid, strides, token groups), so
     that a call only reads the data pointers and the stream. ``dims`` comes from ``reference.check_args``."""
 
-    def __init__(self, x, w, w_scale, alpha, out, out_dtype, dims, tuning=()):
+    def __init__(self, x, w, w_scale, alpha, out, out_dtype, dims, tuning=(), packed=False):
         n, m, k, _, wb = dims
         self.dev = w.device.index
         self.out_shape = (n, m)
         self.device = w.device  # the result is allocated each call: see op._TokensPlan
-        for t, name, es in ((x, "x", 2), (w, "w", 1)):
+        # packed (w_scale None): w is packed.py's [M, 9K/16] buffer, read in 576-byte pieces of 8 rows
+        self.packed = bool(packed)
+        for t, name, es in ((x, "x", 2),) + (() if packed else ((w, "w", 1),)):
             if t.stride(1) != 1 or (t.shape[0] > 1 and (t.stride(0) * es) % 16) or t.data_ptr() % 16:
                 fail_gemv(ValueError, name, "K-contiguous rows (stride(1) == 1) at 16-byte aligned addresses",
                           f"strides {t.stride()} at address {t.data_ptr():#x}")
-        if not wb and (w_scale.stride(1) != 1 or w_scale.stride(0) % 2 or w_scale.data_ptr() % 2):
+        if packed and (w.stride() != (w.shape[1], 1) or w.data_ptr() % 16):
+            fail_gemv(ValueError, "w_packed", "a contiguous tensor at a 16-byte aligned address (pack_weight's "
+                      "output, or whole rows of it)", f"strides {w.stride()} at address {w.data_ptr():#x}")
+        if not packed and not wb and (w_scale.stride(1) != 1 or w_scale.stride(0) % 2 or w_scale.data_ptr() % 2):
             fail_gemv(ValueError, "w_scale", "K-contiguous scales (stride(1) == 1) with even row strides at even "
                       "addresses", f"strides {w_scale.stride()} at address {w_scale.data_ptr():#x}")
         out_rs = m
@@ -853,12 +869,12 @@ class W4A16Plan:
         tuning = dict(tuning)
         g = -(-n // -(-n // MAX_TOKENS))
         tile = 512 * (-(-(k // 16) // 4))  # bytes of a 128-row tile of blocked scales
-        ws_rs = tile if wb else w_scale.stride(0)
+        ws_rs = 0 if packed else tile if wb else w_scale.stride(0)
         x_rs = x.stride(0) * 2
 
         for t0 in range(0, n, g):
             nt = min(g, n - t0)
-            tune = {**default_tuning(nt, m, sms, k), **tuning}
+            tune = {**default_tuning(nt, m, sms, k), **tuning, **({"packed": 1} if packed else {})}
             if tune.get("bulk"):  # (never routed) bulk copies 16-byte rows of plain scales
                 if wb or (w_scale.data_ptr() | ws_rs) & 15:
                     fail_gemv(ValueError, "w_scale", "plain rows at 16-byte aligned addresses for bulk",
@@ -874,12 +890,16 @@ class W4A16Plan:
     def __call__(self, x, w, w_scale, alpha, out, out_dtype):
         # addresses are not in the plan's key: checked on every call (the kernel reads 16-byte rows of x and
         # w and 2-byte scale pairs; a misaligned read would fault and break the CUDA context)
-        px, pw, pws = x.data_ptr(), w.data_ptr(), w_scale.data_ptr()
+        px, pw, pws = x.data_ptr(), w.data_ptr(), 0 if self.packed else w_scale.data_ptr()
         if (px | pw) & 15 or pws & self.ws_mask:
             bad = [nm for nm, p, mask in (("x", px, 15), ("w", pw, 15), ("w_scale", pws, self.ws_mask)) if p & mask][0]
             fail_gemv(ValueError, bad, f"16-byte aligned rows of x and w, a w_scale address a multiple of "
                       f"{self.ws_mask + 1}", f"address {dict(x=px, w=pw, w_scale=pws)[bad]:#x}")
         if self.dequant:
+            if self.packed:
+                from .packed import unpack_weight
+
+                w, w_scale = unpack_weight(w)  # prefill: a copy of the weight besides the dequantization's
             return dequant_mm(x, w, w_scale, alpha, out, out_dtype, self.k, self.wb)
         if out is None:
             out = torch.empty(self.out_shape, dtype=out_dtype, device=self.device)
@@ -949,3 +969,21 @@ def run_cuda(x, w, w_scale, alpha, out, out_dtype, check_args):
                 _plans.clear()
             _plans[key] = plan
     return plan(x, w, w_scale, alpha, out, out_dtype)
+
+
+def run_cuda_packed(x, w_packed, alpha, out, out_dtype, check_args):
+    """The W4A16 product with a packed weight (``packed.pack_weight``) on CUDA through a cached plan
+    (``check_args``: ``packed.check_packed_args``)."""
+    try:
+        key = ("packed",) + _key(x, w_packed, w_packed, alpha, out, out_dtype)
+    except (AttributeError, TypeError, RuntimeError, NotImplementedError):
+        key = None
+    plan = _plans.get(key) if key is not None else None
+    if plan is None:
+        n, m, k = check_args(x, w_packed, alpha, out_dtype, out)
+        plan = W4A16Plan(x, w_packed, None, alpha, out, out_dtype, (n, m, k, False, False), packed=True)
+        if key is not None:
+            if len(_plans) >= MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+    return plan(x, w_packed, None, alpha, out, out_dtype)

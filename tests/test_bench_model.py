@@ -55,3 +55,16 @@ def test_hf_profile_lists_where_a_token_goes(capsys):
     assert row["fused"] and row["profile"]["steps"] == 2 and row["profile"]["top"]
     assert any("nvfp4" in t["name"] for t in row["profile"]["top"])
     assert "profile of w4a16 fused batch 1" in capsys.readouterr().out
+
+
+def test_hf_pack_runs_packed_layers_and_refuses_w4a4(capsys):
+    pytest.importorskip("transformers")
+    args = bench_model.parse_args(["--hf", "--device", "cpu", "--tiny", "--batches", "1", "--tokens", "1",
+                                   "--hf-variants", "w4a16", "--hf-fuse", "--hf-pack"])
+    r = bench_model.bench_hf(args, torch.device("cpu"))
+    row = r["rows"][0]
+    assert row["fused"] and row["packed"] and row["ms_per_token"] > 0 and r["meta"]["pack"]
+    assert "w4a16  fused packed batch  1:" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="w4a16 only"):
+        bench_model.bench_hf(bench_model.parse_args(["--hf", "--device", "cpu", "--tiny", "--hf-variants", "w4a4",
+                                                     "--hf-pack"]), torch.device("cpu"))

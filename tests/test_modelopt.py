@@ -182,6 +182,27 @@ def test_greedy_generate_with_a_static_cache_gives_the_dequantized_models_tokens
     assert torch.equal(out, ref.generate(PROMPT, **kw))
 
 
+@pytest.mark.parametrize("fuse", [False, True])
+def test_load_with_pack_gives_packed_layers_of_the_same_values(export, fuse):
+    """``pack=True``: every quantized layer packed (the tiny model's in_features are 128 and 256), fused groups
+    too; the logits bit for bit those of the unpacked load (the CPU path unpacks to the same reference), the
+    state_dict the checkpoint's."""
+    mode, path, _, _ = export
+    if mode != "w4a16":
+        with pytest.raises(ValueError, match="'pack'.*'w4a16' only"):
+            load_modelopt(fresh(path), path, mode=mode, pack=True)
+        return
+    plain = load_modelopt(fresh(path), path, mode=mode)
+    packed = load_modelopt(fresh(path), path, mode=mode, fuse=fuse, pack=True)
+    layers = [m for m in packed.modules() if isinstance(m, NVFP4Linear)]
+    assert layers and all(m.packed and m.weight_scale is None for m in layers)
+    assert all(m._siblings is not None for m in layers if m.out_features != 128) == fuse
+    with torch.no_grad():
+        assert torch.equal(packed(PROMPT).logits, plain(PROMPT).logits)
+    got, want = state_bytes(packed), state_bytes(plain)
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_load_into_an_already_quantized_model(export):
     mode, path, qmodel, _ = export
     target = quantize_model(tiny_model(seed=5), mode="w4a16")
@@ -444,12 +465,14 @@ def test_read_quant_config_prefers_hf_quant_config_json(export):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fuse", [False, True])
-def test_gpu_loaded_model_matches_the_cpu_one_in_logits_and_greedy_tokens(export, fuse):
+@pytest.mark.parametrize("fuse, pack", [(False, False), (True, False), (True, True)])
+def test_gpu_loaded_model_matches_the_cpu_one_in_logits_and_greedy_tokens(export, fuse, pack):
     mode, path, _, _ = export
+    if pack and mode != "w4a16":
+        pytest.skip("the packed layout runs mode 'w4a16' only")
     cpu = load_modelopt(fresh(path), path, mode=mode)
-    gpu = load_modelopt(fresh(path).cuda(), path, mode=mode, fuse=fuse)
-    assert all(m.weight.is_cuda for m in gpu.modules() if isinstance(m, NVFP4Linear))
+    gpu = load_modelopt(fresh(path).cuda(), path, mode=mode, fuse=fuse, pack=pack)
+    assert all(m.weight.is_cuda and m.packed == pack for m in gpu.modules() if isinstance(m, NVFP4Linear))
     assert all((m._siblings is not None) == (fuse and name.rpartition(".")[2] != "o_proj"
                                              and name.rpartition(".")[2] != "down_proj")
                for name, m in gpu.named_modules() if isinstance(m, NVFP4Linear))

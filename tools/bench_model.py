@@ -364,6 +364,8 @@ def bench_hf(args, device):
     tokens = args.tokens
     max_len = prompt_len + 4 * tokens + 8
     rows = []
+    if args.hf_pack and "w4a4" in args.hf_variants:
+        raise SystemExit("--hf-pack: the packed layout runs mode w4a16 only (--hf-variants bf16,w4a16)")
     for variant in args.hf_variants:
         quantized = any(isinstance(m, NVFP4Linear) for m in model.modules())
         if variant == "bf16" and quantized:
@@ -371,7 +373,8 @@ def bench_hf(args, device):
         if variant != "bf16" and not quantized:
             sample = torch.randint(1, model.config.vocab_size, (1, prompt_len), device=device)
             scales = calibrate_input_scales(model, lambda m: m(input_ids=sample))
-            quantize_model(model, mode="w4a16", input_scales=scales, fuse=args.hf_fuse)  # lm_head stays bf16
+            quantize_model(model, mode="w4a16", input_scales=scales, fuse=args.hf_fuse,  # lm_head stays bf16
+                           pack=args.hf_pack)
         if variant != "bf16":  # one quantized model, both modes (its layers keep the input scales)
             for m in model.modules():
                 if isinstance(m, NVFP4Linear):
@@ -379,7 +382,7 @@ def bench_hf(args, device):
         mem = weight_bytes(model)
         for b in args.batches:
             row = {"variant": variant, "batch": b, "weight_GB": mem / 1e9, "capture": args.hf_capture,
-                   "fused": bool(args.hf_fuse) and variant != "bf16"}
+                   "fused": bool(args.hf_fuse) and variant != "bf16", "packed": bool(args.hf_pack) and variant != "bf16"}
             try:
                 dec = Decoder(model, b, prompt_len, max_len, args.hf_capture, device)
                 t0 = time.perf_counter()
@@ -410,7 +413,7 @@ def bench_hf(args, device):
             rows.append(row)
             if "profile" in row:
                 print(profile_text(row), flush=True)
-            print(f"hf {variant:6s}{' fused' if row['fused'] else ''} batch {b:2d}: " + (f"{row['ms_per_token']:.2f} ms/token, "
+            print(f"hf {variant:6s}{label(row)} batch {b:2d}: " + (f"{row['ms_per_token']:.2f} ms/token, "
                   f"{row['tokens_per_s']:.0f} tokens/s" if "ms_per_token" in row else row.get("error", "")),
                   flush=True)
             if device.type == "cuda":
@@ -423,6 +426,7 @@ def bench_hf(args, device):
     cfg = model.config
     meta = {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
             "prompt_len": prompt_len, "decode_tokens": tokens, "capture": args.hf_capture, "fuse": bool(args.hf_fuse),
+            "pack": bool(args.hf_pack),
             "note": "random weights; greedy; static cache; lm_head and embeddings bf16"}
     return {"meta": meta, "rows": rows}
 
@@ -453,10 +457,14 @@ def profile_steps(dec, steps, device, top=25):
 
 def profile_text(row):
     p = row["profile"]
-    lines = [f"profile of {row['variant']}{' fused' if row.get('fused') else ''} batch {row['batch']}: "
+    lines = [f"profile of {row['variant']}{label(row)} batch {row['batch']}: "
              f"{p['kernels_a_step']:.0f} kernels, {p['us_a_step']:.0f} us a step"]
     lines += [f"  {t['us_a_step']:9.1f} us {t['calls_a_step']:6.1f}x  {t['name'][:110]}" for t in p["top"]]
     return "\n".join(lines)
+
+
+def label(row):
+    return (" fused" if row.get("fused") else "") + (" packed" if row.get("packed") else "")
 
 
 def hf_table(result):
@@ -468,10 +476,10 @@ def hf_table(result):
     for r in result["rows"]:
         if "ms_per_token" in r:
             vs = f"{r['vs_bf16']:.2f}x" if r.get("vs_bf16") else "-"
-            lines.append(f"| {r['variant']}{' fused' if r.get('fused') else ''} | {r['batch']} | {r['ms_per_token']:.2f} | {r['tokens_per_s']:.0f} | "
+            lines.append(f"| {r['variant']}{label(r)} | {r['batch']} | {r['ms_per_token']:.2f} | {r['tokens_per_s']:.0f} | "
                          f"{vs} | {r['weight_GB']:.3g} |")
         else:
-            lines.append(f"| {r['variant']}{' fused' if r.get('fused') else ''} | {r['batch']} | n/a ({r.get('error')}) | - | - | {r['weight_GB']:.3g} |")
+            lines.append(f"| {r['variant']}{label(r)} | {r['batch']} | n/a ({r.get('error')}) | - | - | {r['weight_GB']:.3g} |")
     return "\n".join(lines)
 
 
@@ -512,6 +520,8 @@ def parse_args(argv=None):
                    help="--hf: after timing, profile STEPS more decode steps (torch.profiler) and print the top kernels")
     p.add_argument("--hf-fuse", action="store_true",
                    help="--hf: quantize_model(fuse=True): one GEMV for q/k/v and one for gate/up a layer")
+    p.add_argument("--hf-pack", action="store_true",
+                   help="--hf: quantize_model(pack=True): weights in the W4A16 kernel's packed layout (w4a16 only)")
     p.add_argument("--tokens", type=int, default=None, help="--hf decode tokens timed (default 64, --quick 16)")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)

@@ -2,10 +2,14 @@
 the leaderboard's way (L2 flushed before each run, CUDA events, median) and as CUDA-graph replays, next to
 its peers in the same run: bf16 ``F.linear`` on bf16 weights of the same shape, fp8 ``torch._scaled_mm``
 (per-tensor scales, N padded to a multiple of 16), our W4A4 ``gemv`` (NVFP4 x), and the plain read of w's
-bytes (``tools/read_floor.py``). Each W4A16 result is checked against float64 first.
+bytes (``tools/read_floor.py``). Each W4A16 result is checked against float64 first. "packed" is
+``gemv_packed`` on the same weight packed by ``pack_weight`` (checked bit for bit against ``gemv``'s result).
 
     python tools/bench_w4a16.py --out docs/bench-w4a16-h200      # writes .md and .json
     python tools/bench_w4a16.py --shapes 4096x4096 --n 1,16 --tune threads=512   # one configuration
+    # one process a shape, compiling in parallel, timing one at a time; then one table
+    python tools/bench_w4a16.py --shapes 4096x4096 --lock /tmp/lk --barrier 2 --out /tmp/a & ...
+    python tools/bench_w4a16.py --merge /tmp/a.json,/tmp/b.json --out docs/bench-w4a16-h200
 """
 
 import argparse
@@ -21,7 +25,7 @@ import torch  # noqa: E402
 
 import inputs  # noqa: E402
 from bench import time_graph, time_leaderboard  # noqa: E402
-from nvfp4_gemv import gemv, w4a16  # noqa: E402
+from nvfp4_gemv import gemv, gemv_packed, pack_weight, w4a16  # noqa: E402
 from w4a16_inputs import w4a16_exact, w4a16_inputs, w4a16_violations  # noqa: E402
 
 SHAPES = "6144x4096,4096x4096,28672x4096,4096x14336,8192x28672,7168x16384,4096x7168"
@@ -56,6 +60,8 @@ def compile_all(shapes, ns, tuning, x_dtype):
         for n in ns:
             x, w, ws, a, out = make_case(n, m, k, x_dtype, tuning)
             gemv(x, None, w, ws, a, out=out)
+            if not tuning and k % 128 == 0:
+                gemv_packed(x, pack_weight(w, ws), a, out=out)
     torch.cuda.synchronize()
 
 
@@ -101,10 +107,19 @@ def bench_shape(m, k, ns, reps, tuning, floors, peers=True, x_dtype=torch.bfloat
             bad, msg = 0, "not checked"
         ours = time_leaderboard(lambda: gemv(x, None, w, ws, a, out=out), reps)
         graph = time_graph(lambda: gemv(x, None, w, ws, a, out=out), reps)
+        packed = float("nan")
+        if not tuning and k % 128 == 0:
+            wp = pack_weight(w, ws)
+            p_out = torch.full_like(out, float("nan"))
+            gemv_packed(x, wp, a, out=p_out)
+            if not torch.equal(p_out, out):
+                bad, msg = bad + 1, "packed != gemv"
+            packed = time_leaderboard(lambda: gemv_packed(x, wp, a, out=p_out), reps)
+            del wp
         if not peers:
             base = base or ours
             print(f"{m}x{k} N={n:2d}: ours {ours:6.2f} us (graph {graph:6.2f}, x{ours / base:4.2f} of N=1, "
-                  f"{100 * floor / ours:5.1f}% of floor) | {'ok' if bad == 0 else msg}", flush=True)
+                  f"{100 * floor / ours:5.1f}% of floor) | packed {packed:6.2f} | {'ok' if bad == 0 else msg}", flush=True)
             continue
         xb = x.to(torch.bfloat16)
         lin_out = torch.empty(n, m, dtype=torch.bfloat16, device="cuda")
@@ -120,11 +135,12 @@ def bench_shape(m, k, ns, reps, tuning, floors, peers=True, x_dtype=torch.bfloat
         base = base or ours
         row = {"m": m, "k": k, "n": n, "ours_us": ours, "graph_us": graph, "vs_n1": ours / base,
                "floor_us": floor, "pct_floor": 100 * floor / ours, "w_TBps": w_bytes(m, k) / ours / 1e6,
-               "bf16_linear_us": lin, "fp8_scaled_mm_us": fp8, "w4a4_us": w4a4, "ok": bad == 0, "check": msg}
+               "bf16_linear_us": lin, "fp8_scaled_mm_us": fp8, "w4a4_us": w4a4, "packed_us": packed,
+               "packed_pct_floor": 100 * floor / packed, "ok": bad == 0, "check": msg}
         rows.append(row)
         print(f"{m}x{k} N={n:2d}: ours {ours:6.2f} us (graph {graph:6.2f}, x{ours / base:4.2f} of N=1, "
               f"{row['pct_floor']:5.1f}% of floor {floor:6.2f}, {row['w_TBps']:4.2f} TB/s of w) | bf16 {lin:6.2f} "
-              f"| fp8 {fp8:6.2f} | w4a4 {w4a4:6.2f} | {'ok' if bad == 0 else msg}", flush=True)
+              f"| fp8 {fp8:6.2f} | w4a4 {w4a4:6.2f} | packed {packed:6.2f} | {'ok' if bad == 0 else msg}", flush=True)
     return rows
 
 
@@ -162,7 +178,10 @@ def main():
     p.add_argument("--barrier", type=int, default=0, help="with --lock: wait until this many processes have "
                    "compiled (files in LOCK.ready/) before timing, so that no compile runs beside a timing")
     p.add_argument("--out", default=None)
+    p.add_argument("--merge", default=None, help="write --out from these runs' .json files (comma-separated) and exit")
     args = p.parse_args()
+    if args.merge:
+        return merge(args.merge.split(","), args.out)
     ns = [int(v) for v in args.n.split(",")]
     tuning = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.tune.split(",") if kv}
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
@@ -190,23 +209,38 @@ def main():
             "cutlass_dsl": md.version("nvidia-cutlass-dsl"), "tuning": tuning, "reps": args.reps,
             "x_dtype": args.x_dtype}
     if args.out:
-        with open(args.out + ".json", "w") as f:
-            json.dump({"meta": meta, "rows": rows, "quantize": quant_rows}, f, indent=1)
-        lines = [f"GPU: {meta['gpu']}; torch {meta['torch']}; CuTe DSL {meta['cutlass_dsl']}. Leaderboard timing "
-                 f"(L2 flushed, CUDA events, median of {args.reps}); graph: back-to-back CUDA-graph replays of one "
-                 "call, same timing. Floor: the plain read of w's bytes. bf16: torch.mm on bf16 weights; fp8: "
-                 "_scaled_mm with N padded to 16; W4A4: our gemv on NVFP4 x.", "",
-                 "| w (M x K) | N | ours us | graph us | x N=1 | % of floor | TB/s of w | bf16 us | fp8 us | "
-                 "W4A4 us | check |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            lines.append(f"| {r['m']} x {r['k']} | {r['n']} | {r['ours_us']:.2f} | {r['graph_us']:.2f} | "
-                         f"{r['vs_n1']:.2f} | {r['pct_floor']:.1f} | {r['w_TBps']:.2f} | {r['bf16_linear_us']:.2f} | "
-                         f"{r['fp8_scaled_mm_us']:.2f} | {r['w4a4_us']:.2f} | {'ok' if r['ok'] else r['check']} |")
-        if quant_rows:
-            lines += ["", "nvfp4_gemv.quantize (bf16 rows of 16384, checked bit for bit against the reference): "
-                      + "; ".join(f"{q['rows']} rows {q['us']:.2f} us (graph {q['graph_us']:.2f})" for q in quant_rows)]
-        with open(args.out + ".md", "w") as f:
-            f.write("\n".join(lines) + "\n")
+        write(args.out, meta, rows, quant_rows)
+
+
+def merge(paths, out):
+    """One table from several runs' .json (e.g. one process a shape under --lock), rows in the given order."""
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            docs.append(json.load(f))
+    write(out, docs[0]["meta"], [r for d in docs for r in d["rows"]], [q for d in docs for q in d["quantize"]])
+
+
+def write(out, meta, rows, quant_rows):
+    with open(out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows, "quantize": quant_rows}, f, indent=1)
+    lines = [f"GPU: {meta['gpu']}; torch {meta['torch']}; CuTe DSL {meta['cutlass_dsl']}. Leaderboard timing "
+             f"(L2 flushed, CUDA events, median of {meta['reps']}); graph: back-to-back CUDA-graph replays of one "
+             "call, same timing. Floor: the plain read of w's bytes. bf16: torch.mm on bf16 weights; fp8: "
+             "_scaled_mm with N padded to 16; W4A4: our gemv on NVFP4 x; packed: gemv_packed on the same "
+             "weight packed once (pack_weight), its % of the floor in brackets.", "",
+             "| w (M x K) | N | ours us | graph us | x N=1 | % of floor | TB/s of w | packed us | bf16 us | fp8 us | "
+             "W4A4 us | check |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['m']} x {r['k']} | {r['n']} | {r['ours_us']:.2f} | {r['graph_us']:.2f} | "
+                     f"{r['vs_n1']:.2f} | {r['pct_floor']:.1f} | {r['w_TBps']:.2f} | "
+                     f"{r['packed_us']:.2f} ({r['packed_pct_floor']:.1f}) | {r['bf16_linear_us']:.2f} | "
+                     f"{r['fp8_scaled_mm_us']:.2f} | {r['w4a4_us']:.2f} | {'ok' if r['ok'] else r['check']} |")
+    if quant_rows:
+        lines += ["", "nvfp4_gemv.quantize (bf16 rows of 16384, checked bit for bit against the reference): "
+                  + "; ".join(f"{q['rows']} rows {q['us']:.2f} us (graph {q['graph_us']:.2f})" for q in quant_rows)]
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
