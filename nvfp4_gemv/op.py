@@ -416,11 +416,7 @@ def _run_packed(x, w_packed, alpha, out, out_dtype):
     if w_packed.is_cuda:
         return w4a16.run_cuda_packed(x, w_packed, alpha, out, out_dtype, packed.check_packed_args)
     w, ws = packed.unpack_weight(w_packed)
-    res = gemv_reference(x, None, w, ws, alpha, out_dtype)
-    if out is None:
-        return res
-    out.copy_(res)
-    return out
+    return _run(x, None, w, ws, alpha, out, out_dtype)  # the exact CPU reference
 
 
 @torch.library.custom_op("nvfp4::gemv_packed", mutates_args=())

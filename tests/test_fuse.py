@@ -27,8 +27,9 @@ class Block(torch.nn.Module):
         self.o_proj = lin(q, hidden)
         self.gate_proj, self.up_proj, self.down_proj = lin(hidden, inter), lin(hidden, inter), lin(inter, hidden)
         with torch.no_grad():
-            for p in self.parameters():
-                p.normal_(0, 0.05)
+            for i, p in enumerate(self.parameters()):
+                # each its own amax (so its own weight_scale_2): random draws alone can tie in bf16
+                p.normal_(0, 0.05).clamp_(-0.15, 0.15).view(-1)[0] = 0.16 + 0.01 * i
 
     def forward(self, x):
         k, v = self.k_proj(x), self.v_proj(x)  # grouped heads: k and v repeated up to q's width

@@ -43,6 +43,7 @@ QKERN = "nvfp4_gemv/quant_kernel.py"
 LINEAR = "nvfp4_gemv/linear.py"
 MODELOPT = "nvfp4_gemv/modelopt.py"
 FUSE = "nvfp4_gemv/fuse.py"
+PACKED = "nvfp4_gemv/packed.py"
 
 # (name, file, old, new, tests, gpu)
 MUTANTS = [
@@ -407,6 +408,22 @@ MUTANTS = [
     ("linear: quantize_model(fuse=True) quantizes a group per linear", LINEAR,
      "        for names in _fusable_groups(model, targets, scales):", "        for names in []:",
      ["tests/test_fuse.py"], False),
+    # -- the packed layout (CPU) --
+    ("packed: a group's scale bytes before its w", PACKED, "out[:, :, 512:].view(", "out[:, :, :64].view(",
+     ["tests/test_packed.py"], False),
+    ("packed: K % 128 not required", PACKED, "in_features % SLICE == 0 and ", "",
+     ["tests/test_packed.py"], False),
+    ("linear: a packed layer's state_dict keeps the packed buffer", LINEAR, "        if not self.packed:\n            return\n",
+     "        if True:\n            return\n", ["tests/test_packed.py"], False),
+    ("linear: a packed layer loads ModelOpt's weight unpacked", LINEAR,
+     "            state_dict = self._packed_incoming(", "            state_dict = state_dict or self._packed_incoming(",
+     ["tests/test_packed.py"], False),
+    ("linear: quantize_model(pack=True) packs nothing", LINEAR, "        if pack and not new.packed and", "        if False and",
+     ["tests/test_packed.py"], False),
+    ("modelopt: load_modelopt(pack=True) packs nothing", MODELOPT, "        if pack and new._why_not_packable() is None:",
+     "        if False:", ["tests/test_modelopt.py"], False),
+    ("fuse: packed and unpacked parts fused", FUSE, '            return "one is packed, another not"', "            pass",
+     ["tests/test_packed.py"], False),
     # -- W4A16 and quantize kernels (GPU) --
     ("w4a16: bf16 decode drops a magnitude bit", DECODE, '            body.append("and.b32 a, a, 0x01C001C0;")',
      '            body.append("and.b32 a, a, 0x01C000C0;")', ["tests/test_gpu_w4a16.py"], True),
@@ -447,6 +464,10 @@ MUTANTS = [
      "part = [part[j] for j in range(4)]", ["tests/test_gpu_w4a16.py"], True),
     ("w4a16: K % 128 == 64 tail not zeroed", W4A16, "            live = cutlass.Int32(chunk < self.k // 32)\n",
      "            live = cutlass.Int32(1)\n", ["tests/test_gpu_w4a16.py"], True),
+    ("w4a16 packed: scales read at the group's w", W4A16, "ldg_u16(at + cutlass.Int64(512 + g * 8 + t * 2))",
+     "ldg_u16(at + cutlass.Int64(g * 8 + t * 2))", ["tests/test_packed.py::test_gpu_cancelling_sums_and_fp16_out_without_alpha"], True),
+    ("w4a16 packed: groups a row apart", W4A16, "at = w_ptr + cutlass.Int64(row0 + 8 * gr) * w_rs",
+     "at = w_ptr + cutlass.Int64(row0 + gr) * w_rs", ["tests/test_packed.py::test_gpu_cancelling_sums_and_fp16_out_without_alpha"], True),
     ("quantize kernel: 0.75 ties away from even", QKERN, "(0.75, True), (1.25", "(0.75, False), (1.25",
      ["tests/test_gpu_quantize.py"], True),
     ("quantize kernel: NaN dropped from amax", QKERN, '"max.NaN.f32 $0, $1, $2;"', '"max.f32 $0, $1, $2;"',
