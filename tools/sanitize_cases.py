@@ -1,7 +1,8 @@
 """Cases for tools/sanitize.sh: `task` = every task.yml shape (benchmarks included) and three shapes of the
 streaming kernel's wide scale loads, each named with the kernel class and configuration ``pick_tuning`` gives
 it; `all` = those plus fuzz shapes; `wide` = the three alone. All add the cases of the op's kernels
-(``nvfp4_gemv.gemv``); `w4a16` = the W4A16 and quantize cases alone, `bulk` = W4A16's bulk builds alone."""
+(``nvfp4_gemv.gemv``); `w4a16` = the W4A16 and quantize cases alone, `bulk` = W4A16's bulk builds alone,
+`packed` = the W4A16 kernel on packed weights (``gemv_packed``) alone."""
 
 import os
 import sys
@@ -26,9 +27,9 @@ fuzz = [(128, 64, 1), (1152, 960, 5), (640, 2752, 3), (128, 32768, 2), (3968, 16
 wide = [(4096, 1024, 2), (2048, 3072, 2), (1024, 4096, 4)]
 # `task` = every task.yml shape (benchmarks included) and the wide ones, with the configuration pick_tuning gives it
 section = sys.argv[1] if sys.argv[1:] else ""
-shapes = {"all": task + wide + fuzz, "task": task + wide, "wide": wide, "w4a16": [], "bulk": []}.get(section, None)
+shapes = {"all": task + wide + fuzz, "task": task + wide, "wide": wide, "w4a16": [], "bulk": [], "packed": []}.get(section)
 if shapes is None:
-    raise SystemExit("usage: sanitize_cases.py all|task|wide|w4a16|bulk")
+    raise SystemExit("usage: sanitize_cases.py all|task|wide|w4a16|bulk|packed")
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 for m, k, l in shapes:
     for cpu_scales in (False, True):
@@ -45,8 +46,8 @@ for m, k, l in shapes:
             print(f"{m}x{k}x{l} cpu_scales={cpu_scales} {kernel} {dict(tuning)} {call}: "
                   f"{'ok' if ok else 'MISMATCH ' + msg}", flush=True)
             assert ok
-if section in ("w4a16", "bulk"):  # only the W4A16 and quantize kernels (below); bulk: only W4A16's bulk builds
-    shapes = None
+if section in ("w4a16", "bulk", "packed"):  # only the W4A16 (bulk: its bulk builds; packed: packed weights) and
+    shapes = None                           # quantize kernels (below)
 # the op for model code: both kernels (tokens: dp4a with x in shared memory; mma: tensor cores, partials summed
 # in shared memory after a barrier), plain and blocked scales, a tile moved back (M / 8 not a multiple of groups)
 from nvfp4_gemv import op  # noqa: E402
@@ -93,7 +94,24 @@ from w4a16_inputs import w4a16_exact, w4a16_inputs, w4a16_violations  # noqa: E4
 
 from nvfp4_gemv import quant  # noqa: E402
 
-for n, m, k, dtype, blocked in () if section == "bulk" else ((1, 512, 4096, torch.bfloat16, False), (1, 4352, 2048, torch.bfloat16, False),
+# packed weights (gemv_packed): the one-token routes (x in registers on 512 rows, 4 CTAs of 2 groups on 4352,
+# 4-warp CTAs in even rounds on 28672), shared x at 2 and 12 tokens, 32 tokens, and a view of the last 128 rows
+# (its last piece ends where the buffer does)
+from nvfp4_gemv import gemv_packed, pack_weight  # noqa: E402
+
+for n, m, k, rows in () if section == "bulk" else ((1, 512, 4096, None), (1, 4352, 2048, None), (1, 28672, 4096, None),
+                                                   (2, 4352, 8192, None), (12, 8576, 4096, None),
+                                                   (32, 1152, 1024, None), (3, 1024, 2048, 128)):
+    x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n + m + 2, dtype=torch.float16 if n == 12 else torch.bfloat16)
+    wp = pack_weight(w, ws)
+    if rows:
+        wp, w, ws = wp[m - rows:], w[m - rows:], ws[m - rows:]
+    out = gemv_packed(x, wp, a, out=torch.full((n, wp.shape[0]), float("nan"), dtype=torch.bfloat16, device="cuda"))
+    torch.cuda.synchronize()
+    bad, msg = w4a16_violations(out, *w4a16_exact(x, w, ws, a))
+    print(f"w4a16 packed N={n} {wp.shape[0]}x{k}: {'ok' if bad == 0 else 'MISMATCH ' + msg}", flush=True)
+    assert bad == 0
+for n, m, k, dtype, blocked in () if section in ("bulk", "packed") else ((1, 512, 4096, torch.bfloat16, False), (1, 4352, 2048, torch.bfloat16, False),
                                 (2, 4352, 2048, torch.float16, False), (2, 4352, 8256, torch.bfloat16, False),
                                 (1, 2048, 4096, torch.bfloat16, False), (3, 2048, 4160, torch.float16, True),
                                 (6, 2048, 4160, torch.bfloat16, True), (12, 8576, 4096, torch.float16, False),
@@ -111,8 +129,8 @@ from nvfp4_gemv import w4a16  # noqa: E402
 from nvfp4_gemv.reference import check_args  # noqa: E402
 
 late = {"threads": 256, "w_a": 1, "x_smem": 1, "xpair": 1, "late": 1, "dec": 1, "groups": 2, "ctas": 4}
-for n, m, k, tune in ((1, 17536, 4096, {**late, "bulk": 2, "span": 2}),
-                      (2, 17536, 3072, {**late, "late": 0, "bulk": 3})):
+for n, m, k, tune in () if section == "packed" else ((1, 17536, 4096, {**late, "bulk": 2, "span": 2}),
+                                                    (2, 17536, 3072, {**late, "late": 0, "bulk": 3})):
     x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n + m + 1)
     out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
     plan = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16, check_args(x, None, w, ws, a, torch.bfloat16, out),
@@ -122,7 +140,7 @@ for n, m, k, tune in ((1, 17536, 4096, {**late, "bulk": 2, "span": 2}),
     bad, msg = w4a16_violations(out, *w4a16_exact(x, w, ws, a))
     print(f"w4a16 bulk N={n} {m}x{k}: {'ok' if bad == 0 else 'MISMATCH ' + msg}", flush=True)
     assert bad == 0
-for rows, k, dtype in () if section == "bulk" else ((3, 4096, torch.bfloat16), (5, 1024, torch.float16)):
+for rows, k, dtype in () if section in ("bulk", "packed") else ((3, 4096, torch.bfloat16), (5, 1024, torch.float16)):
     x = torch.randn(rows, 2 * k, dtype=dtype, device="cuda")[:, k:]
     gs = torch.tensor([7.0], device="cuda")
     q, s = quant.quantize(x, gs)
