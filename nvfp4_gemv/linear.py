@@ -96,6 +96,8 @@ class NVFP4Linear(torch.nn.Module):
     ``weight`` and ``weight_scale`` (unpacked into new tensors on each call) and ``load_state_dict`` takes them.
     """
 
+    packed = False  # (also for modules pickled before pack() existed)
+
     def __init__(self, in_features, out_features, bias=False, mode="w4a16", input_scale=False, device=None,
                  bias_dtype=torch.bfloat16):
         super().__init__()
@@ -267,10 +269,13 @@ class NVFP4Linear(torch.nn.Module):
         kw, ks = prefix + "weight", prefix + "weight_scale"
         sd = dict(state_dict)
         w, ws = sd.pop(kw, None), sd.pop(ks, None)
-        if w is None or ws is None:
-            if strict:
-                missing_keys.extend(k for k, t in ((kw, w), (ks, ws)) if t is None)
+        if w is None and ws is None:
+            missing_keys.append(ks)  # (Module's loader reports 'weight')
             return sd
+        if w is None or ws is None:  # one half given (strict=False): the other stays as it is
+            missing_keys.append(kw if w is None else ks)
+            have_w, have_ws = unpack_weight(self.weight.detach())
+            w, ws = (have_w, ws) if w is None else (w, have_ws)
         shape_w, shape_s = (self.out_features, self.in_features // 2), (self.out_features, self.in_features // BLOCK)
         if w.dtype == torch.float4_e2m1fn_x2:
             w = w.view(torch.uint8)
@@ -319,6 +324,9 @@ class NVFP4Linear(torch.nn.Module):
         if self.packed:
             return self
         sib = self._siblings
+        if sib is not None and sib.active and not all(sib._intact(p) for p in sib.parts):
+            # a part's buffer was replaced since fusing: the concatenation is stale, so the group ends here
+            sib.dissolve(f"a buffer of '{sib.name}' was replaced (fuse_linears again to fuse it)")
         mods = sib.parts if sib is not None and sib.active else [self]
         for m in mods:
             why = m._why_not_packable()

@@ -89,12 +89,16 @@ def check_packed_weight(w_packed, name="w_packed"):
     _dense(w_packed, name)
     if w_packed.dtype != torch.uint8 or w_packed.dim() != 2:
         _fail_op(TypeError, name, "a 2-d uint8 tensor [M, 9K/16] (pack_weight's output)",
-                  f"{w_packed.dtype} {tuple(w_packed.shape)}")
+                 f"{w_packed.dtype} {tuple(w_packed.shape)}")
     m, c = w_packed.shape
     k = c * 16 // 9
     if c % 9 or not packed_takes(k, m):
         _fail_op(ValueError, name, f"shape [M, 9K/16] with M % 128 == 0, K % {SLICE} == 0, K <= {MAX_K}",
-                  tuple(w_packed.shape))
+                 tuple(w_packed.shape))
+    # whole rows of pack_weight's output from an 8-row group on (a view starting mid-group reads other rows)
+    if w_packed.stride() != (c, 1) or w_packed.storage_offset() % (GROUP_ROWS * c):
+        _fail_op(ValueError, name, "contiguous rows of pack_weight's output starting at a multiple of 8 rows",
+                 f"strides {w_packed.stride()}, storage offset {w_packed.storage_offset()}")
     return m, k
 
 

@@ -200,6 +200,30 @@ def test_a_packed_layers_load_reports_a_missing_or_mis_shaped_scale_by_name():
         fresh.load_state_dict(dict(sd, extra=torch.zeros(1)))
 
 
+def test_a_partial_non_strict_load_keeps_the_other_half():
+    old, new = layer(seed=5), layer(seed=6)
+    packed = copy.deepcopy(old).pack()
+    res = packed.load_state_dict({"weight_scale": new.weight_scale}, strict=False)
+    assert res.missing_keys == ["weight", "weight_scale_2", "bias"]
+    want = copy.deepcopy(old)
+    want.load_state_dict({"weight_scale": new.weight_scale}, strict=False)
+    assert same_state(packed, want)
+    res = packed.load_state_dict({"weight": new.weight}, strict=False)
+    assert "weight_scale" in res.missing_keys and res.missing_keys.count("weight") == 0
+    want.load_state_dict({"weight": new.weight}, strict=False)
+    assert same_state(packed, want)
+
+
+def test_rows_of_a_packed_weight_must_start_at_an_eight_row_group():
+    x, _, w, ws, a = w4a16_inputs(1, 256, 256, seed=8, device="cpu")
+    p = pack_weight(w, ws)
+    assert torch.equal(gemv_packed(x, p[128:256], a), gemv(x, None, w[128:], ws[128:], a))
+    with pytest.raises(ValueError, match="'w_packed'.*multiple of 8 rows"):
+        gemv_packed(x, torch.cat([p, p])[4:132], a)
+    with pytest.raises(ValueError, match="'w_packed'.*contiguous"):
+        gemv_packed(x, torch.cat([p, p], dim=1)[:, :144], a)
+
+
 @pytest.mark.parametrize("in_f, mode, match", [(192, "w4a16", "in_features % 128"), (256, "w4a4", "mode 'w4a16' only")])
 def test_pack_refuses_what_the_layout_cannot_run(in_f, mode, match):
     mod = layer(in_f=in_f, mode=mode)
@@ -257,6 +281,20 @@ def test_packing_one_part_of_a_fused_group_packs_the_group():
     x = torch.randn(2, 256, dtype=torch.bfloat16)
     assert torch.equal(model(x), ref(x))
     assert same_state(model, ref)
+
+
+def test_packing_a_group_whose_part_was_replaced_dissolves_it_and_stays_right():
+    base = Block()
+    model = quantize_model(copy.deepcopy(base), skip=(), fuse=True)
+    model.k_proj.weight_scale_2 = model.k_proj.weight_scale_2 * 2
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="was replaced"):
+        want = ref(x)  # the unpacked group notices at its next call and computes each part alone
+    with pytest.warns(UserWarning, match="was replaced"):
+        model.k_proj.pack()
+    assert not model.q_proj._siblings.active and model.k_proj.packed and not model.q_proj.packed
+    assert torch.equal(model(x), want)
 
 
 def test_packed_and_unpacked_siblings_are_not_fused():
@@ -346,6 +384,13 @@ def test_gpu_compiled_fullgraph_runs_the_packed_op():
 def test_gpu_a_misaligned_packed_view_is_refused():
     x, _, w, ws, a = w4a16_inputs(1, 256, 512, 6)
     p = pack_weight(w, ws)
-    bad = p.reshape(-1)[8:8 + 128 * 288].view(128, 288)  # contiguous, 8 bytes off a 16-byte boundary
-    with pytest.raises(ValueError, match="w_packed.*16-byte aligned"):
+    bad = p.reshape(-1)[8:8 + 128 * 288].view(128, 288)  # contiguous, 8 bytes into an 8-row group
+    with pytest.raises(ValueError, match="nvfp4_gemv.gemv_packed: argument 'w_packed'.*multiple of 8 rows"):
         gemv_packed(x, bad, a)
+    assert torch.equal(gemv_packed(x, p[:128], a), gemv(x, None, w[:128], ws[:128], a))  # this metadata's plan
+    # the same metadata at a base address 8 bytes off a 16-byte boundary (a storage that starts there):
+    # the cached plan's per-call address check refuses it
+    base = torch.empty(0, dtype=torch.uint8, device=p.device).set_(p.untyped_storage()[8:], 0, (128, 288))
+    assert base.storage_offset() == 0 and base.data_ptr() % 16 == 8
+    with pytest.raises(ValueError, match="nvfp4_gemv.gemv_packed: argument 'w_packed'.*16-byte aligned"):
+        gemv_packed(x, base, a)
