@@ -7,7 +7,10 @@ Two modes:
   ``gemv(x, None, weight, weight_scale, alpha=weight_scale_2)``.
 * ``"w4a4"``, what a ModelOpt NVFP4 checkpoint was calibrated for (as vLLM's ModelOpt NVFP4 linear method
   computes it): x quantized with ``quantize(x, 1 / input_scale)``, then the W4A4 op with
-  ``alpha = input_scale * weight_scale_2``.
+  ``alpha = input_scale * weight_scale_2``. From ``W4A4_VIA_W4A16_FROM`` tokens on (where set), the same
+  product as the W4A16 op on x's quantized values (``quantize_dequantized``: exact in x's dtype), since
+  the W4A4 op reads the weight once per 16 tokens and the W4A16 op once per 32 (then dequantizes it
+  for one ``torch.mm`` from 129): the same exact value, summed in that op's order (its error bound).
 
 ``NVFP4Linear.pack()`` (or ``quantize_model(pack=True)``, ``load_modelopt(pack=True)``) stores a "w4a16"
 layer's weight in the W4A16 kernel's packed layout (``nvfp4_gemv.packed``: w and its scales in one buffer,
@@ -22,9 +25,14 @@ from .fuse import FUSED_BUFFERS
 from .op import gemv, gemv_packed
 from .packed import pack_weight, packed_takes, unpack_weight
 from .reference import check_args
-from .quant import BLOCK, E2M1_MAX, E4M3_MAX, quantize, quantize_weight
+from .quant import BLOCK, E2M1_MAX, E4M3_MAX, quantize, quantize_dequantized, quantize_weight
 
 MODES = ("w4a16", "w4a4")
+# Mode "w4a4" from this many tokens a call: quantize_dequantized + the W4A16 op instead of quantize + the W4A4
+# op (None: never). The W4A4 op's second pass over the weight starts at 17 tokens; on H200 the W4A16 op at 32
+# tokens took 0.71-0.78x the W4A4 op's time on every bench shape (docs/results.md). Off until the
+# dequantized quantize kernel has run on a GPU (written without one: docs/design.md, "Not built").
+W4A4_VIA_W4A16_FROM = None
 _X_DTYPES = (torch.bfloat16, torch.float16)
 # buffers whose dtype is the format's: Module.to(dtype) / .half() must not convert them
 _FORMAT_BUFFERS = ("weight", "weight_scale", "weight_scale_2", "input_scale", "_alpha", "_inv_input_scale",
@@ -409,6 +417,9 @@ class NVFP4Linear(torch.nn.Module):
             out = gemv_packed(x2, weight, alpha=self.weight_scale_2, out_dtype=x2.dtype)
         elif self.mode == "w4a16":
             out = gemv(x2, None, weight, weight_scale, alpha=self.weight_scale_2, out_dtype=x2.dtype)
+        elif W4A4_VIA_W4A16_FROM is not None and x2.shape[0] >= W4A4_VIA_W4A16_FROM:
+            xd = quantize_dequantized(x2, self._inv_input_scale)  # the values quantize's codes stand for
+            out = gemv(xd, None, weight, weight_scale, alpha=self._alpha, out_dtype=x2.dtype)
         else:
             xq, xs = quantize(x2, self._inv_input_scale)
             out = gemv(xq, xs, weight, weight_scale, alpha=self._alpha, out_dtype=x2.dtype)

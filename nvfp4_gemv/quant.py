@@ -20,6 +20,12 @@ fp32 operation rounded to nearest even, in this order, for each block of 16 valu
 
 ``gs`` is meant to be positive and finite (1 / ModelOpt's ``input_scale``); it is read on the device
 only, never on the host.
+
+``quantize_dequantized(x, gs)`` is the same quantization with the values the codes stand for as its
+output, ``e2m1(code) * s`` in x's dtype (exact there: at most 6 significant bits, between 2^-10 and 2688),
+i.e. ``dequantize(*quantize(x, gs))``, which is ``x * gs`` on the NVFP4 grid: what the W4A4 product
+multiplies as ``x * x_scale``. ``NVFP4Linear``'s mode "w4a4" hands it to the W4A16 op where that reads the
+weight fewer times than the W4A4 op would (``linear.W4A4_VIA_W4A16_FROM``).
 """
 
 
@@ -156,7 +162,7 @@ def e2m1_decode(q):
     from the codes' bits by elementwise ops on q's device: no lookup table, so no host-to-device copy (a
     sync) and nothing a CUDA graph capture would refuse."""
     u = q.view(torch.uint8)
-    c = torch.stack((u & 0xF, u >> 4), dim=-1).reshape(u.shape[0], -1)
+    c = torch.stack((u & 0xF, u >> 4), dim=-1).reshape(u.shape[0], 2 * u.shape[1])  # (not -1: zero rows)
     e = ((c >> 1) & 3).to(torch.float32)
     m = (c & 1).to(torch.float32)
     v = torch.where(e == 0, 0.5 * m, torch.exp2(e - 1) * (1 + 0.5 * m))
@@ -173,20 +179,28 @@ def dequantize(q, scale, scale_2=None):
     return v
 
 
+def quantize_dequantized_reference(x, global_scale):
+    """The exact result of ``quantize_dequantized``: ``dequantize(*quantize_reference(x, global_scale))`` in
+    x's dtype (exact), on x's device."""
+    check_quantize_args(x, global_scale, "quantize_dequantized_reference")
+    return dequantize(*quantize_reference(x, global_scale)).to(x.dtype)
+
+
 # ----------------------------------------------------------------------------------------------------
-# The op
+# The ops
 # ----------------------------------------------------------------------------------------------------
 
-def _cuda_kernel():
-    """The GPU kernel ``quantize_cuda(x, global_scale, out_q, out_s)`` (``nvfp4_gemv.quant_kernel``), or None
-    where it cannot be imported."""
+def _cuda_kernel(dequantized=False):
+    """The GPU kernel ``quantize_cuda(x, global_scale, out_q, out_s)`` (``dequantized``:
+    ``quantize_dequantized_cuda(x, global_scale, out)``) of ``nvfp4_gemv.quant_kernel``, or None where it
+    cannot be imported."""
     try:
-        from .quant_kernel import quantize_cuda
+        from .quant_kernel import quantize_cuda, quantize_dequantized_cuda
     except ImportError as e:
         warn_once("quantize-kernel", f"nvfp4_gemv.quantize: the GPU kernel could not be imported ({e}); the exact "
                   "reference runs on the GPU tensors instead, about 15 torch kernels a call")
         return None
-    return quantize_cuda
+    return quantize_dequantized_cuda if dequantized else quantize_cuda
 
 
 def _quantize_impl(x, global_scale):
@@ -228,3 +242,39 @@ def quantize(x, global_scale):
     if not torch.compiler.is_compiling():
         check_quantize_args(x, global_scale)
     return torch.ops.nvfp4.quantize(x, global_scale)
+
+
+def _quantize_dequantized_impl(x, global_scale):
+    if x.is_cuda:
+        kernel = _cuda_kernel(dequantized=True)
+        if kernel is not None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            kernel(x, global_scale, out)
+            return out
+    return quantize_dequantized_reference(x, global_scale)
+
+
+@torch.library.custom_op("nvfp4::quantize_dequantized", mutates_args=())
+def _quantize_dequantized_op(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    return _quantize_dequantized_impl(x, global_scale)
+
+
+@_quantize_dequantized_op.register_fake
+def _quantize_dequantized_fake(x, global_scale):
+    check_quantize_args(x, global_scale, "quantize_dequantized")
+    return x.new_empty(x.shape)
+
+
+def quantize_dequantized(x, global_scale):
+    """``quantize(x, global_scale)`` with the values its codes stand for as the result: ``e2m1(code) *
+    scale`` for each value, in x's dtype, exactly ``dequantize(*quantize(x, global_scale))`` (this module's
+    docstring). One GPU kernel on CUDA (``nvfp4_gemv.quant_kernel``, ``dequantized`` build).
+
+    :param x: [R, K] ``torch.bfloat16`` or ``torch.float16``, K % 16 == 0.
+    :param global_scale: one-element fp32 tensor on x's device, read there: no host sync.
+    :return: [R, K] in x's dtype (dense).
+    :raises TypeError, ValueError: naming the argument.
+    """
+    if not torch.compiler.is_compiling():
+        check_quantize_args(x, global_scale, "quantize_dequantized")
+    return torch.ops.nvfp4.quantize_dequantized(x, global_scale)

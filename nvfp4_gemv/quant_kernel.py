@@ -13,8 +13,15 @@ one scale byte are stored.
 Inline PTX throughout: the DSL's arithmetic may be contracted or reassociated (an FMA of ``x * gs / sd``
 would round once, not twice), and ``cute.arch`` has no e4m3 conversion of fp32 with ``satfinite``.
 
-Layouts: x [R, K] K-contiguous with 16-byte aligned rows; codes [R, K/2] and scales [R, K/16] dense;
-``gs`` one fp32 on the device (never read on the host). ``K % 16 == 0``; ``K`` is a compile-time constant.
+``dequantized`` build (``quant.quantize_dequantized``): the same steps up to the code, then instead of the
+code the value it stands for, ``e2m1 magnitude * sd`` with the sign of ``x`` (xor that of ``sd``), stored in
+x's dtype: the magnitude is the sum of the steps the thresholds pass (0.5 four times, 1 twice, 2), so it is
+exact, and ``magnitude * sd`` has at most 2 + 4 significant bits between 2^-10 and 2688, exact in fp32, bf16
+and fp16; a NaN scale gives NaN values. Sixteen values (32 bytes) are stored a block, no scale byte.
+
+Layouts: x [R, K] K-contiguous with 16-byte aligned rows; codes [R, K/2] and scales [R, K/16] dense (or,
+``dequantized``, values [R, K] in x's dtype, dense); ``gs`` one fp32 on the device (never read on the host).
+``K % 16 == 0``; ``K`` is a compile-time constant.
 """
 
 import threading
@@ -28,6 +35,7 @@ from cuda.bindings.driver import CUstream
 
 from .launch import Kernel, current_device, current_stream, dsl_compile
 from .ptx import asm as _asm
+from .ptx import asm_store
 from .ptx import ldg_f32, ldg_v4, stg_u8, stg_u32x2
 
 THREADS = 256
@@ -88,14 +96,51 @@ def e2m1_code(x, gs, sd, *, loc=None, ip=None):
     return cutlass.Int32(r[0])
 
 
-class Nvfp4Quantize:
-    """One instance per (K, x dtype)."""
+@dsl_user_op
+def grid_pair(x0, x1, gs, sd, bf16, *, loc=None, ip=None):
+    """Two values ``x0``, ``x1`` (fp32) quantized and dequantized in one word of x's dtype (``x0`` in the low
+    half): for each, ``q = (x * gs) / sd`` as ``e2m1_code`` computes it, the magnitude of its code summed from
+    the steps its thresholds pass (exact), times ``sd`` (exact), x's sign bit xored in, then converted
+    (exact: at most 6 significant bits in range)."""
+    cvt = "cvt.rn.bf16.f32" if bf16 else "cvt.rn.f16.f32"
+    t = ["{", ".reg .f32 q, m, d;", ".reg .pred p, z;", ".reg .b32 s, b;", ".reg .b16 h0, h1;",
+         "setp.eq.f32 z, $4, 0f00000000;"]
+    # (|q| threshold 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 as fp32 bits; >= at a tie (up to an even code);
+    # the step in magnitude it adds: 0.5, 0.5, 0.5, 0.5, 1, 1, 2): 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    steps = (("3E800000", False, "3F000000"), ("3F400000", True, "3F000000"), ("3FA00000", False, "3F000000"),
+             ("3FE00000", True, "3F000000"), ("40200000", False, "3F800000"), ("40600000", True, "3F800000"),
+             ("40A00000", False, "40000000"))
+    for i in range(2):
+        t += [f"mul.rn.f32 q, ${1 + i}, $3;", "div.rn.f32 q, q, $4;", "@z mov.f32 q, 0f00000000;", "abs.f32 q, q;",
+              "mov.f32 m, 0f00000000;"]
+        for bits, ge, step in steps:
+            t += [f"setp.{'ge' if ge else 'gt'}.f32 p, q, 0f{bits};", f"selp.f32 d, 0f{step}, 0f00000000, p;",
+                  "add.rn.f32 m, m, d;"]
+        t += ["mul.rn.f32 m, m, $4;", f"mov.b32 s, ${1 + i};", "and.b32 s, s, 0x80000000;", "mov.b32 b, m;",
+              "xor.b32 b, b, s;", "mov.b32 m, b;", f"{cvt} h{i}, m;"]
+    t += ["mov.b32 $0, {h0, h1};", "}"]
+    r = _asm([T.i32()], [cutlass.Float32(x0), cutlass.Float32(x1), cutlass.Float32(gs), cutlass.Float32(sd)],
+             "\n".join(t), "=r,f,f,f,f", loc, ip)
+    return cutlass.Int32(r[0])
 
-    def __init__(self, k: int, x_bf16: bool):
+
+@dsl_user_op
+def stg_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
+    """``st.global.v4.u32`` at a 16-byte aligned 64-bit address."""
+    asm_store([cutlass.Int64(addr), *[cutlass.Int32(v) for v in (v0, v1, v2, v3)]],
+              "st.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", loc, ip)
+
+
+class Nvfp4Quantize:
+    """One instance per (K, x dtype, output form): codes and scales, or (``dequantized``) the values they
+    stand for in x's dtype."""
+
+    def __init__(self, k: int, x_bf16: bool, dequantized: bool = False):
         if k <= 0 or k % 16:
             raise ValueError(f"nvfp4_gemv.quantize: K={k} is not a positive multiple of 16")
         self.k = k
         self.x_bf16 = bool(x_bf16)
+        self.dequantized = bool(dequantized)
 
     @cute.jit
     def __call__(self, x_ptr: cutlass.Int64, gs_ptr: cutlass.Int64, q_ptr: cutlass.Int64, s_ptr: cutlass.Int64,
@@ -121,14 +166,20 @@ class Nvfp4Quantize:
             for i in cutlass.range_constexpr(16):
                 amax = fmax_nan(amax, abs_f32(v[i]))
             sb, sd = block_scale(amax, gs)
-            words = []
-            for h in cutlass.range_constexpr(2):
-                word = cutlass.Int32(0)
-                for i in cutlass.range_constexpr(8):
-                    word = word | (e2m1_code(v[8 * h + i], gs, sd) << (4 * i))
-                words.append(word)
-            stg_u32x2(q_ptr + cutlass.Int64(b) * 8, words[0], words[1])
-            stg_u8(s_ptr + cutlass.Int64(b), sb)
+            if cutlass.const_expr(self.dequantized):  # q_ptr: the values [R, K] in x's dtype, 32 bytes a block
+                words = [grid_pair(v[2 * i], v[2 * i + 1], gs, sd, self.x_bf16) for i in range(8)]
+                dst = q_ptr + cutlass.Int64(b) * 32
+                stg_v4(dst, *words[:4])
+                stg_v4(dst + 16, *words[4:])
+            else:
+                words = []
+                for h in cutlass.range_constexpr(2):
+                    word = cutlass.Int32(0)
+                    for i in cutlass.range_constexpr(8):
+                        word = word | (e2m1_code(v[8 * h + i], gs, sd) << (4 * i))
+                    words.append(word)
+                stg_u32x2(q_ptr + cutlass.Int64(b) * 8, words[0], words[1])
+                stg_u8(s_ptr + cutlass.Int64(b), sb)
 
 
 @dsl_user_op
@@ -143,30 +194,41 @@ _sms = {}
 _lock = threading.RLock()
 
 
-def compile_quantize(k, x_bf16, options=None, tvm_ffi=None):
+def compile_quantize(k, x_bf16, options=None, tvm_ffi=None, dequantized=False):
     """``(op, compiled)`` (no GPU needed when ``options`` names ``--gpu-arch``)."""
-    op = Nvfp4Quantize(k, x_bf16)
+    op = Nvfp4Quantize(k, x_bf16, dequantized)
     i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
     return op, dsl_compile(op, (i64, i64, i64, i64, i32, i64, i32, CUstream(0)), options, tvm_ffi)
 
 
 def quantize_cuda(x, global_scale, out_q, out_s):
     """Writes ``quantize(x, global_scale)`` into ``out_q`` (uint8 [R, K/2]) and ``out_s`` (e4m3 [R, K/16]) on
-    torch's current stream. Rows of x that are not 16-byte aligned and K-contiguous are copied first (a new
-    allocation: ``contiguous()`` keeps a contiguous tensor at a misaligned address where it is)."""
+    torch's current stream."""
+    _launch(x, global_scale, out_q, out_s, False)
+
+
+def quantize_dequantized_cuda(x, global_scale, out):
+    """Writes ``quant.quantize_dequantized(x, global_scale)`` into ``out`` (x's dtype, dense [R, K]) on torch's
+    current stream."""
+    _launch(x, global_scale, out, None, True)
+
+
+def _launch(x, global_scale, out_q, out_s, dequantized):
+    """Rows of x that are not 16-byte aligned and K-contiguous are copied first (a new allocation:
+    ``contiguous()`` keeps a contiguous tensor at a misaligned address where it is)."""
     rows, k = x.shape
     if rows == 0:
         return
     if x.stride(1) != 1 or (rows > 1 and (x.stride(0) * 2) % 16) or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)  # a new, aligned allocation (contiguous() may not move)
     dev = x.device.index
-    key = (dev, k, x.dtype == torch.bfloat16)
+    key = (dev, k, x.dtype == torch.bfloat16, dequantized)
     kern = _compiled.get(key)
     if kern is None:
         with _lock:
             kern = _compiled.get(key)
             if kern is None:
-                op, fn = compile_quantize(k, key[2])
+                op, fn = compile_quantize(k, key[2], dequantized=dequantized)
                 kern = _compiled[key] = Kernel(fn, dev, op)
                 kern.check_fast()
     sms = _sms.get(dev)
@@ -174,7 +236,8 @@ def quantize_cuda(x, global_scale, out_q, out_s):
         sms = _sms[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
     blocks = rows * (k // 16)
     grid = max(1, min(-(-blocks // THREADS), sms * 8))
-    args = (x.data_ptr(), global_scale.data_ptr(), out_q.data_ptr(), out_s.data_ptr(), rows, x.stride(0) * 2, grid)
+    args = (x.data_ptr(), global_scale.data_ptr(), out_q.data_ptr(), 0 if out_s is None else out_s.data_ptr(), rows,
+            x.stride(0) * 2, grid)
     stream = current_stream(dev)
     if kern.ffi is not None and current_device() == dev:
         kern.ffi(*args, stream)

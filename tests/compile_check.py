@@ -49,6 +49,7 @@ def main():
     p.add_argument("--w4a16", type=int, default=0, help="with --tokens: the W4A16 kernel (bf16 x), this many groups")
     p.add_argument("--f16", action="store_true", help="with --w4a16: fp16 x")
     p.add_argument("--quantize", action="store_true", help="the activation quantizer (bf16 x; --f16: fp16)")
+    p.add_argument("--dequantized", action="store_true", help="with --quantize: its dequantized build")
     args = p.parse_args()
     # CuTe DSL compiles for --gpu-arch only when CUTE_DSL_ARCH names another arch.
     os.environ["CUTE_DSL_ARCH"] = "sm_80" if args.arch != "sm_80" else "sm_86"
@@ -66,7 +67,7 @@ def main():
     if args.quantize:  # nvfp4_gemv.quant_kernel
         from nvfp4_gemv import quant_kernel
 
-        _, fn = quant_kernel.compile_quantize(args.k, not args.f16, options=options)
+        _, fn = quant_kernel.compile_quantize(args.k, not args.f16, options=options, dequantized=args.dequantized)
     elif args.tokens and args.w4a16:  # the W4A16 kernel (nvfp4_gemv.w4a16), alpha and bf16 out
         from nvfp4_gemv import w4a16
 

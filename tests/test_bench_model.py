@@ -68,3 +68,13 @@ def test_hf_pack_runs_packed_layers_and_refuses_w4a4(capsys):
     with pytest.raises(SystemExit, match="w4a16 only"):
         bench_model.bench_hf(bench_model.parse_args(["--hf", "--device", "cpu", "--tiny", "--hf-variants", "w4a4",
                                                      "--hf-pack"]), torch.device("cpu"))
+
+
+def test_w4a4_via_w4a16_sets_the_route_threshold_for_the_run(monkeypatch):
+    import nvfp4_gemv.linear as lin
+
+    monkeypatch.setattr(lin, "W4A4_VIA_W4A16_FROM", None)
+    r = bench_model.main(["--device", "cpu", "--tiny", "--step", "--layers", "1", "--n", "20", "--reps", "1",
+                          "--variants", "w4a4", "--modes", "eager", "--w4a4-via-w4a16", "17"])
+    assert lin.W4A4_VIA_W4A16_FROM == 17 and r["args"]["w4a4_via_w4a16"] == 17
+    assert r["step"]["rows"][0]["eager"] > 0

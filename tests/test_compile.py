@@ -172,9 +172,12 @@ def test_w4a16_measuring_builds_compile_without_gpu(arch, k, tokens, groups, tun
     assert info["elf"] and info["launch"] == "tvm-ffi" and info["fp4_cvt"] == [], info
 
 
-@pytest.mark.parametrize("arch,k,extra", [("sm_90a", 16384, ()), ("sm_100a", 4096, ("--f16",))])
+@pytest.mark.parametrize("arch,k,extra", [("sm_90a", 16384, ()), ("sm_100a", 4096, ("--f16",)),
+                                          ("sm_90a", 16384, ("--dequantized",)),
+                                          ("sm_100a", 4096, ("--dequantized", "--f16"))])
 def test_quantize_kernel_compiles_without_gpu(arch, k, extra, tmp_path):
-    """No e2m1 conversion (sm_90a has none): the codes come from comparisons."""
+    """No e2m1 conversion (sm_90a has none): the codes (or, ``dequantized``, their values) come from
+    comparisons; no stack frame."""
     info = compile_check(arch, k, tmp_path, "--quantize", *extra)
     assert info["elf"] and info["launch"] == "tvm-ffi" and info["fp4_cvt"] == [] and info["frame_bytes"] == 0, info
 

@@ -1,7 +1,9 @@
 """The GPU kernel of nvfp4_gemv.quantize (``nvfp4_gemv.quant_kernel``) gives, byte for byte, what the exact
 reference (``nvfp4_gemv.quant.quantize_reference``) gives: random rows of both dtypes over wide magnitude
 ranges, ties of every e2m1 midpoint, values that saturate, zero blocks, blocks whose scale is an e4m3
-subnormal, NaN and inf, -0.0, strided rows. Outputs are poisoned first."""
+subnormal, NaN and inf, -0.0, strided rows. Its ``dequantized`` build (``quantize_dequantized``) gives, bit
+for bit, ``quantize_dequantized_reference`` on every one of those inputs (NaN where it is NaN). Outputs are
+poisoned first."""
 
 import pytest
 import torch
@@ -20,12 +22,27 @@ def run_kernel(x, gs):
     return q, s
 
 
+def run_dequantized(x, gs):
+    out = torch.full(x.shape, 0x7BCD, dtype=torch.int16, device="cuda").view(x.dtype)  # poison: a finite value
+    quant_kernel.quantize_dequantized_cuda(x, gs, out)
+    torch.cuda.synchronize()
+    return out
+
+
 def assert_same(x, gs):
     q, s = run_kernel(x, gs)
     rq, rs = quant.quantize_reference(x.cpu(), gs.cpu())  # the exact reference on the CPU
     q, s = q.cpu(), s.cpu()
     assert torch.equal(s.view(torch.uint8), rs.view(torch.uint8)), (s.view(torch.uint8) != rs.view(torch.uint8)).nonzero()[:5]
     assert torch.equal(q, rq), (q != rq).nonzero()[:5]
+    assert_same_dequantized(x, gs)
+
+
+def assert_same_dequantized(x, gs):
+    got = run_dequantized(x, gs).cpu()
+    want = quant.quantize_dequantized_reference(x.cpu(), gs.cpu())
+    same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+    assert bool(same.all()), [(tuple(i), got[tuple(i)].item(), want[tuple(i)].item()) for i in (~same).nonzero()[:5]]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -82,3 +99,26 @@ def test_the_op_runs_the_kernel_on_cuda(recwarn, monkeypatch):
     rq, rs = quant.quantize_reference(x, gs)
     assert torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))
     assert not [w for w in recwarn if "could not be imported" in str(w.message)]
+
+
+def test_the_dequantized_op_runs_its_kernel_in_a_cuda_graph_without_syncs(monkeypatch):
+    calls = []
+    real = quant_kernel.quantize_dequantized_cuda
+    monkeypatch.setattr(quant_kernel, "quantize_dequantized_cuda", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(32, 4096, dtype=torch.bfloat16, device="cuda") * 3
+    gs = torch.tensor([448 * 6 / 9.0], device="cuda")
+    first = quant.quantize_dequantized(x, gs)  # compiles outside the capture
+    assert calls == [1] and first.dtype == x.dtype and first.shape == x.shape
+    assert torch.equal(first, quant.quantize_dequantized_reference(x, gs))
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(g):
+            out = quant.quantize_dequantized(x, gs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    x.copy_(torch.randn_like(x) * 100)
+    out.fill_(7.0)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, quant.quantize_dequantized_reference(x, gs))

@@ -157,6 +157,40 @@ def test_w4a4_forward_quantizes_x_with_the_inverse_input_scale(dtype, bias, lead
     assert (out.float() - dense).abs().max() < 0.2 * dense.abs().max()
 
 
+@pytest.fixture
+def w4a4_via_w4a16(monkeypatch):
+    """Mode "w4a4" from 17 tokens through quantize_dequantized and the W4A16 op; records which quantizer ran."""
+    import nvfp4_gemv.linear as lin
+
+    calls = []
+    monkeypatch.setattr(lin, "W4A4_VIA_W4A16_FROM", 17)
+    for name in ("quantize", "quantize_dequantized"):
+        real = getattr(lin, name)
+        monkeypatch.setattr(lin, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 16, 17, 32, 33, 200])
+def test_w4a4_from_the_threshold_is_the_w4a16_op_on_the_quantized_values(w4a4_via_w4a16, dtype, n):
+    """The same exact value either way (the CPU references sum exact products in float64), so the results are
+    equal bit for bit; the quantizer that ran says which way it went."""
+    x = torch.randn(n, 128, dtype=dtype) * 3
+    mod = NVFP4Linear.from_linear(linear(), mode="w4a4", input_scale=input_scale_from(x))
+    assert torch.equal(mod(x), expected_w4a4(mod, x))
+    assert w4a4_via_w4a16 == ["quantize_dequantized" if n >= 17 else "quantize"]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_w4a4_via_w4a16_compiles_fullgraph_with_the_same_result(w4a4_via_w4a16, dynamic):
+    torch._dynamo.reset()
+    mod = NVFP4Linear.from_linear(linear(), mode="w4a4", input_scale=0.004)
+    compiled = torch.compile(lambda x: mod(x * 2), fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for n in (3, 20):
+        x = torch.randn(n, 128, dtype=torch.bfloat16)
+        assert torch.equal(compiled(x), expected_w4a4(mod, x * 2))
+
+
 def test_w4a4_forward_uses_the_precomputed_scalars():
     mod = NVFP4Linear.from_linear(linear(), mode="w4a4", input_scale=0.003)
     assert mod._inv_input_scale.item() == (torch.ones(()) / torch.tensor(0.003)).item()
@@ -469,6 +503,38 @@ def test_gpu_forward_matches_the_cpu_layer_without_syncs_and_in_a_graph(mode, n)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [17, 32, 33, 200])
+def test_gpu_w4a4_via_w4a16_matches_the_cpu_layer_without_syncs_and_in_a_graph(w4a4_via_w4a16, monkeypatch, dtype, n):
+    """From 17 tokens mode "w4a4" runs the dequantized quantize kernel and the W4A16 kernels (dequantize +
+    torch.mm from 129): within an ulp of the exact W4A4 value, and of the W4A4 op's own result."""
+    import nvfp4_gemv.linear as lin
+
+    cpu = NVFP4Linear.from_linear(linear(4096, 6144), mode="w4a4", input_scale=0.004)
+    gpu = NVFP4Linear.from_linear(linear(4096, 6144).cuda(), mode="w4a4", input_scale=0.004)
+    x = torch.randn(n, 4096, dtype=dtype)
+    ref = cpu(x)
+    xg = x.cuda()
+    gpu(xg)  # warm up (compiles, plans)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = gpu(xg)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert w4a4_via_w4a16[-1] == "quantize_dequantized"
+    assert ulps_apart(out.cpu(), ref) <= 1
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = gpu(xg)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, out)
+    monkeypatch.setattr(lin, "W4A4_VIA_W4A16_FROM", None)  # the W4A4 op on the same layer
+    assert ulps_apart(gpu(xg).cpu(), out.cpu()) <= 1
 
 
 # ----------------------------------------------------------------------------------------------------

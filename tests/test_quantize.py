@@ -1,6 +1,7 @@
 """nvfp4_gemv.quantize and its exact reference: bit for bit against a scalar Python quantizer (ties,
 saturation, zeros, subnormal scales, signs, NaN and inf, both dtypes), the weight recipe, the op's
-contract (validation naming the argument, fakes, opcheck, torch.compile)."""
+contract (validation naming the argument, fakes, opcheck, torch.compile); ``quantize_dequantized`` likewise
+against the scalar quantizer's codes decoded by table."""
 
 import math
 
@@ -10,7 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import nvfp4_scalar
 from nvfp4_gemv import quant
-from nvfp4_gemv.quant import dequantize, quantize, quantize_reference, quantize_weight
+from nvfp4_gemv.quant import (dequantize, quantize, quantize_dequantized, quantize_dequantized_reference,
+                               quantize_reference, quantize_weight)
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -224,6 +226,87 @@ def test_dequantized_values_are_within_the_e2m1_grid_of_x():
 
 
 # ----------------------------------------------------------------------------------------------------
+# quantize_dequantized: the values the codes stand for, in x's dtype
+# ----------------------------------------------------------------------------------------------------
+
+
+def scalar_dequantized(x, gs):
+    """The scalar quantizer's codes and scales, decoded by table: ``+-E2M1[code] * scale`` (sign bit 8 of the
+    code; a NaN scale gives NaN), as Python floats."""
+    bits = x.view(torch.int16)
+    q_rows, s_rows = nvfp4_scalar.quantize(x.float().tolist(), (bits < 0).tolist(), float(gs))
+    out = []
+    for q_row, s_row in zip(q_rows, s_rows):
+        codes = [c for byte in q_row for c in (byte & 15, byte >> 4)]
+        row = []
+        for i, c in enumerate(codes):
+            sb = s_row[i // 16]
+            sd = math.nan if sb & 0x7F == 0x7F else nvfp4_scalar.e4m3_value(sb)
+            v = nvfp4_scalar.E2M1[c & 7] * sd
+            row.append(-v if c & 8 else v)
+        out.append(row)
+    return out
+
+
+def assert_dequantized_matches_scalar(x, gs):
+    got = quantize_dequantized_reference(x, torch.tensor(gs, dtype=torch.float32))
+    assert got.dtype == x.dtype and got.shape == x.shape
+    want = torch.tensor(scalar_dequantized(x, gs), dtype=torch.float64)
+    g = got.to(torch.float64)
+    same = ((g == want) & (torch.signbit(g) == torch.signbit(want))) | (g.isnan() & want.isnan())
+    assert bool(same.all()), [(tuple(i), g[tuple(i)].item(), want[tuple(i)].item()) for i in (~same).nonzero()[:5]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gs", [1.0, 0.37, 1 / 0.0123, 3.0e4, 2.0 ** -20])
+def test_dequantized_values_are_the_scalar_quantizers_codes_times_scales(dtype, gs):
+    g = torch.Generator().manual_seed(int(gs * 1000) % 7919)
+    x = (torch.randn(3, 64, generator=g) * torch.logspace(-3, 2, 64)).to(dtype)
+    x[0, 16:32] = torch.tensor([6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5, -6])
+    x[1, :16] = -0.0
+    x[1, 20] = float("nan")
+    x[2, 40] = float("-inf")
+    assert_dequantized_matches_scalar(x, gs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantized_values_are_exact_in_x_dtype(dtype):
+    """The cast of ``dequantize``'s fp32 values to x's dtype loses nothing at the extremes: the largest
+    magnitude 6 * 448 (a saturated scale), the least, half the least e4m3 subnormal scale (2^-10), and a
+    value of 6 significant bits (1.5 times the scale 1.875)."""
+    x = torch.zeros(3, 16)
+    x[0, 0] = 1.0e4
+    x[1, :2] = torch.tensor([6 * 2.0 ** -9, 0.5 * 2.0 ** -9])
+    x[2, :2] = torch.tensor([11.25, 2.8125])
+    x = x.to(dtype)
+    gs = torch.tensor(1.0)
+    got = quantize_dequantized_reference(x, gs).to(torch.float32)
+    assert torch.equal(got, dequantize(*quantize_reference(x, gs)))
+    assert got[0, 0] == 2688.0 and got[1, 1] == 2.0 ** -10 and got[2, 1] == 2.8125
+
+
+def test_dequantized_is_the_reference_on_the_cpu_and_keeps_zero_rows():
+    x = torch.randn(5, 128, dtype=torch.float16)
+    gs = torch.tensor([7.0])
+    assert torch.equal(quantize_dequantized(x, gs), quantize_dequantized_reference(x, gs))
+    assert quantize_dequantized(torch.empty(0, 32, dtype=torch.bfloat16), torch.tensor(1.0)).shape == (0, 32)
+    assert dequantize(torch.empty(0, 16, dtype=torch.uint8), torch.empty(0, 2, dtype=torch.float8_e4m3fn)).shape == (0, 32)
+
+
+def test_dequantized_fake_opcheck_and_fullgraph():
+    with FakeTensorMode():
+        y = torch.ops.nvfp4.quantize_dequantized(torch.empty(3, 4096, dtype=torch.float16), torch.empty(()))
+        assert y.shape == (3, 4096) and y.dtype == torch.float16
+        with pytest.raises(ValueError, match="quantize_dequantized: argument 'x'"):
+            torch.ops.nvfp4.quantize_dequantized(torch.empty(3, 40, dtype=torch.float16), torch.empty(()))
+    x, gs = torch.randn(4, 64, dtype=torch.bfloat16), torch.tensor(3.0)
+    torch.library.opcheck(torch.ops.nvfp4.quantize_dequantized.default, (x, gs))
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, gs: quantize_dequantized(x * 2, gs) + 1, fullgraph=True, backend="aot_eager")
+    assert torch.equal(f(x, gs), quantize_dequantized(x * 2, gs) + 1)
+
+
+# ----------------------------------------------------------------------------------------------------
 # The weight recipe
 # ----------------------------------------------------------------------------------------------------
 
@@ -310,7 +393,7 @@ def test_weight_recipe_reconstructs_within_e2m1_rounding():
 # ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fn", [quantize, quantize_reference])
+@pytest.mark.parametrize("fn", [quantize, quantize_reference, quantize_dequantized, quantize_dequantized_reference])
 @pytest.mark.parametrize("x, gs, exc, name", [
     (torch.randn(2, 32), torch.tensor(1.0), TypeError, "x"),  # fp32
     (torch.randn(32, dtype=torch.bfloat16), torch.tensor(1.0), ValueError, "x"),  # 1-d

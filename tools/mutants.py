@@ -435,6 +435,20 @@ MUTANTS = [
      "or w_packed.storage_offset() % (GROUP_ROWS * c):", ":", ["tests/test_packed.py"], False),
     ("packed: a view of part of its rows' columns accepted", PACKED,
      "if w_packed.stride() != (c, 1) or", "if", ["tests/test_packed.py"], False),
+    # -- mode "w4a4" through the W4A16 op (CPU) --
+    ("linear: w4a4 never takes the W4A16 route", LINEAR,
+     "        elif W4A4_VIA_W4A16_FROM is not None and x2.shape[0] >= W4A4_VIA_W4A16_FROM:", "        elif False:",
+     ["tests/test_linear.py"], False),
+    ("linear: the W4A16 route on x itself, not its quantized values", LINEAR,
+     "            xd = quantize_dequantized(x2, self._inv_input_scale)",
+     "            xd = quantize_dequantized(x2, self._inv_input_scale) * 0 + x2 * self._inv_input_scale.to(x2.dtype)",
+     ["tests/test_linear.py"], False),
+    ("quant: dequantized values divided by the global scale", QUANT,
+     "    return dequantize(*quantize_reference(x, global_scale)).to(x.dtype)",
+     "    return (dequantize(*quantize_reference(x, global_scale)) / global_scale).to(x.dtype)",
+     ["tests/test_quantize.py"], False),
+    ("quant: e2m1 decode of zero rows", QUANT, "reshape(u.shape[0], 2 * u.shape[1])", "reshape(u.shape[0], -1)",
+     ["tests/test_quantize.py"], False),
     # -- W4A16 and quantize kernels (GPU) --
     ("w4a16: bf16 decode drops a magnitude bit", DECODE, '            body.append("and.b32 a, a, 0x01C001C0;")',
      '            body.append("and.b32 a, a, 0x01C000C0;")', ["tests/test_gpu_w4a16.py"], True),
@@ -483,6 +497,14 @@ MUTANTS = [
      ["tests/test_gpu_quantize.py"], True),
     ("quantize kernel: NaN dropped from amax", QKERN, '"max.NaN.f32 $0, $1, $2;"', '"max.f32 $0, $1, $2;"',
      ["tests/test_gpu_quantize.py"], True),
+    ("quantize kernel dequantized: x's sign dropped", QKERN, '"and.b32 s, s, 0x80000000;"', '"and.b32 s, s, 0;"',
+     ["tests/test_gpu_quantize.py"], True),
+    ("quantize kernel dequantized: 1.75 ties down", QKERN, '("3FE00000", True, "3F000000")',
+     '("3FE00000", False, "3F000000")', ["tests/test_gpu_quantize.py"], True),
+    ("quantize kernel dequantized: pairs stored high half first", QKERN, '"mov.b32 $0, {h0, h1};"',
+     '"mov.b32 $0, {h1, h0};"', ["tests/test_gpu_quantize.py"], True),
+    ("quantize kernel dequantized: the last step 1 not 2", QKERN, '("40A00000", False, "40000000")',
+     '("40A00000", False, "3F800000")', ["tests/test_gpu_quantize.py"], True),
 ]
 
 

@@ -148,3 +148,7 @@ for rows, k, dtype in () if section in ("bulk", "packed") else ((3, 4096, torch.
     ok = torch.equal(q, rq) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8))
     print(f"quantize {rows}x{k} {dtype}: {'ok' if ok else 'MISMATCH'}", flush=True)
     assert ok
+    xd = quant.quantize_dequantized(x, gs)  # the dequantized build: 32-byte stores a block
+    ok = torch.equal(xd, quant.quantize_dequantized_reference(x, gs))
+    print(f"quantize_dequantized {rows}x{k} {dtype}: {'ok' if ok else 'MISMATCH'}", flush=True)
+    assert ok
