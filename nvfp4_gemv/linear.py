@@ -18,6 +18,7 @@ layer's weight in the W4A16 kernel's packed layout (``nvfp4_gemv.packed``: w and
 """
 
 import fnmatch
+import math
 
 import torch
 
@@ -67,7 +68,11 @@ def _scalar(v, name, device):
             raise ValueError(f"NVFP4Linear: '{name}': expected a one-element floating-point tensor, "
                              f"got {v.dtype} of shape {tuple(v.shape)}")
         return v.detach().reshape(()).to(device=device, dtype=torch.float32)
+    if isinstance(v, bool):
+        raise TypeError(f"NVFP4Linear: '{name}': expected a float or a one-element tensor, got bool")
     if isinstance(v, (int, float)):
+        if not math.isfinite(v) or v <= 0:  # a number is checked here; a tensor's value would need a sync
+            raise ValueError(f"NVFP4Linear: '{name}': expected a positive finite scale, got {v!r}")
         return torch.tensor(float(v), dtype=torch.float32, device=device)
     raise TypeError(f"NVFP4Linear: '{name}': expected a float or a one-element tensor, got {type(v).__name__}")
 
@@ -264,12 +269,35 @@ class NVFP4Linear(torch.nn.Module):
         given = state_dict
         if self.packed:
             state_dict = self._packed_incoming(state_dict, prefix, strict, missing_keys, error_msgs)
+        else:
+            state_dict = self._plain_incoming(state_dict, prefix, error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        kw = prefix + "weight"
-        if state_dict is not given and kw in given and kw not in state_dict and kw in missing_keys:
-            missing_keys.remove(kw)  # given, but not loadable without its scales (reported as such)
+        if state_dict is not given:
+            for k in (prefix + "weight", prefix + "weight_scale"):
+                if k in given and k not in state_dict and k in missing_keys:
+                    missing_keys.remove(k)  # given, but not loadable as it is (reported as such)
         self._refresh()
+
+    def _plain_incoming(self, state_dict, prefix, error_msgs):
+        """``state_dict`` with this layer's ``weight`` and ``weight_scale`` checked by dtype: Module's loader
+        converts by value, so e4m3 scale bytes typed uint8 would load as numbers (0x38, 1.0, as 56.0). A
+        float4_e2m1fn_x2 weight is taken as its bytes; another dtype is reported by name and not loaded."""
+        kw, ks = prefix + "weight", prefix + "weight_scale"
+        w, ws = state_dict.get(kw), state_dict.get(ks)
+        checks = ((kw, w, (torch.uint8, torch.float4_e2m1fn_x2), "uint8 (two e2m1 codes a byte) or float4_e2m1fn_x2"),
+                  (ks, ws, (torch.float8_e4m3fn,), "float8_e4m3fn"))
+        bad = [(k, t, want) for k, t, ok, want in checks if isinstance(t, torch.Tensor) and t.dtype not in ok]
+        fp4 = isinstance(w, torch.Tensor) and w.dtype == torch.float4_e2m1fn_x2
+        if not bad and not fp4:
+            return state_dict
+        sd = dict(state_dict)
+        if fp4:
+            sd[kw] = w.view(torch.uint8)
+        for k, t, want in bad:
+            error_msgs.append(f"NVFP4Linear {prefix or '<root>'}: '{k}': expected {want}, got {t.dtype}")
+            del sd[k]
+        return sd
 
     def _packed_incoming(self, state_dict, prefix, strict, missing_keys, error_msgs):
         """``state_dict`` with ModelOpt's ``weight`` and ``weight_scale`` of this (packed) layer replaced by
@@ -485,6 +513,10 @@ def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None, fu
             raise ValueError(f"quantize_model: mode 'w4a4' needs an input_scale for each quantized linear; "
                              f"'input_scales' lacks {missing[:4]}{' ...' if len(missing) > 4 else ''} "
                              "(calibrate_input_scales(model, forward_loop) makes them)")
+    for name, lin in targets:  # its values are quantized here: a meta model cannot be
+        if lin.weight.device.type == "meta":
+            raise ValueError(f"quantize_model: '{name}.weight' is on the meta device: materialize the model first "
+                             "(its weights are quantized here)")
     done = {}
     if fuse:
         for names in _fusable_groups(model, targets, scales):
@@ -498,13 +530,17 @@ def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None, fu
                 hi = lo + lin.out_features
                 done[id(lin)] = NVFP4Linear._from_quantized(lin, q[lo:hi], s[lo:hi], ws2, mode, scales.get(n))
                 lo = hi
-    for name, lin in targets:
+    for name, lin in targets:  # every replacement built (and checked) before the model changes
         new = done.get(id(lin))
         if new is None:
-            new = done[id(lin)] = NVFP4Linear.from_linear(lin, mode=mode, input_scale=scales.get(name))
+            try:
+                new = done[id(lin)] = NVFP4Linear.from_linear(lin, mode=mode, input_scale=scales.get(name))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"quantize_model: module '{name}': {e}") from e
         if pack and not new.packed and new._why_not_packable() is None:
             new.pack()
-        _set_submodule(model, name, new)
+    for name, lin in targets:
+        _set_submodule(model, name, done[id(lin)])
     if fuse:
         from .fuse import fuse_linears
 

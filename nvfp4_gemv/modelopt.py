@@ -146,12 +146,22 @@ def _weight_map(path):
 
     index = os.path.join(path, INDEX)
     if os.path.exists(index):
-        wm = _read_json(index).get("weight_map")
-        if not isinstance(wm, dict):
-            _fail(f"{INDEX}: key 'weight_map' missing or not an object")
-        for f in set(wm.values()):
+        idx = _read_json(index)
+        wm = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
+            _fail(f"{INDEX}: key 'weight_map' missing or not an object of file names")
+        for f in sorted(set(wm.values())):
             if not os.path.exists(os.path.join(path, f)):
                 _fail(f"{INDEX}: weight_map names '{f}', which is not in {path}")
+            # the shard's header against the index: a tensor on either side only is an error here, not
+            # a library error at the read (or a tensor nobody claims, passed over)
+            with safe_open(os.path.join(path, f), framework="pt") as h:
+                held = set(h.keys())
+            named = {k for k, g in wm.items() if g == f}
+            if named - held:
+                _fail(f"{INDEX}: tensor '{sorted(named - held)[0]}' is mapped to '{f}', which does not hold it")
+            if held - named:
+                _fail(f"tensor '{sorted(held - named)[0]}' is in '{f}' but not in {INDEX}'s weight_map")
         return dict(wm)
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
@@ -293,8 +303,9 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
     checkpoint's separate ``q_proj``/``k_proj``/``v_proj`` (``gate_proj``/``up_proj``) when those share
     their global scales, as ModelOpt exports them (else the error says so); a checkpoint's fused module
     loads into a model's separate ones (rows split). Tied weights (one tensor under two names in the
-    model) need the checkpoint to hold only one of the names. One sync per fused group (the scales'
-    comparison); no Python loop per value. ``fuse=True`` then fuses the model's separate sibling linears
+    model) load from either name; a checkpoint holding both must hold one value under them (compared: a
+    sync). The model's tensors must be materialized (a tensor on the meta device is refused by name, before
+    anything changes). One sync per fused group (the scales' comparison); no Python loop per value. ``fuse=True`` then fuses the model's separate sibling linears
     (q/k/v, gate/up) whose global scales agree into one GEMV a forward (``fuse_linears``; one sync more).
     ``pack=True`` (mode "w4a16") stores each quantized weight whose shape allows it in the W4A16 kernel's
     packed layout (``NVFP4Linear.pack``: 5-9% faster a GEMV), module by module as it is placed (the
@@ -350,6 +361,9 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
         owner = k.rpartition(".")[0]
         if owner in replaced:
             continue
+        if t.device.type == "meta":  # a copy into it would do nothing, silently
+            _fail(f"tensor '{k}' of the model is on the meta device: the checkpoint's tensors are copied into the "
+                  "model's, so build it on a device first (or model.to_empty(device=...))")
         dense[k] = t
     # tied: a model tensor under several names is loaded once
     by_storage = {}
@@ -400,6 +414,15 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
             dst = dense[next(f for f, parts in dense_fuse.items() if k in parts)]
         devices[k] = _device(dst)
     tensors = _load(path, weight_map, devices)
+
+    # tied: a checkpoint holding the tensor under two of its names must hold one value (a sync a group)
+    for names in by_storage.values():
+        present = [k for k in names if k in tensors]
+        for k in present[1:]:
+            a, b = tensors[present[0]], tensors[k]
+            if a.shape != b.shape or not torch.equal(a, b.to(a.device)):
+                _fail(f"tensors '{present[0]}' and '{k}': the model ties them (one tensor), the checkpoint holds "
+                      "different values under the two names")
 
     # dense: shapes and dtypes, as the model's
     assign = {}
@@ -452,7 +475,8 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
                 part = {}
                 for s, t in whole.items():
                     suffix = s.rpartition(".")[2]
-                    part[f"{p}.{suffix}"] = t[lo:lo + n] if suffix in ("weight", "weight_scale", "bias") else t
+                    # rows of the fused tensors; the scalars copied (a part's own, as save_modelopt writes them)
+                    part[f"{p}.{suffix}"] = t[lo:lo + n] if suffix in ("weight", "weight_scale", "bias") else t.clone()
                 lin = modules[p]
                 replacements.append((p, [name], _build(part, p, mode, lin.in_features, lin.out_features,
                                                        lin.bias is not None)))
@@ -499,7 +523,9 @@ def save_modelopt(model, path, max_shard_bytes=None):
     name "modelopt", the name loaders key on; quant_algo "NVFP4" when every NVFP4Linear has an
     ``input_scale``, else "W4A16_NVFP4"; the unquantized ``nn.Linear`` modules as ``exclude_modules``),
     and config.json from ``model.config`` where the model has one. A tensor under two names (tied
-    weights) is written once, under its first name. :return: ``path``."""
+    weights) is written once, under its first name; an ``NVFP4Linear``'s tensors are written under its own
+    names even where they share storage with another module's (once for a module under several names).
+    :return: ``path``."""
     from safetensors.torch import save_file
 
     quantized = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4Linear)]
@@ -508,14 +534,24 @@ def save_modelopt(model, path, max_shard_bytes=None):
     with_scale = [m.input_scale is not None for _, m in quantized]
     algo = "NVFP4" if all(with_scale) else "W4A16_NVFP4"
     exclude = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    modules = dict(model.named_modules(remove_duplicate=False))
     state, seen = {}, set()
     for k, t in model.state_dict().items():
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype) if t.numel() else None
+        owner, _, leaf = k.rpartition(".")
+        mod = modules.get(owner)
+        where = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype) if t.numel() else None
+        # an NVFP4Linear's tensors under each of its names (two modules can hold one scalar tensor), once for
+        # a module registered under several names; other tensors once (tied weights)
+        ident = ("module", id(mod), leaf) if isinstance(mod, NVFP4Linear) else where
         if ident is not None:
             if ident in seen:
                 continue
             seen.add(ident)
-        state[k] = t.detach().to("cpu").contiguous()
+        t = t.detach().to("cpu").contiguous()
+        if where is not None and where in seen and ident != where:
+            t = t.clone()  # a second name of one tensor: safetensors writes no shared memory
+        seen.add(where)
+        state[k] = t
     if algo == "W4A16_NVFP4":
         state = {k: v for k, v in state.items() if not k.endswith(".input_scale")}
     os.makedirs(path, exist_ok=True)

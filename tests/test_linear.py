@@ -112,6 +112,11 @@ def test_from_linear_rejects_non_finite_weights():
     (dict(mode="w8a8"), ValueError, "'mode'"),
     (dict(input_scale="0.1"), TypeError, "'input_scale'"),
     (dict(input_scale=torch.ones(2)), ValueError, "'input_scale'"),
+    (dict(input_scale=True), TypeError, "'input_scale'.*got bool"),
+    (dict(input_scale=0.0), ValueError, "'input_scale'.*positive finite"),
+    (dict(input_scale=-0.01), ValueError, "'input_scale'.*positive finite"),
+    (dict(input_scale=float("nan")), ValueError, "'input_scale'.*positive finite"),
+    (dict(input_scale=float("inf")), ValueError, "'input_scale'.*positive finite"),
 ])
 def test_from_linear_bad_arguments_name_the_argument(bad, exc, match):
     args = dict(linear=linear(), mode="w4a16", input_scale=None) | bad
@@ -286,6 +291,22 @@ def test_reassigning_a_scale_renews_the_derived_scalars():
     assert mod._alpha is None and mod._inv_input_scale is None
 
 
+def test_load_state_dict_refuses_format_tensors_of_another_dtype_by_name():
+    """Module's loader converts by value: e4m3 bytes typed uint8 would load as numbers (0x38 as 56.0)."""
+    src = NVFP4Linear.from_linear(linear())
+    sd = src.state_dict()
+    for key, bad in (("weight_scale", sd["weight_scale"].view(torch.uint8)), ("weight", sd["weight"].view(torch.int8)),
+                     ("weight_scale", sd["weight_scale"].to(torch.bfloat16))):
+        dst = NVFP4Linear(128, 256, bias=True)
+        with pytest.raises(RuntimeError, match=f"'{key}': expected .*got {bad.dtype}") as e:
+            dst.load_state_dict({**sd, key: bad})
+        assert "Missing key" not in str(e.value)
+        assert not dst.get_buffer(key).view(torch.uint8).any()  # left as built (zeros), not loaded as numbers
+    dst = NVFP4Linear(128, 256, bias=True)
+    dst.load_state_dict({**sd, "weight": sd["weight"].view(torch.float4_e2m1fn_x2)})  # taken as its bytes
+    assert same_bytes(dst.weight, src.weight) and same_bytes(dst.weight_scale, src.weight_scale)
+
+
 def test_load_state_dict_with_a_wrong_shape_fails():
     mod = NVFP4Linear(128, 256)
     sd = NVFP4Linear.from_linear(linear(128, 384, bias=False)).state_dict()
@@ -410,6 +431,20 @@ def test_quantize_model_replaces_the_linears_the_kernels_take_in_place():
     assert torch.equal(model.up.weight, NVFP4Linear.from_linear(up).weight)
     assert model.up.mode == "w4a16"
     model(torch.randn(2, 128, dtype=torch.bfloat16))
+
+
+def test_a_failing_quantize_model_names_the_module_and_leaves_the_model_as_it_was():
+    model = Tiny()
+    with torch.no_grad():
+        model.block["down"].weight[1, 2] = float("nan")  # quantized after 'up'
+    with pytest.raises(ValueError, match="quantize_model: module 'block.down': .*non-finite"):
+        quantize_model(model)
+    assert not any(isinstance(m, NVFP4Linear) for m in model.modules())
+    with torch.device("meta"):
+        meta = Tiny()
+    with pytest.raises(ValueError, match="'up.weight' is on the meta device"):
+        quantize_model(meta)
+    assert not any(isinstance(m, NVFP4Linear) for m in meta.modules())
 
 
 @pytest.mark.parametrize("skip, kept", [

@@ -591,3 +591,90 @@ def test_a_dense_tensor_of_an_integer_dtype_is_refused(tmp_path):
                           tensors=put("model.norm.weight", torch.ones(128, dtype=torch.int32)))
     with pytest.raises(CheckpointError, match="'model.norm.weight': dtype"):
         load_modelopt(fresh(dst), dst)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Round trips and refusals found by an audit (each test fails without its fix)
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_a_split_fused_checkpoint_is_written_again_with_every_parts_scalars(tmp_path, mode):
+    """A fused checkpoint loaded into separate modules, then saved: each part's weight_scale_2 (and
+    input_scale) is written under its own name (the parts' scalars once shared storage, and the writer's
+    tied-weight rule dropped all but the first), so the re-export loads."""
+    torch.manual_seed(0)
+    phi = tiny_model("phi3")
+    scales = {k: pow2(v) for k, v in calibrate_input_scales(phi, lambda m: m(PROMPT)).items()} if mode == "w4a4" else None
+    save_modelopt(quantize_model(phi, mode=mode, input_scales=scales), str(tmp_path / "a"))
+    llama = load_modelopt(fresh(str(tmp_path / "a"), "llama"), str(tmp_path / "a"), mode=mode)
+    attn = llama.model.layers[0].self_attn
+    assert attn.q_proj.weight_scale_2.data_ptr() != attn.k_proj.weight_scale_2.data_ptr()  # a part's own
+    save_modelopt(llama, str(tmp_path / "b"))
+    keys = set(load_file(str(tmp_path / "b" / "model.safetensors")))
+    want = {f"{n}.{s}" for n, m in llama.named_modules() if isinstance(m, NVFP4Linear)
+            for s in ("weight_scale_2",) + (("input_scale",) if mode == "w4a4" else ())}
+    assert want <= keys, sorted(want - keys)[:3]
+    again = load_modelopt(fresh(str(tmp_path / "a"), "llama"), str(tmp_path / "b"), mode=mode)
+    with torch.no_grad():
+        assert torch.equal(again(PROMPT).logits, llama(PROMPT).logits)
+
+
+def test_a_model_on_the_meta_device_is_refused_by_name_and_left_as_it_was(export):
+    _, path, _, _ = export
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(CheckpointError, match="'model.embed_tokens.weight' of the model is on the meta device"):
+        load_modelopt(model, path)
+    assert {n: type(m) for n, m in model.named_modules()} == before
+
+
+def test_tied_names_both_in_the_checkpoint_load_when_equal_and_are_refused_when_not(tmp_path):
+    torch.manual_seed(0)
+    qmodel = quantize_model(tiny_model(tie=True))
+    save_modelopt(qmodel, str(tmp_path / "src"))
+    emb = "model.embed_tokens.weight"
+    edit_checkpoint(str(tmp_path / "src"), str(tmp_path / "same"), tensors=lambda s: s.update({"lm_head.weight": s[emb].clone()}))
+    model = load_modelopt(fresh(str(tmp_path / "src")), str(tmp_path / "same"))
+    assert torch.equal(model.lm_head.weight, qmodel.lm_head.weight)
+    edit_checkpoint(str(tmp_path / "src"), str(tmp_path / "diff"),
+                    tensors=lambda s: s.update({"lm_head.weight": s[emb] * 2}))
+    model = fresh(str(tmp_path / "src"))
+    before = state_bytes(model)
+    with pytest.raises(CheckpointError, match=f"'{emb}' and 'lm_head.weight': the model ties them"):
+        load_modelopt(model, str(tmp_path / "diff"))
+    assert all(torch.equal(before[k], v) for k, v in state_bytes(model).items())
+
+
+def test_a_sharded_index_that_disagrees_with_its_shards_is_refused_naming_the_tensor(tmp_path):
+    qmodel, _ = quantized("w4a16")
+    save_modelopt(qmodel, str(tmp_path), max_shard_bytes=40_000)
+    index = tmp_path / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    wm = doc["weight_map"]
+    moved, first = "model.norm.weight", sorted(set(wm.values()))[0]
+    assert wm[moved] != first
+    index.write_text(json.dumps({**doc, "weight_map": {**wm, moved: first}}))
+    with pytest.raises(CheckpointError, match=f"tensor '{moved}' is mapped to '{first}', which does not hold it"):
+        load_modelopt(fresh(str(tmp_path)), str(tmp_path))
+    index.write_text(json.dumps({**doc, "weight_map": {k: v for k, v in wm.items() if k != moved}}))
+    with pytest.raises(CheckpointError, match=f"tensor '{moved}' is in '.*' but not in model.safetensors.index.json"):
+        load_modelopt(fresh(str(tmp_path)), str(tmp_path))
+    index.write_text(json.dumps([wm]))
+    with pytest.raises(CheckpointError, match="'weight_map' missing or not an object"):
+        load_modelopt(fresh(str(tmp_path)), str(tmp_path))
+
+
+def test_scalars_shared_by_two_nvfp4_layers_are_written_under_each_name(tmp_path):
+    """Layers built by from_modelopt take tensors as they are, so two can hold one scalar tensor: the writer's
+    tied-weight rule (one tensor, one name) must not apply to an NVFP4Linear's tensors."""
+    qmodel, _ = quantized("w4a16")
+    mlp = qmodel.model.layers[0].mlp
+    mlp.up_proj.weight_scale_2 = mlp.gate_proj.weight_scale_2  # one tensor, two layers
+    save_modelopt(qmodel, str(tmp_path))
+    keys = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {"model.layers.0.mlp.gate_proj.weight_scale_2", "model.layers.0.mlp.up_proj.weight_scale_2"} <= keys
+    model = load_modelopt(fresh(str(tmp_path)), str(tmp_path))
+    with torch.no_grad():
+        assert torch.equal(model(PROMPT).logits, qmodel(PROMPT).logits)
