@@ -60,10 +60,12 @@ class QuantConfig:
         self.quant_algo, self.group_size = quant_algo, group_size
         self.exclude_modules, self.kv_cache_quant_algo, self.source = exclude_modules, kv_cache_quant_algo, source
 
-    def excludes(self, name):
+    def excludes(self, name, modules=frozenset()):
         """Whether module ``name`` is in ``exclude_modules`` (exact names, ``.``-suffixes, fnmatch globs,
-        and a trailing ``.*`` also covering the path before it: ``"a.b.*"`` excludes ``"a.b"``)."""
-        pats = self.exclude_modules
+        and a trailing ``.*`` also covering the path before it: ``"a.b.*"`` excludes ``"a.b"``). A pattern
+        that is the full name of one of ``modules`` (the model's) names that module only, as
+        ``save_modelopt`` writes them: a top-level ``"proj"`` does not exclude ``"block.proj"``."""
+        pats = [p for p in self.exclude_modules if p == name or p not in modules]
         return name_matches(name, pats) or any(p.endswith(".*") and fnmatch.fnmatchcase(name, p[:-2]) for p in pats)
 
     def __repr__(self):
@@ -332,7 +334,7 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
     modules = dict(model.named_modules(remove_duplicate=False))
     ckpt_quant = {k[: -len(".weight_scale")] for k in keys if k.endswith(".weight_scale")}
     for p in sorted(ckpt_quant):
-        if cfg.excludes(p):
+        if cfg.excludes(p, modules):
             _fail(f"tensor '{p}.weight_scale': module '{p}' is quantized, but {cfg.source} excludes it")
     plans = _plan_quantized(modules, ckpt_quant)
 
@@ -415,7 +417,8 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
         devices[k] = _device(dst)
     tensors = _load(path, weight_map, devices)
 
-    # tied: a checkpoint holding the tensor under two of its names must hold one value (a sync a group)
+    # tied: a checkpoint holding the tensor under two of its names must hold one value (a sync a group;
+    # NaNs compare unequal, so such a pair is refused too)
     for names in by_storage.values():
         present = [k for k in names if k in tensors]
         for k in present[1:]:

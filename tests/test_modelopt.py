@@ -678,3 +678,28 @@ def test_scalars_shared_by_two_nvfp4_layers_are_written_under_each_name(tmp_path
     model = load_modelopt(fresh(str(tmp_path)), str(tmp_path))
     with torch.no_grad():
         assert torch.equal(model(PROMPT).logits, qmodel(PROMPT).logits)
+
+
+def test_an_excluded_top_level_name_does_not_exclude_a_quantized_module_of_that_suffix(tmp_path):
+    """save_modelopt writes full names: a top-level unquantized 'proj' (10 rows: no kernel shape) must not
+    exclude the quantized 'block.proj' when the export is loaded again."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = torch.nn.Module()
+            self.block.proj = torch.nn.Linear(256, 256, bias=False)
+            self.proj = torch.nn.Linear(256, 10, bias=False)
+
+        def forward(self, x):
+            return self.proj(self.block.proj(x))
+
+    torch.manual_seed(0)
+    m = quantize_model(M().to(torch.bfloat16), skip=())
+    assert isinstance(m.block.proj, NVFP4Linear) and not isinstance(m.proj, NVFP4Linear)
+    save_modelopt(m, str(tmp_path))
+    assert read_quant_config(str(tmp_path)).exclude_modules == ["proj"]
+    torch.manual_seed(1)
+    again = load_modelopt(M().to(torch.bfloat16), str(tmp_path))
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    assert torch.equal(again(x), m(x))
+    assert read_quant_config(str(tmp_path)).excludes("block.proj")  # without the model's names: a suffix

@@ -1,0 +1,137 @@
+"""What ``load_modelopt`` costs over reading a checkpoint's bytes (issue target: the bytes plus a few seconds,
+no Python loop per value).
+
+A transformers ``LlamaForCausalLM`` of a given config (default: Llama-3.2-1B's shapes; random weights) is
+quantized (``quantize_model``) and written (``save_modelopt``) once into a folder; then, each ``--reps``
+times with the files in the page cache (a first read warms it, untimed):
+
+* ``read``: every tensor of the export read by safetensors onto the device (``safe_open`` /
+  ``get_tensor``; on the CPU, where that maps the file, a clone of each): the floor of a loader that
+  materializes every tensor (``load_modelopt`` on the CPU keeps the quantized tensors as safetensors maps
+  them, so it can come in under it);
+* ``load``: ``load_modelopt`` into a model built from the export's config.json (the build is timed apart:
+  it is the user's, not the loader's), with ``--mode``, ``--fuse``, ``--pack``.
+
+Prints both and their difference; ``--json PATH`` writes them.
+
+    python tools/bench_load.py                         # CPU, Llama-3.2-1B shapes
+    python tools/bench_load.py --device cuda --layers 32 --hidden 4096 --intermediate 14336 --heads 32 \\
+        --kv-heads 8 --vocab 128256                    # Llama-3-8B shapes on a GPU machine
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import torch  # noqa: E402
+
+
+def build(args, device):
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
+                                   num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                   num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+                                   tie_word_embeddings=args.tie, max_position_embeddings=256)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def read_all(path, device):
+    """Every tensor of the export onto ``device`` through safetensors, as a loader reads them."""
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), framework="pt", device=str(device)) as h:
+                for k in h.keys():
+                    t = h.get_tensor(k)  # on the CPU a view of the mapped file: cloned, so its pages are read
+                    n += (t.clone() if device.type == "cpu" else t).numel()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return n
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--tie", action="store_true", help="tied embeddings (Llama-3.2-1B ties them)")
+    p.add_argument("--mode", default="w4a16", choices=("w4a16", "w4a4"))
+    p.add_argument("--fuse", action="store_true")
+    p.add_argument("--pack", action="store_true")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dir", default=None, help="export folder (default: a temporary one, removed at the end)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    from nvfp4_gemv import load_modelopt, quantize_model, save_modelopt
+
+    device = torch.device(args.device)
+    path = args.dir or tempfile.mkdtemp(prefix="nvfp4_load_")
+    try:
+        t0 = time.perf_counter()
+        model = build(args, device)
+        if args.mode == "w4a4":
+            from nvfp4_gemv import NVFP4Linear  # noqa: F401 (scales: one value for every linear)
+
+            names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+            scales = {n: 0.01 for n in names}
+            quantize_model(model, mode="w4a4", input_scales=scales)
+        else:
+            quantize_model(model)
+        save_modelopt(model, path)
+        del model
+        t_export = time.perf_counter() - t0
+        nbytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+        read_all(path, device)  # warms the page cache (untimed)
+        reads, builds, loads = [], [], []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            read_all(path, device)
+            reads.append(time.perf_counter() - t0)
+            import transformers
+
+            t0 = time.perf_counter()
+            with torch.device(device):
+                fresh = transformers.AutoModelForCausalLM.from_config(
+                    transformers.AutoConfig.from_pretrained(path)).to(torch.bfloat16)
+            builds.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            load_modelopt(fresh, path, mode=args.mode, fuse=args.fuse, pack=args.pack)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            loads.append(time.perf_counter() - t0)
+            del fresh
+        r = {"device": str(device), "bytes": nbytes, "export_s": t_export, "read_s": statistics.median(reads),
+             "build_s": statistics.median(builds), "load_s": statistics.median(loads), "reads": reads,
+             "loads": loads, "args": vars(args), "torch": torch.__version__}
+        r["over_read_s"] = r["load_s"] - r["read_s"]
+        print(f"{nbytes / 1e9:.2f} GB of safetensors on {device}: read {r['read_s']:.2f} s "
+              f"({nbytes / r['read_s'] / 1e9:.2f} GB/s), load_modelopt {r['load_s']:.2f} s "
+              f"(+{r['over_read_s']:.2f} s over the read; mode {args.mode}, fuse {args.fuse}, pack {args.pack}); "
+              f"the model's build {r['build_s']:.2f} s apart; medians of {args.reps}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(r, f, indent=1)
+        return r
+    finally:
+        if args.dir is None:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
