@@ -515,6 +515,25 @@ def test_input_scale_from_is_amax_over_6_times_448():
 # ----------------------------------------------------------------------------------------------------
 
 
+def call_without_syncs_and_in_a_graph(mod, x):
+    """``mod(x)`` after a warm-up call (compiles, plans), under ``set_sync_debug_mode("error")``; a CUDA graph
+    of the call must replay the same result. :return: the result."""
+    mod(x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = mod(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = mod(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, out)
+    return out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("n", [1, 4, 16, 33])
@@ -522,22 +541,8 @@ def test_gpu_forward_matches_the_cpu_layer_without_syncs_and_in_a_graph(mode, n)
     cpu = NVFP4Linear.from_linear(linear(4096, 6144), mode=mode, input_scale=0.004)
     gpu = NVFP4Linear.from_linear(linear(4096, 6144).cuda(), mode=mode, input_scale=0.004)
     x = torch.randn(n, 4096, dtype=torch.bfloat16)
-    ref = cpu(x)
-    xg = x.cuda()
-    gpu(xg)  # warm up (compiles, plans)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = gpu(xg)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert ulps_apart(out.cpu(), ref) <= 1
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = gpu(xg)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static, out)
+    out = call_without_syncs_and_in_a_graph(gpu, x.cuda())
+    assert ulps_apart(out.cpu(), cpu(x)) <= 1
 
 
 @pytest.mark.gpu
@@ -555,24 +560,12 @@ def test_gpu_w4a4_via_w4a16_is_within_the_bound_of_the_exact_w4a4_value(w4a4_via
 
     gpu = NVFP4Linear.from_linear(linear(4096, 6144, bias=False).cuda(), mode="w4a4", input_scale=0.004)
     x = torch.randn(n, 4096, dtype=dtype).cuda()
-    gpu(x)  # warm up (compiles, plans)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = gpu(x)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    out = call_without_syncs_and_in_a_graph(gpu, x)
     assert w4a4_via_w4a16[-1] == "quantize_dequantized" and out.dtype == dtype
     xd = quantize_dequantized_reference(x.cpu(), gpu._inv_input_scale.cpu())
     exact, terms = w4a16_exact(xd, gpu.weight, gpu.weight_scale, gpu._alpha)
     bad, msg = w4a16_violations(out, exact, terms)
     assert bad == 0, msg
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = gpu(x)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static, out)
     monkeypatch.setattr(lin, "W4A4_VIA_W4A16_FROM", None)  # the W4A4 op on the same layer: the same value
     bad, msg = w4a16_violations(gpu(x), exact, terms)
     assert bad == 0 and w4a4_via_w4a16[-1] == "quantize", msg
