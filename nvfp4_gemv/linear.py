@@ -19,6 +19,7 @@ layer's weight in the W4A16 kernel's packed layout (``nvfp4_gemv.packed``: w and
 
 import fnmatch
 import math
+import warnings
 
 import torch
 
@@ -487,7 +488,9 @@ def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None, fu
     """Replaces, in place, each ``nn.Linear`` of ``model`` whose weight shape the kernels take
     (``kernel_takes``) and whose name ``skip`` does not match (``name_matches``: equal, a ``.``-suffix, or
     an fnmatch glob) by ``NVFP4Linear.from_linear``; returns the model. Linears of other shapes stay as
-    they are.
+    they are. Every replacement is built before the model changes, so a failure (naming the module) leaves
+    it as it was; ``skip`` patterns that match no linear and ``input_scales`` keys that name none being
+    replaced are ignored with a warning.
 
     :param input_scales: ``{qualified name: input_scale}`` (e.g. from ``calibrate_input_scales``): required
         for every replaced linear in mode "w4a4", stored (and ignored by forward) in mode "w4a16".
@@ -507,6 +510,7 @@ def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None, fu
         skip = (skip,)
     targets = _quantizable(model, skip, mode)
     scales = dict(input_scales or {})
+    _warn_unmatched(model, skip, scales, targets)
     if mode == "w4a4":
         missing = [n for n, _ in targets if n not in scales]
         if missing:
@@ -546,6 +550,21 @@ def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None, fu
 
         fuse_linears(model)
     return model
+
+
+def _warn_unmatched(model, skip, scales, targets):
+    """One warning naming the ``skip`` patterns that match no linear of the model (a typo would quantize what
+    it meant to keep; the default ``"lm_head"`` is not named) and the ``input_scales`` keys that name no
+    linear being replaced (ignored otherwise)."""
+    linears = [n for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, torch.nn.Linear)]
+    unused = [p for p in skip if p != "lm_head" and not any(name_matches(n, (p,)) for n in linears)]
+    names = {n for n, _ in targets}
+    extra = sorted(k for k in scales if k not in names)
+    parts = ([f"skip pattern(s) {unused} match no nn.Linear of the model"] if unused else []) + \
+        ([f"input_scales name(s) {extra[:4]}{' ...' if len(extra) > 4 else ''} no linear being quantized"]
+         if extra else [])
+    if parts:
+        warnings.warn("quantize_model: " + "; ".join(parts) + " (ignored)", UserWarning, stacklevel=3)
 
 
 def _fusable_groups(model, targets, scales):

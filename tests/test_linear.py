@@ -453,12 +453,20 @@ def test_a_failing_quantize_model_names_the_module_and_leaves_the_model_as_it_wa
     (("down",), ["block.down"]),
     (("block.*",), ["block.down"]),
     (("*up", "lm_head"), ["up", "lm_head"]),
-    (("block",), []),  # a suffix matches whole names only, not a parent's
+    (("block",), []),  # a suffix matches whole names only, not a parent's (and a warning says so)
 ])
-def test_quantize_model_skips_names_by_suffix_or_glob(skip, kept):
+def test_quantize_model_skips_names_by_suffix_or_glob(skip, kept, recwarn):
     model = quantize_model(Tiny(), skip=skip)
     for name in ("up", "block.down", "lm_head"):
         assert isinstance(model.get_submodule(name), torch.nn.Linear) == (name in kept), name
+    said = [str(w.message) for w in recwarn if "match no nn.Linear" in str(w.message)]
+    assert said == (["quantize_model: skip pattern(s) ['block'] match no nn.Linear of the model (ignored)"]
+                    if skip == ("block",) else [])
+
+
+def test_quantize_model_warns_of_input_scales_naming_no_quantized_linear():
+    with pytest.warns(UserWarning, match=r"input_scales name\(s\) \['lm_head', 'upp'\] no linear being quantized"):
+        quantize_model(Tiny(), mode="w4a4", input_scales={"up": 0.01, "block.down": 0.01, "upp": 0.01, "lm_head": 0.01})
 
 
 def test_name_matching_rules():

@@ -454,6 +454,8 @@ MUTANTS = [
     ("modelopt: a model's module name in exclude_modules matched as a suffix", MODELOPT,
      "pats = [p for p in self.exclude_modules if p == name or p not in modules]", "pats = self.exclude_modules",
      ["tests/test_modelopt.py"], False),
+    ("linear: skip patterns and input_scales that match nothing not warned", LINEAR,
+     "    _warn_unmatched(model, skip, scales, targets)\n", "", ["tests/test_linear.py"], False),
     ("linear: input_scale numbers unchecked", LINEAR, "        if not math.isfinite(v) or v <= 0:", "        if False:",
      ["tests/test_linear.py"], False),
     ("linear: quantize_model places each module as it builds it", LINEAR,
