@@ -33,7 +33,7 @@ MODES = ("w4a16", "w4a4")
 # Mode "w4a4" from this many tokens a call: quantize_dequantized + the W4A16 op instead of quantize + the W4A4
 # op (None: never). The W4A4 op's second pass over the weight starts at 17 tokens; on H200 the W4A16 op at 32
 # tokens took 0.71-0.78x the W4A4 op's time on every bench shape (docs/results.md). Off until the
-# dequantized quantize kernel has run on a GPU (written without one: docs/design.md, "Not built").
+# dequantized quantize kernel has run on a GPU (written without one: docs/design.md, "Mode w4a4 from 17 tokens").
 W4A4_VIA_W4A16_FROM = None
 _X_DTYPES = (torch.bfloat16, torch.float16)
 # buffers whose dtype is the format's: Module.to(dtype) / .half() must not convert them
