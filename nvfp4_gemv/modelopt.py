@@ -152,14 +152,16 @@ def _weight_map(path):
         wm = idx.get("weight_map") if isinstance(idx, dict) else None
         if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
             _fail(f"{INDEX}: key 'weight_map' missing or not an object of file names")
-        for f in sorted(set(wm.values())):
+        by_file = {}
+        for k, f in wm.items():
+            by_file.setdefault(f, set()).add(k)
+        for f, named in sorted(by_file.items()):
             if not os.path.exists(os.path.join(path, f)):
                 _fail(f"{INDEX}: weight_map names '{f}', which is not in {path}")
             # the shard's header against the index: a tensor on either side only is an error here, not
             # a library error at the read (or a tensor nobody claims, passed over)
             with safe_open(os.path.join(path, f), framework="pt") as h:
                 held = set(h.keys())
-            named = {k for k, g in wm.items() if g == f}
             if named - held:
                 _fail(f"{INDEX}: tensor '{sorted(named - held)[0]}' is mapped to '{f}', which does not hold it")
             if held - named:
@@ -424,7 +426,7 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
         present = [k for k in names if k in tensors]
         for k in present[1:]:
             a, b = tensors[present[0]], tensors[k]
-            if a.shape != b.shape or not torch.equal(a, b.to(a.device)):
+            if not torch.equal(a, b.to(a.device)):
                 _fail(f"tensors '{present[0]}' and '{k}': the model ties them (one tensor), the checkpoint holds "
                       "different values under the two names")
 
@@ -539,7 +541,7 @@ def save_modelopt(model, path, max_shard_bytes=None):
     algo = "NVFP4" if all(with_scale) else "W4A16_NVFP4"
     exclude = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     modules = dict(model.named_modules(remove_duplicate=False))
-    state, seen = {}, set()
+    state, seen, written = {}, set(), set()
     for k, t in model.state_dict().items():
         owner, _, leaf = k.rpartition(".")
         mod = modules.get(owner)
@@ -552,9 +554,10 @@ def save_modelopt(model, path, max_shard_bytes=None):
                 continue
             seen.add(ident)
         t = t.detach().to("cpu").contiguous()
-        if where is not None and where in seen and ident != where:
-            t = t.clone()  # a second name of one tensor: safetensors writes no shared memory
-        seen.add(where)
+        if where is not None:
+            if where in written:  # an NVFP4Linear's tensor written under another name: safetensors shares no memory
+                t = t.clone()
+            written.add(where)
         state[k] = t
     if algo == "W4A16_NVFP4":
         state = {k: v for k, v in state.items() if not k.endswith(".input_scale")}

@@ -25,7 +25,7 @@ from .launch import MAX_K, fail
 from .reference import ACT_DTYPES, OUT_DTYPES
 
 _fail_pack = functools.partial(fail, who="nvfp4_gemv.pack_weight")
-_fail_op = functools.partial(fail, who="nvfp4_gemv.gemv_packed")
+fail_packed = functools.partial(fail, who="nvfp4_gemv.gemv_packed")
 
 GROUP_ROWS = 8
 SLICE = 128  # values of K a piece holds
@@ -85,62 +85,64 @@ def unpack_weight(w_packed):
 def check_packed_weight(w_packed, name="w_packed"):
     """Validates a packed weight's metadata; returns ``(M, K)``."""
     if not isinstance(w_packed, torch.Tensor):
-        _fail_op(TypeError, name, "a torch.Tensor (pack_weight's output)", type(w_packed).__name__)
+        fail_packed(TypeError, name, "a torch.Tensor (pack_weight's output)", type(w_packed).__name__)
     _dense(w_packed, name)
     if w_packed.dtype != torch.uint8 or w_packed.dim() != 2:
-        _fail_op(TypeError, name, "a 2-d uint8 tensor [M, 9K/16] (pack_weight's output)",
-                 f"{w_packed.dtype} {tuple(w_packed.shape)}")
+        fail_packed(TypeError, name, "a 2-d uint8 tensor [M, 9K/16] (pack_weight's output)",
+                    f"{w_packed.dtype} {tuple(w_packed.shape)}")
     m, c = w_packed.shape
     k = c * 16 // 9
     if c % 9 or not packed_takes(k, m):
-        _fail_op(ValueError, name, f"shape [M, 9K/16] with M % 128 == 0, K % {SLICE} == 0, K <= {MAX_K}",
-                 tuple(w_packed.shape))
+        fail_packed(ValueError, name, f"shape [M, 9K/16] with M % 128 == 0, K % {SLICE} == 0, K <= {MAX_K}",
+                    tuple(w_packed.shape))
     # whole rows of pack_weight's output from an 8-row group on (a view starting mid-group reads other rows)
     if w_packed.stride() != (c, 1) or w_packed.storage_offset() % (GROUP_ROWS * c):
-        _fail_op(ValueError, name, "contiguous rows of pack_weight's output starting at a multiple of 8 rows",
-                 f"strides {w_packed.stride()}, storage offset {w_packed.storage_offset()}")
+        fail_packed(ValueError, name, "contiguous rows of pack_weight's output starting at a multiple of 8 rows",
+                    f"strides {w_packed.stride()}, storage offset {w_packed.storage_offset()}")
     return m, k
 
 
 def check_packed_args(x, w_packed, alpha, out_dtype, out=None):
     """Validates ``gemv_packed``'s arguments from metadata only (no sync); returns ``(N, M, K)``."""
     if not isinstance(x, torch.Tensor):
-        _fail_op(TypeError, "x", "a torch.Tensor", type(x).__name__)
+        fail_packed(TypeError, "x", "a torch.Tensor", type(x).__name__)
     _dense(x, "x")
     if x.dtype not in ACT_DTYPES or x.dim() != 2:
-        _fail_op(TypeError, "x", "a 2-d torch.bfloat16 or torch.float16 tensor [N, K]", f"{x.dtype} {tuple(x.shape)}")
+        fail_packed(TypeError, "x", "a 2-d torch.bfloat16 or torch.float16 tensor [N, K]",
+                    f"{x.dtype} {tuple(x.shape)}")
     m, k = check_packed_weight(w_packed)
     n = x.shape[0]
     if x.shape[1] != k:
-        _fail_op(ValueError, "x", f"K = {k} values a row, as w_packed holds", x.shape[1])
+        fail_packed(ValueError, "x", f"K = {k} values a row, as w_packed holds", x.shape[1])
     if n == 0:
-        _fail_op(ValueError, "x", "N (dim 0) >= 1", n)
+        fail_packed(ValueError, "x", "N (dim 0) >= 1", n)
     dev = w_packed.device
     if x.device != dev:
-        _fail_op(ValueError, "x", f"a tensor on {dev} (where 'w_packed' is)", f"a tensor on {x.device}")
+        fail_packed(ValueError, "x", f"a tensor on {dev} (where 'w_packed' is)", f"a tensor on {x.device}")
     if out_dtype not in OUT_DTYPES:
-        _fail_op(TypeError, "out_dtype", "torch.bfloat16 or torch.float16", out_dtype)
+        fail_packed(TypeError, "out_dtype", "torch.bfloat16 or torch.float16", out_dtype)
     if alpha is not None:
         if not isinstance(alpha, torch.Tensor):
-            _fail_op(TypeError, "alpha", "None or a one-element torch.float32 tensor", type(alpha).__name__)
+            fail_packed(TypeError, "alpha", "None or a one-element torch.float32 tensor", type(alpha).__name__)
         _dense(alpha, "alpha")
         if alpha.dtype != torch.float32 or alpha.numel() != 1 or alpha.dim() > 1:
-            _fail_op(TypeError, "alpha", "a one-element torch.float32 tensor of 0 or 1 dimensions",
-                      f"{alpha.dtype} of shape {tuple(alpha.shape)}")
+            fail_packed(TypeError, "alpha", "a one-element torch.float32 tensor of 0 or 1 dimensions",
+                         f"{alpha.dtype} of shape {tuple(alpha.shape)}")
         if alpha.device != dev:
-            _fail_op(ValueError, "alpha", f"a tensor on {dev} (where 'w_packed' is), read there without a sync",
-                      f"a tensor on {alpha.device}")
+            fail_packed(ValueError, "alpha", f"a tensor on {dev} (where 'w_packed' is), read there without a sync",
+                         f"a tensor on {alpha.device}")
     if out is not None:
         if not isinstance(out, torch.Tensor):
-            _fail_op(TypeError, "out", "a torch.Tensor", type(out).__name__)
+            fail_packed(TypeError, "out", "a torch.Tensor", type(out).__name__)
         _dense(out, "out")
         if out.dtype != out_dtype or tuple(out.shape) != (n, m):
-            _fail_op(ValueError, "out", f"a [{n}, {m}] {out_dtype} tensor", f"{tuple(out.shape)} {out.dtype}")
+            fail_packed(ValueError, "out", f"a [{n}, {m}] {out_dtype} tensor", f"{tuple(out.shape)} {out.dtype}")
         if out.device != dev:
-            _fail_op(ValueError, "out", f"a tensor on {dev} (where 'w_packed' is)", f"a tensor on {out.device}")
+            fail_packed(ValueError, "out", f"a tensor on {dev} (where 'w_packed' is)", f"a tensor on {out.device}")
     return n, m, k
 
 
 def _dense(t, name):
     if t.is_nested or t.layout != torch.strided:
-        _fail_op(TypeError, name, "a dense (strided) tensor", "a nested tensor" if t.is_nested else f"layout {t.layout}")
+        fail_packed(TypeError, name, "a dense (strided) tensor",
+                    "a nested tensor" if t.is_nested else f"layout {t.layout}")

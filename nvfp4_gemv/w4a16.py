@@ -80,7 +80,8 @@ import cutlass.cute as cute
 import torch
 
 from .decode import blocked_row, e4m3x2_to_f32x2, scale_offset, scaled_bf16_chunk, scaled_bf16x8, scaled_f16x8
-from .launch import MAX_PLANS, Kernel, current_device, current_stream, fail
+from .launch import MAX_PLANS, Kernel, current_device, current_stream
+from .packed import fail_packed
 from .ptx import (
     SMEM_A_SM,
     SmemAllocator,
@@ -846,9 +847,8 @@ class W4A16Plan:
                 fail_gemv(ValueError, name, "K-contiguous rows (stride(1) == 1) at 16-byte aligned addresses",
                           f"strides {t.stride()} at address {t.data_ptr():#x}")
         if packed and (w.stride() != (w.shape[1], 1) or w.data_ptr() % 16):
-            fail(ValueError, "w_packed", "a contiguous tensor at a 16-byte aligned address (pack_weight's "
-                 "output, or whole rows of it)", f"strides {w.stride()} at address {w.data_ptr():#x}",
-                 who="nvfp4_gemv.gemv_packed")
+            fail_packed(ValueError, "w_packed", "a contiguous tensor at a 16-byte aligned address (pack_weight's "
+                        "output, or whole rows of it)", f"strides {w.stride()} at address {w.data_ptr():#x}")
         if not packed and not wb and (w_scale.stride(1) != 1 or w_scale.stride(0) % 2 or w_scale.data_ptr() % 2):
             fail_gemv(ValueError, "w_scale", "K-contiguous scales (stride(1) == 1) with even row strides at even "
                       "addresses", f"strides {w_scale.stride()} at address {w_scale.data_ptr():#x}")
@@ -895,8 +895,8 @@ class W4A16Plan:
         if (px | pw) & 15 or pws & self.ws_mask:
             bad = [nm for nm, p, mask in (("x", px, 15), ("w", pw, 15), ("w_scale", pws, self.ws_mask)) if p & mask][0]
             if self.packed:
-                fail(ValueError, "w_packed" if bad == "w" else bad, "16-byte aligned rows of x and w_packed",
-                     f"address {dict(x=px, w=pw)[bad]:#x}", who="nvfp4_gemv.gemv_packed")
+                fail_packed(ValueError, "w_packed" if bad == "w" else bad, "16-byte aligned rows of x and w_packed",
+                            f"address {dict(x=px, w=pw)[bad]:#x}")
             fail_gemv(ValueError, bad, f"16-byte aligned rows of x and w, a w_scale address a multiple of "
                       f"{self.ws_mask + 1}", f"address {dict(x=px, w=pw, w_scale=pws)[bad]:#x}")
         if self.dequant:
