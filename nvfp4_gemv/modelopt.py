@@ -17,34 +17,34 @@ The layout (ModelOpt's unified HF export, as vLLM and SGLang read it):
 
 ``quant_algo`` "NVFP4" (W4A4: weights and input scales) and "W4A16_NVFP4" (weights only) are read; KV-cache
 scales (``*.k_scale``, ``*.v_scale``) of a checkpoint with a ``kv_cache_quant_algo`` are ignored (the cache
-stays in the model's dtype) with a warning.
+stays in the model's dtype) with a warning. "NVFP4_AWQ" (a ``pre_quant_scale`` a layer) and compressed-tensors
+checkpoints load with ``nvfp4_gemv.from_pretrained`` (``pretrained.py``), which builds the model itself.
+The folder's safetensors are read and checked by ``checkpoint.py``.
 """
 
 import fnmatch
 import json
 import os
+import shutil
+import tempfile
 import warnings
 
 import torch
 
+from .checkpoint import INDEX, Checkpoint, CheckpointError, check_folder, read_json
 from .linear import NVFP4Linear, name_matches
 
-QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4")
+QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4", "NVFP4_AWQ")
 GROUP_SIZE = 16
 QUANT_CONFIG = "hf_quant_config.json"
-INDEX = "model.safetensors.index.json"
 # a model's fused linear -> the checkpoint's separate parts, in the order the fused output stacks them
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "bias")
 _KV_SCALES = ("k_scale", "v_scale")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that load_modelopt cannot load as it is; the message names the key or tensor."""
-
-
-def _fail(msg):
-    raise CheckpointError(f"load_modelopt: {msg}")
+def _fail(msg, who="load_modelopt"):
+    raise CheckpointError(f"{who}: {msg}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -75,23 +75,24 @@ class QuantConfig:
 
 
 def _read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        _fail(f"{os.path.basename(path)} is not valid JSON: {e}")
+    return read_json(path, "load_modelopt")
 
 
-def parse_quant_config(cfg, source):
+def parse_quant_config(cfg, source, who="load_modelopt"):
     """A QuantConfig from a parsed ``hf_quant_config.json`` (``source`` its name) or config.json's
     ``quantization_config`` (``source`` "config.json: quantization_config"); raises ``CheckpointError``
-    naming the key for anything it cannot load."""
+    naming the key for anything it cannot load (``who``: the function named in the message)."""
+    def _fail(msg):
+        raise CheckpointError(f"{who}: {msg}")
+
     if not isinstance(cfg, dict):
         _fail(f"{source}: expected a JSON object, got {type(cfg).__name__}")
     if source != QUANT_CONFIG:
         method = cfg.get("quant_method")
         if not isinstance(method, str) or not method.lower().startswith("modelopt"):
-            _fail(f"{source}: key 'quant_method' is {method!r}, not a ModelOpt checkpoint ('modelopt')")
+            hint = " (compressed-tensors NVFP4 loads with nvfp4_gemv.from_pretrained)" \
+                if method == "compressed-tensors" else ""
+            _fail(f"{source}: key 'quant_method' is {method!r}, not a ModelOpt checkpoint ('modelopt'){hint}")
     if "quantization" in cfg or source == QUANT_CONFIG:
         q = cfg.get("quantization")
         where = f"{source}: quantization."
@@ -126,6 +127,7 @@ def parse_quant_config(cfg, source):
 def read_quant_config(path):
     """The QuantConfig of an export directory: ``hf_quant_config.json`` where there is one, else
     config.json's ``quantization_config``."""
+    path = check_folder(path, "load_modelopt")
     hf = os.path.join(path, QUANT_CONFIG)
     if os.path.exists(hf):
         return parse_quant_config(_read_json(hf), QUANT_CONFIG)
@@ -143,56 +145,20 @@ def read_quant_config(path):
 
 
 def _weight_map(path):
-    """{tensor name: safetensors file} of an export directory (one file, or shards by the index)."""
-    from safetensors import safe_open
-
-    index = os.path.join(path, INDEX)
-    if os.path.exists(index):
-        idx = _read_json(index)
-        wm = idx.get("weight_map") if isinstance(idx, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
-            _fail(f"{INDEX}: key 'weight_map' missing or not an object of file names")
-        by_file = {}
-        for k, f in wm.items():
-            by_file.setdefault(f, set()).add(k)
-        for f, named in sorted(by_file.items()):
-            if not os.path.exists(os.path.join(path, f)):
-                _fail(f"{INDEX}: weight_map names '{f}', which is not in {path}")
-            # the shard's header against the index: a tensor on either side only is an error here, not
-            # a library error at the read (or a tensor nobody claims, passed over)
-            with safe_open(os.path.join(path, f), framework="pt") as h:
-                held = set(h.keys())
-            if named - held:
-                _fail(f"{INDEX}: tensor '{sorted(named - held)[0]}' is mapped to '{f}', which does not hold it")
-            if held - named:
-                _fail(f"tensor '{sorted(held - named)[0]}' is in '{f}' but not in {INDEX}'s weight_map")
-        return dict(wm)
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        _fail(f"{path}: no .safetensors file")
-    wm = {}
-    for f in files:
-        with safe_open(os.path.join(path, f), framework="pt") as h:
-            for k in h.keys():
-                if k in wm:
-                    _fail(f"tensor '{k}' is in both {wm[k]} and {f}")
-                wm[k] = f
-    return wm
+    """{tensor name: safetensors file} of an export directory (one file, or shards by the index), the files'
+    headers checked (``checkpoint.Checkpoint``); and the Checkpoint."""
+    ckpt = Checkpoint(path, "load_modelopt")
+    return {k: e.file for k, e in ckpt.entries.items()}, ckpt
 
 
-def _load(path, weight_map, devices):
-    """{name: tensor} for the names in ``devices`` ({name: device}), each file opened once."""
-    from safetensors import safe_open
-
-    by_file = {}
+def _load(ckpt, devices):
+    """{name: tensor} for the names in ``devices`` ({name: device}), each file opened once a device."""
+    by_dev = {}
     for k, dev in devices.items():
-        by_file.setdefault(weight_map[k], {}).setdefault(str(dev), []).append(k)
+        by_dev.setdefault(str(dev), []).append(k)
     out = {}
-    for f, per_dev in by_file.items():
-        for dev, keys in per_dev.items():
-            with safe_open(os.path.join(path, f), framework="pt", device=dev) as h:
-                for k in keys:
-                    out[k] = h.get_tensor(k)
+    for dev, keys in by_dev.items():
+        out.update(ckpt.read(keys, dev))
     return out
 
 
@@ -323,9 +289,12 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
     if pack and mode != "w4a16":
         raise ValueError(f"load_modelopt: 'pack': the packed layout runs mode 'w4a16' only, not {mode!r}")
     cfg = read_quant_config(path)
+    if cfg.quant_algo == "NVFP4_AWQ":
+        _fail(f"{cfg.source}: quant_algo 'NVFP4_AWQ' (a pre_quant_scale a layer): load it with "
+              "nvfp4_gemv.from_pretrained, which folds or applies the scales")
     if mode == "w4a4" and cfg.quant_algo == "W4A16_NVFP4":
         _fail(f"{cfg.source}: quant_algo 'W4A16_NVFP4' has no input scales, which mode 'w4a4' needs: use mode 'w4a16'")
-    weight_map = _weight_map(path)
+    weight_map, ckpt = _weight_map(path)
     keys = set(weight_map)
 
     kv_ignored = sorted(k for k in keys if k.rpartition(".")[2] in _KV_SCALES)
@@ -335,7 +304,13 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
         keys -= set(kv_ignored)
 
     modules = dict(model.named_modules(remove_duplicate=False))
-    ckpt_quant = {k[: -len(".weight_scale")] for k in keys if k.endswith(".weight_scale")}
+    # a quantized layer: one with a weight_scale, a weight_scale_2 or a uint8 weight (so that a layer that lacks
+    # one of its tensors is reported as lacking it, not as tensors with no place)
+    ckpt_quant = {k.rpartition(".")[0] for k in keys if k.rpartition(".")[2] in ("weight_scale", "weight_scale_2")
+                  or (k.endswith(".weight") and ckpt.entries[k].dtype == torch.uint8)}
+    awq = sorted(k for k in keys if k.endswith(".pre_quant_scale"))
+    if awq:
+        _fail(f"tensor '{awq[0]}': an AWQ pre_quant_scale (ModelOpt NVFP4_AWQ): load it with nvfp4_gemv.from_pretrained")
     for p in sorted(ckpt_quant):
         if cfg.excludes(p, modules):
             _fail(f"tensor '{p}.weight_scale': module '{p}' is quantized, but {cfg.source} excludes it")
@@ -418,7 +393,7 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
         if dst is None:
             dst = dense[next(f for f, parts in dense_fuse.items() if k in parts)]
         devices[k] = _device(dst)
-    tensors = _load(path, weight_map, devices)
+    tensors = _load(ckpt, devices)
 
     # tied: a checkpoint holding the tensor under two of its names must hold one value (a sync a group;
     # NaNs compare unequal, so such a pair is refused too)
@@ -522,7 +497,7 @@ def _version():
         return "unknown"
 
 
-def save_modelopt(model, path, max_shard_bytes=None):
+def save_modelopt(model, path, max_shard_bytes=None, overwrite=False):
     """Writes ``model`` (its linears ``NVFP4Linear``, e.g. by ``quantize_model``) to directory ``path`` in
     ModelOpt's NVFP4 export layout: its state_dict in safetensors (``model.safetensors``, or shards of at
     most ``max_shard_bytes`` with ``model.safetensors.index.json``), ``hf_quant_config.json`` (producer
@@ -531,6 +506,12 @@ def save_modelopt(model, path, max_shard_bytes=None):
     and config.json from ``model.config`` where the model has one. A tensor under two names (tied
     weights) is written once, under its first name; an ``NVFP4Linear``'s tensors are written under its own
     names even where they share storage with another module's (once for a module under several names).
+    config.json also gets a ``quantization_config`` (``quant_method "modelopt"``), as ModelOpt writes it.
+
+    A folder that already holds an export (safetensors, an index, ``hf_quant_config.json``) is refused
+    (``FileExistsError``) unless ``overwrite=True``, which replaces the old export's files: the new ones are
+    written under a temporary folder inside ``path`` and renamed into place after the old ones are removed,
+    so that no reader sees old and new tensors together (``checkpoint.replace_export``).
     :return: ``path``."""
     from safetensors.torch import save_file
 
@@ -561,10 +542,12 @@ def save_modelopt(model, path, max_shard_bytes=None):
         state[k] = t
     if algo == "W4A16_NVFP4":
         state = {k: v for k, v in state.items() if not k.endswith(".input_scale")}
-    os.makedirs(path, exist_ok=True)
+    if any(getattr(m, "pre_quant_scale", None) is not None for _, m in quantized):
+        algo = "NVFP4_AWQ"
     meta = {"format": "pt"}
+    writers = {}
     if max_shard_bytes is None:
-        save_file(state, os.path.join(path, "model.safetensors"), metadata=meta)
+        writers["model.safetensors"] = lambda p: save_file(state, p, metadata=meta)
     else:
         shards, cur, size = [], {}, 0
         for k, v in state.items():
@@ -578,17 +561,29 @@ def save_modelopt(model, path, max_shard_bytes=None):
         weight_map = {}
         for i, shard in enumerate(shards):
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(path, name), metadata=meta)
+            writers[name] = lambda p, shard=shard: save_file(shard, p, metadata=meta)
             weight_map.update({k: name for k in shard})
         total = sum(v.numel() * v.element_size() for v in state.values())
-        with open(os.path.join(path, INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    quant = {"producer": {"name": "modelopt", "version": f"nvfp4_gemv-{_version()}"},
-             "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": GROUP_SIZE,
-                              "exclude_modules": exclude}}
-    with open(os.path.join(path, QUANT_CONFIG), "w") as f:
-        json.dump(quant, f, indent=2)
+        writers[INDEX] = lambda p: _write_json(p, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    producer = {"name": "modelopt", "version": f"nvfp4_gemv-{_version()}"}
+    quant = {"producer": producer, "quantization": {"quant_algo": algo, "kv_cache_quant_algo": None,
+                                                    "group_size": GROUP_SIZE, "exclude_modules": exclude}}
+    writers[QUANT_CONFIG] = lambda p: _write_json(p, quant)
     config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        config.save_pretrained(path)
-    return path
+    if config is not None and hasattr(config, "to_json_file"):
+        def write_config(p):
+            config.to_json_file(p)
+            doc = read_json(p, "save_modelopt")
+            # config.json's form of the same (ModelOpt's exports carry it: transformers keys its loader on it)
+            doc["quantization_config"] = {"quant_method": "modelopt", "producer": producer, "quant_algo": algo,
+                                          "group_size": GROUP_SIZE, "kv_cache_scheme": None, "ignore": exclude}
+            _write_json(p, doc)
+        writers["config.json"] = write_config
+    from .checkpoint import replace_export
+
+    return replace_export(path, writers, overwrite, "save_modelopt")
+
+
+def _write_json(path, doc):
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import bench_load  # noqa: E402
 
 
-@pytest.mark.parametrize("extra", [[], ["--mode", "w4a4", "--fuse"], ["--pack", "--tie"]])
+@pytest.mark.parametrize("extra", [[], ["--mode", "w4a4", "--fuse"], ["--pack", "--tie"], ["--loader", "from_pretrained"]])
 def test_tiny_run_loads_and_reports_the_cost_over_the_read(tmp_path, extra, capsys):
     out = tmp_path / "r.json"
     r = bench_load.main(["--layers", "1", "--hidden", "128", "--intermediate", "256", "--heads", "4",
@@ -21,4 +21,4 @@ def test_tiny_run_loads_and_reports_the_cost_over_the_read(tmp_path, extra, caps
     assert r["bytes"] > 0 and r["read_s"] > 0 and r["load_s"] > 0
     assert r["over_read_s"] == r["load_s"] - r["read_s"]
     assert json.loads(out.read_text())["args"]["mode"] == ("w4a4" if "w4a4" in extra else "w4a16")
-    assert "load_modelopt" in capsys.readouterr().out
+    assert ("from_pretrained" if "from_pretrained" in extra else "load_modelopt") in capsys.readouterr().out

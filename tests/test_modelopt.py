@@ -386,7 +386,9 @@ ERRORS = [
     ("group size 32", dict(quant=set_quant(group_size=32)), r"quantization.group_size is 32"),
     ("exclude not a list", dict(quant=set_quant(exclude_modules="lm_head")), r"quantization.exclude_modules"),
     ("no quantization key", dict(quant=lambda d: {"producer": d["producer"]}), r"key 'quantization'"),
-    ("no quant config", dict(quant=lambda d: None), r"neither hf_quant_config.json nor"),
+    ("no quant config", dict(quant=lambda d: None, config=lambda d: {k: v for k, v in d.items()
+                                                                   if k != "quantization_config"}),
+     r"neither hf_quant_config.json nor"),
     ("not modelopt", dict(quant=lambda d: None, config=lambda d: dict(d, quantization_config={
         "quant_method": "compressed-tensors", "quant_algo": "NVFP4"})), r"'quant_method' is 'compressed-tensors'"),
     ("config_groups size", dict(quant=lambda d: None, config=lambda d: dict(d, quantization_config={

@@ -74,6 +74,8 @@ def main(argv=None):
     p.add_argument("--mode", default="w4a16", choices=("w4a16", "w4a4"))
     p.add_argument("--fuse", action="store_true")
     p.add_argument("--pack", action="store_true")
+    p.add_argument("--loader", default="load_modelopt", choices=("load_modelopt", "from_pretrained"),
+                   help="from_pretrained: the model built on meta, each tensor read once onto the device")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dir", default=None, help="export folder (default: a temporary one, removed at the end)")
     p.add_argument("--json", default=None)
@@ -98,31 +100,48 @@ def main(argv=None):
         t_export = time.perf_counter() - t0
         nbytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
         read_all(path, device)  # warms the page cache (untimed)
-        reads, builds, loads = [], [], []
+        reads, builds, loads, peaks = [], [], [], []
         for _ in range(args.reps):
             t0 = time.perf_counter()
             read_all(path, device)
             reads.append(time.perf_counter() - t0)
             import transformers
 
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
             t0 = time.perf_counter()
-            with torch.device(device):
-                fresh = transformers.AutoModelForCausalLM.from_config(
-                    transformers.AutoConfig.from_pretrained(path)).to(torch.bfloat16)
-            builds.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            load_modelopt(fresh, path, mode=args.mode, fuse=args.fuse, pack=args.pack)
+            if args.loader == "from_pretrained":
+                from nvfp4_gemv import from_pretrained
+
+                builds.append(0.0)
+                t0 = time.perf_counter()
+                fresh = from_pretrained(path, mode=args.mode, device=device, fuse=args.fuse, pack=args.pack)
+            else:
+                with torch.device(device):
+                    fresh = transformers.AutoModelForCausalLM.from_config(
+                        transformers.AutoConfig.from_pretrained(path)).to(torch.bfloat16)
+                builds.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                load_modelopt(fresh, path, mode=args.mode, fuse=args.fuse, pack=args.pack)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             loads.append(time.perf_counter() - t0)
+            if device.type == "cuda":
+                peaks.append(torch.cuda.max_memory_allocated() - base)
             del fresh
         r = {"device": str(device), "bytes": nbytes, "export_s": t_export, "read_s": statistics.median(reads),
              "build_s": statistics.median(builds), "load_s": statistics.median(loads), "reads": reads,
-             "loads": loads, "args": vars(args), "torch": torch.__version__}
+             "loads": loads, "args": vars(args), "torch": torch.__version__,
+             "peak_device_bytes": max(peaks) if peaks else None}
         r["over_read_s"] = r["load_s"] - r["read_s"]
         print(f"{nbytes / 1e9:.2f} GB of safetensors on {device}: read {r['read_s']:.2f} s "
               f"({nbytes / r['read_s'] / 1e9:.2f} GB/s), load_modelopt {r['load_s']:.2f} s "
-              f"(+{r['over_read_s']:.2f} s over the read; mode {args.mode}, fuse {args.fuse}, pack {args.pack}); "
+              f"(+{r['over_read_s']:.2f} s over the read; {args.loader}, mode {args.mode}, fuse {args.fuse}, "
+              f"pack {args.pack}); peak device memory "
+              + (f"{r['peak_device_bytes'] / 1e9:.2f} GB ({r['peak_device_bytes'] / nbytes:.3f}x the bytes); "
+                 if peaks else "n/a; ") +
               f"the model's build {r['build_s']:.2f} s apart; medians of {args.reps}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
