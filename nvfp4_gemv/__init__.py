@@ -10,18 +10,31 @@ leaderboard by tools/gen_submission.py).
 
 For models: ``quantize`` (NVFP4 activations, ``nvfp4_gemv.quant``), ``NVFP4Linear`` and ``quantize_model``
 (``nvfp4_gemv.linear``), ``fuse_linears`` (one GEMV for q/k/v and for gate/up, ``nvfp4_gemv.fuse``), ``save_modelopt`` / ``load_modelopt`` (NVIDIA ModelOpt NVFP4 checkpoints in the
-Hugging Face layout, ``nvfp4_gemv.modelopt``; needs the ``hf`` extra: safetensors, transformers).
+Hugging Face layout, ``nvfp4_gemv.modelopt``; needs the ``hf`` extra: safetensors, transformers), ``generate``
+(decoding with the whole step in one CUDA graph, ``nvfp4_gemv.generation``).
+``from_pretrained`` builds the model of an NVFP4 checkpoint folder (ModelOpt or compressed-tensors) on the
+meta device and reads each tensor once onto the device (``nvfp4_gemv.pretrained``); after this import,
+transformers' ``AutoModelForCausalLM.from_pretrained`` does the same for ModelOpt checkpoints
+(``nvfp4_gemv.hf_quantizer``). ``CheckpointError``: what a checkpoint that cannot load raises.
 """
 
+from . import hf_quantizer as _hf_quantizer
+from .awq import PreScaledNVFP4Linear
+from .checkpoint import CheckpointError
 from .fuse import fuse_linears
+from .generation import generate
 from .leaderboard import check_inputs, custom_kernel
 from .linear import NVFP4Linear, calibrate_input_scales, input_scale_from, quantize_model
 from .modelopt import load_modelopt, save_modelopt
+from .pretrained import from_pretrained
 from .op import gemv, gemv_packed
 from .packed import pack_weight, unpack_weight
 from .quant import dequantize, quantize, quantize_reference, quantize_weight
 from .reference import gemv_reference, swizzled_scale_shape
 
-__all__ = ["NVFP4Linear", "calibrate_input_scales", "check_inputs", "custom_kernel", "dequantize", "fuse_linears", "gemv",
-           "gemv_packed", "gemv_reference", "input_scale_from", "load_modelopt", "pack_weight", "quantize", "quantize_model", "quantize_reference",
+__all__ = ["CheckpointError", "NVFP4Linear", "PreScaledNVFP4Linear", "calibrate_input_scales", "check_inputs",
+           "custom_kernel", "dequantize", "from_pretrained", "fuse_linears", "gemv", "gemv_packed", "gemv_reference", "generate",
+           "input_scale_from", "load_modelopt", "pack_weight", "quantize", "quantize_model", "quantize_reference",
            "quantize_weight", "save_modelopt", "swizzled_scale_shape", "unpack_weight"]
+
+_hf_quantizer.install()  # transformers' "modelopt" quant_method, when transformers' quantizers are imported

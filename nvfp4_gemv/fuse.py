@@ -91,6 +91,8 @@ class Siblings:
             self.active = False
             self._x = self._out = None
             self._seen = 0
+            for p in self.parts:
+                p._choose()  # each part's own GEMV from now on
             msg = f"nvfp4_gemv: {self.name}: no longer fused ({why}); each module now runs its own GEMV"
             if torch.compiler.is_compiling():
                 from torch._dynamo.comptime import comptime
@@ -102,31 +104,32 @@ class Siblings:
     def take(self, part, x, x2):
         """``part``'s output rows for ``x2`` [R, in] (``x`` reshaped; the round is keyed by the ``x``
         object the model passed) from the group's one GEMV, or None when the group is no longer active
-        (the caller then computes alone)."""
+        (the caller then computes alone).
+
+        Eager, every call checks that the group still holds what it fused (buffers by identity, modes,
+        device, the input's version). Traced by torch.compile, those checks would each become a dynamo guard
+        checked on every call of the compiled model (dozens a group): there the group relies on what ends
+        it eagerly (a buffer replaced through ``setattr`` or a load dissolves it and re-chooses the parts'
+        path, which the compiled code is guarded on) and checks only that its parts run one kernel."""
         i = part._sibling_index
-        bit = 1 << i
         owner = self.owner
-        if not self._intact(part):
-            self.dissolve(f"a buffer of '{self.name}' was replaced (fuse_linears again to fuse it)")
-            return None
-        if any(p.mode != owner.mode for p in self.parts):
+        if not torch.compiler.is_compiling():
+            why = self._why_not_now(part, x, x2)
+            if why is not None:
+                self.dissolve(why)
+                return None
+        elif part._kernel is not owner._kernel:
             self.dissolve("its modules' modes differ")
             return None
-        if owner._fused_weight.device != x2.device:
-            self.dissolve(f"its concatenation is on {owner._fused_weight.device}, the input on {x2.device}")
-            return None
-        eager = not torch.compiler.is_compiling()  # (a version counter is not known while tracing)
-        if self._x is x and not self._seen & bit and eager and x._version != self._version:
-            self.dissolve("its input was changed in place between its modules' calls")
-            return None
+        bit = 1 << i
         if self._x is not x or self._seen & bit:
             if self._seen:
                 self.dissolve("its modules were not each called once on one input before another input came")
                 return None
             self._x, self._seen = x, 0
-            if eager:
+            if not torch.compiler.is_compiling():
                 self._version = x._version
-            self._out = owner._product(x2, owner._fused_weight, owner._fused_weight_scale, owner._fused_bias)
+            self._out = owner._product(x2, fused=True)
         self._seen |= bit
         lo, hi = self.bounds[i]
         out = self._out[:, lo:hi]
@@ -134,6 +137,19 @@ class Siblings:
             self._x = self._out = None
             self._seen = 0
         return out
+
+    def _why_not_now(self, part, x, x2):
+        """(Eager) why the group cannot serve this call, or None."""
+        if not self._intact(part):
+            return f"a buffer of '{self.name}' was replaced (fuse_linears again to fuse it)"
+        owner = self.owner
+        if any(p.mode != owner.mode for p in self.parts):
+            return "its modules' modes differ"
+        if owner._fused_weight.device != x2.device:
+            return f"its concatenation is on {owner._fused_weight.device}, the input on {x2.device}"
+        if self._x is x and not self._seen & (1 << part._sibling_index) and x._version != self._version:
+            return "its input was changed in place between its modules' calls"
+        return None
 
     def repoint(self, part):
         """After ``part`` moved (``Module._apply``): its buffers as views of the owner's concatenations
@@ -160,7 +176,8 @@ def _groups(model, groups):
     for pname, parent in model.named_modules():
         kids = dict(parent.named_children())
         for names in groups:
-            if not all(isinstance(kids.get(n), NVFP4Linear) for n in names):
+            if not all(isinstance(kids.get(n), NVFP4Linear) and getattr(kids[n], "pre_quant_scale", None) is None
+                       for n in names):  # (an AWQ part scales its own x: awq.py)
                 continue
             order = [n for n in kids if n in names]  # the owner is the first registered (it moves first)
             parts = [(n, kids[n]) for n in order]
@@ -243,3 +260,5 @@ def _fuse(label, mods):
         m._siblings = sib
     for m in mods:
         sib.repoint(m)  # the parts' own copies are freed here; each part's buffers recorded
+    for m in mods:
+        m._choose()  # forward runs the group's part from now on

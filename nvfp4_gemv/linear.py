@@ -112,6 +112,17 @@ class NVFP4Linear(torch.nn.Module):
 
     packed = False  # (also for modules pickled before pack() existed)
 
+    @property
+    def mode(self):
+        return self._mode
+
+    @mode.setter
+    def mode(self, value):
+        if value not in MODES:
+            raise ValueError(f"NVFP4Linear: 'mode': expected one of {MODES}, got {value!r}")
+        self.__dict__["_mode"] = value
+        self._choose()
+
     def __init__(self, in_features, out_features, bias=False, mode="w4a16", input_scale=False, device=None,
                  bias_dtype=torch.bfloat16):
         super().__init__()
@@ -120,7 +131,8 @@ class NVFP4Linear(torch.nn.Module):
         if in_features <= 0 or in_features % BLOCK or out_features <= 0:
             raise ValueError(f"NVFP4Linear: 'in_features': expected a positive multiple of {BLOCK} (and "
                              f"out_features > 0), got in_features={in_features}, out_features={out_features}")
-        self.in_features, self.out_features, self.mode = in_features, out_features, mode
+        self.in_features, self.out_features = in_features, out_features
+        self.__dict__["_mode"] = mode
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("weight_scale", torch.zeros(out_features, in_features // BLOCK,
                                                          dtype=torch.float8_e4m3fn, device=device))
@@ -246,17 +258,47 @@ class NVFP4Linear(torch.nn.Module):
         s = self.input_scale
         if s is None:
             self._alpha = self._inv_input_scale = None
-            return
-        with torch.no_grad():
-            self._inv_input_scale = torch.ones_like(s) / s
-            self._alpha = s * self.weight_scale_2
+        else:
+            with torch.no_grad():
+                self._inv_input_scale = torch.ones_like(s) / s
+                self._alpha = s * self.weight_scale_2
+        self._choose()
+
+    def _choose(self):
+        """Decides, once, what forward runs: the kernel of the mode and layout (``_kernel``) and the path
+        (``_run``: alone, with or without bias, or a fused group's part). Called whenever one of those
+        changes (construction, ``mode``, a load, ``pack``, ``fuse_linears`` and a group's end), so that a
+        compiled forward reads two function attributes instead of the state they are chosen from: fewer
+        dynamo guards and graph inputs a layer (docs/design.md, "The host cost of a compiled step")."""
+        d = self.__dict__
+        if "_mode" not in d or "_buffers" not in d:
+            return  # (during __init__)
+        if self._mode == "w4a4" and self._buffers.get("_inv_input_scale") is None:
+            kernel = _kernel_needs_input_scale
+        elif self.packed:
+            kernel = _kernel_packed if self._mode == "w4a16" else _kernel_packed_w4a4
+        else:
+            kernel = _kernel_w4a16 if self._mode == "w4a16" else _kernel_w4a4
+        d["_kernel"] = kernel
+        sib = d.get("_siblings")
+        if sib is not None and sib.active:
+            d["_run"] = _run_part
+        else:
+            d["_run"] = _run_alone_bias if self._buffers.get("bias") is not None else _run_alone
 
     def __setattr__(self, name, value):
+        sib = self.__dict__.get("_siblings")
+        if sib is not None and sib.active and name in _PART_BUFFERS and self._buffers.get(name) is not value:
+            # a part's buffer replaced: the group's concatenation is stale (a compiled forward no longer
+            # checks the parts' buffers each call; it is guarded on the path this chooses)
+            sib.dissolve(f"a buffer of '{sib.name}' was replaced (fuse_linears again to fuse it)")
         super().__setattr__(name, value)
         # a reassigned scale renews the scalars forward reads (an in-place edit of one, .copy_ or .fill_,
         # does not: reassign it, or load_state_dict, after one)
         if name in ("input_scale", "weight_scale_2") and "_inv_input_scale" in self._buffers:
             self._refresh()
+        elif name in ("bias", "packed"):
+            self._choose()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -409,6 +451,11 @@ class NVFP4Linear(torch.nn.Module):
     # -- forward -------------------------------------------------------------------------------------
 
     def forward(self, x):
+        if not torch.compiler.is_compiling():  # (traced: the op's fake checks the same at trace time)
+            self._check_x(x)
+        return self._run(self, x)
+
+    def _check_x(self, x):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"NVFP4Linear: argument 'x': expected a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in _X_DTYPES:
@@ -419,42 +466,83 @@ class NVFP4Linear(torch.nn.Module):
         if x.device != self.weight.device:
             raise ValueError(f"NVFP4Linear: argument 'x': expected a tensor on {self.weight.device} (where 'weight' "
                              f"is), got one on {x.device}")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        # a view at an odd offset: the kernels read 16-byte aligned rows (traced code has no addresses; its
-        # own allocations are aligned)
-        if not torch.compiler.is_compiling() and x2.data_ptr() % 16:
-            x2 = x2.clone()
-        out = None
-        sib = self._siblings
-        if sib is not None and sib.active and x2.shape[0]:
-            out = sib.take(self, x, x2)  # the group's one GEMV (nvfp4_gemv.fuse), keyed by the x object
-        if out is None:
-            out = self._product(x2, self.weight, self.weight_scale, self.bias)
-        return out.reshape(*lead, self.out_features)
 
-    def _product(self, x2, weight, weight_scale, bias):
-        """``x2 @ dequant(weight).T (+ bias)`` in x2's dtype, with this module's mode and global scales (a
-        fused group's owner passes the group's concatenated rows)."""
+    def _product(self, x2, fused=False):
+        """``x2 @ dequant(w).T (+ bias)`` in x2's dtype with this module's kernel: its own buffers, or (a
+        fused group's owner, ``fused``) the group's concatenations."""
         if x2.shape[0] == 0:
-            return x2.new_empty((0, weight.shape[0]))
-        if self.mode == "w4a4" and self._inv_input_scale is None:
-            raise ValueError("NVFP4Linear: mode 'w4a4' needs 'input_scale' (None here): set it, or use mode 'w4a16'")
-        if self.packed:
-            if self.mode != "w4a16":
-                raise ValueError(f"NVFP4Linear: a packed weight runs mode 'w4a16' only, not {self.mode!r}")
-            out = gemv_packed(x2, weight, alpha=self.weight_scale_2, out_dtype=x2.dtype)
-        elif self.mode == "w4a16":
-            out = gemv(x2, None, weight, weight_scale, alpha=self.weight_scale_2, out_dtype=x2.dtype)
-        elif W4A4_VIA_W4A16_FROM is not None and x2.shape[0] >= W4A4_VIA_W4A16_FROM:
-            xd = quantize_dequantized(x2, self._inv_input_scale)  # the values quantize's codes stand for
-            out = gemv(xd, None, weight, weight_scale, alpha=self._alpha, out_dtype=x2.dtype)
-        else:
-            xq, xs = quantize(x2, self._inv_input_scale)
-            out = gemv(xq, xs, weight, weight_scale, alpha=self._alpha, out_dtype=x2.dtype)
+            rows = (self._fused_weight if fused else self.weight).shape[0]
+            return x2.new_empty((0, rows))
+        out = self._kernel(self, x2, fused)
+        bias = self._buffers.get("_fused_bias" if fused else "bias")
         if bias is not None:
             out = out + bias.to(out.dtype)
         return out
+
+
+# What forward runs, chosen once by NVFP4Linear._choose: plain functions of (module, ...), so that a traced
+# forward is guarded on which function a module holds, not on the attributes it was chosen from.
+_PART_BUFFERS = ("weight", "weight_scale", "bias", "weight_scale_2", "input_scale")
+
+
+def _rows(x):
+    """x [..., K] as K-contiguous rows [R, K] the kernels read (16-byte aligned)."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    # a view at an odd offset: the kernels read 16-byte aligned rows (traced code has no addresses; its
+    # own allocations are aligned)
+    if not torch.compiler.is_compiling() and x2.data_ptr() % 16:
+        x2 = x2.clone()
+    return x2
+
+
+def _run_alone(mod, x):
+    x2 = _rows(x)
+    out = mod._kernel(mod, x2, False) if x2.shape[0] else x2.new_empty((0, mod.weight.shape[0]))
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _run_alone_bias(mod, x):
+    x2 = _rows(x)
+    if not x2.shape[0]:
+        return x2.new_empty((0, mod.weight.shape[0])).reshape(*x.shape[:-1], mod.weight.shape[0])
+    out = mod._kernel(mod, x2, False)
+    out = out + mod.bias.to(out.dtype)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _run_part(mod, x):
+    """A fused group's part (``nvfp4_gemv.fuse``): its columns of the group's one GEMV."""
+    x2 = _rows(x)
+    out = mod._siblings.take(mod, x, x2) if x2.shape[0] else None
+    if out is None:  # the group ended (its path is re-chosen), or no rows
+        out = mod._product(x2)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _kernel_w4a16(mod, x2, fused):
+    w, ws = (mod._fused_weight, mod._fused_weight_scale) if fused else (mod.weight, mod.weight_scale)
+    return gemv(x2, None, w, ws, alpha=mod.weight_scale_2, out_dtype=x2.dtype)
+
+
+def _kernel_packed(mod, x2, fused):
+    return gemv_packed(x2, mod._fused_weight if fused else mod.weight, alpha=mod.weight_scale_2, out_dtype=x2.dtype)
+
+
+def _kernel_packed_w4a4(mod, x2, fused):
+    raise ValueError(f"NVFP4Linear: a packed weight runs mode 'w4a16' only, not {mod.mode!r}")
+
+
+def _kernel_w4a4(mod, x2, fused):
+    w, ws = (mod._fused_weight, mod._fused_weight_scale) if fused else (mod.weight, mod.weight_scale)
+    if W4A4_VIA_W4A16_FROM is not None and x2.shape[0] >= W4A4_VIA_W4A16_FROM:
+        xd = quantize_dequantized(x2, mod._inv_input_scale)  # the values quantize's codes stand for
+        return gemv(xd, None, w, ws, alpha=mod._alpha, out_dtype=x2.dtype)
+    xq, xs = quantize(x2, mod._inv_input_scale)
+    return gemv(xq, xs, w, ws, alpha=mod._alpha, out_dtype=x2.dtype)
+
+
+def _kernel_needs_input_scale(mod, x2, fused):
+    raise ValueError("NVFP4Linear: mode 'w4a4' needs 'input_scale' (None here): set it, or use mode 'w4a16'")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ LLAMA3_8B = dict(hidden=4096, qkv=6144, intermediate=14336)
 TINY = dict(hidden=256, qkv=384, intermediate=512)
 VARIANTS = ("bf16", "w4a16", "w4a4", "torchao")
 MODES = ("eager", "graph", "compile")
+GENERATES = ("generate_ms", "ours_generate_ms", "ours_generate_compiled_ms")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -358,6 +359,145 @@ class Decoder:
             return self.tok
 
 
+class Int4Linear(torch.nn.Module):
+    """The peer: torch's int4 weight-only kernel (``torch.ops.aten._weight_int4pack_mm``, "tinygemm", the
+    kernel gpt-fast and torchao's int4 weight-only config run), asymmetric, one scale and zero per 128
+    values: value = q * scale + min, stored as tinygemm takes it ((q - 8) * scale + zero)."""
+
+    def __init__(self, linear, group=128, inner_k_tiles=8):
+        super().__init__()
+        w = linear.weight.detach().float()
+        n, k = w.shape
+        g = w.reshape(n, k // group, group)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = (hi - lo).clamp(min=1e-6) / 15
+        q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+        self.register_buffer("w", torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8),
+                                                                           inner_k_tiles))
+        self.register_buffer("sz", torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16))
+        self.group, self.in_features, self.out_features = group, k, n
+        self.bias = linear.bias
+
+    def forward(self, x):
+        y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, self.in_features), self.w, self.group, self.sz)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def swap_int4(model):
+    """Replaces every nn.Linear but lm_head by ``Int4Linear``; returns what it replaced (to put back) and the
+    relative error of one layer's product against its bf16 weight (a check of the peer's packing)."""
+    done, err = [], None
+    for name, m in list(model.named_modules()):
+        if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"):
+            new = Int4Linear(m)
+            if err is None:
+                x = torch.randn(4, m.in_features, dtype=torch.bfloat16, device=m.weight.device)
+                ref = (x.float() @ m.weight.float().T)
+                err = float((new(x).float() - ref).norm() / ref.norm())
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, new)
+            done.append((parent, child, m))
+    return done, err
+
+
+def unswap(model, done):
+    for parent, child, m in done:
+        setattr(model.get_submodule(parent), child, m)
+
+
+def wall_ms(fn, device, reps=1):
+    """Wall-clock ms of ``reps`` calls of ``fn`` (synced before and after)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def decode_timings(dec, tokens, device):
+    """The step three ways: CUDA events around ``tokens`` steps (the host may run ahead), a loop with a
+    sync after each step (what a user's loop that reads each token sees), and the host time of one step
+    (from a synced start until the step returns, the GPU idle meanwhile: the host work exposed before
+    the GPU has anything to run), median of ``tokens``."""
+    out = {}
+    if device.type == "cuda":
+        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(tokens):
+            dec.step()
+        z.record()
+        torch.cuda.synchronize()
+        out["events_ms"] = a.elapsed_time(z) / tokens
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        dec.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    out["sync_ms"] = (time.perf_counter() - t0) * 1e3 / tokens
+    host = []
+    for _ in range(tokens):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dec.step()
+        host.append((time.perf_counter() - t0) * 1e3)
+    out["host_ms"] = statistics.median(host)
+    return out
+
+
+def host_profile(dec, steps, device, top=30):
+    """cProfile of ``steps`` synced decode steps: the top functions by own time (text)."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        dec.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    return s.getvalue()
+
+
+def generate_timings(model, batch, prompt_len, tokens, device, which):
+    """ms a token of whole generations of ``tokens`` new tokens after a ``prompt_len`` prompt (prefill
+    included, as a user times it), after one warm-up call: ``model.generate`` (static cache, greedy;
+    transformers compiles the forward itself) and ``nvfp4_gemv.generate`` (the step in one CUDA graph,
+    eager or compiled)."""
+    from nvfp4_gemv import generate
+
+    g = torch.Generator().manual_seed(batch)
+    prompt = torch.randint(1, model.config.vocab_size, (batch, prompt_len), generator=g).to(device)
+    runs = {"generate_ms": lambda: model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                                                  cache_implementation="static", pad_token_id=0),
+            "ours_generate_ms": lambda: generate(model, prompt, tokens, eos_token_id=[]),
+            "ours_generate_compiled_ms": lambda: generate(model, prompt, tokens, eos_token_id=[], compile=True)}
+    out, toks = {}, {}
+    for key, fn in runs.items():
+        if key not in which:
+            continue
+        try:
+            with torch.no_grad():
+                toks[key] = fn()  # warm-up: compiles, captures
+                out[key] = wall_ms(fn, device) / tokens
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            out[key + "_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    if "generate_ms" in toks:
+        for key in ("ours_generate_ms", "ours_generate_compiled_ms"):
+            if key in toks:
+                out[key.replace("_ms", "_same_tokens")] = bool(torch.equal(toks[key], toks["generate_ms"]))
+    return out
+
+
 def bench_hf(args, device):
     model = build_llama(args.tiny, device)
     prompt_len = 16
@@ -366,24 +506,32 @@ def bench_hf(args, device):
     rows = []
     if args.hf_pack and "w4a4" in args.hf_variants:
         raise SystemExit("--hf-pack: the packed layout runs mode w4a16 only (--hf-variants bf16,w4a16)")
+    order = {"bf16": 0, "int4": 1, "w4a16": 2, "w4a4": 2}
+    if [order[v] for v in args.hf_variants] != sorted(order[v] for v in args.hf_variants):
+        raise SystemExit("--hf-variants: bf16 and int4 come first (the others quantize the model in place)")
     for variant in args.hf_variants:
-        quantized = any(isinstance(m, NVFP4Linear) for m in model.modules())
-        if variant == "bf16" and quantized:
-            raise SystemExit("--hf-variants: bf16 comes first (the others quantize the model in place)")
-        if variant != "bf16" and not quantized:
+        swapped, peer_err = [], None
+        if variant == "int4":
+            swapped, peer_err = swap_int4(model) if device.type == "cuda" else ([], None)
+        elif variant != "bf16" and not any(isinstance(m, NVFP4Linear) for m in model.modules()):
             sample = torch.randint(1, model.config.vocab_size, (1, prompt_len), device=device)
             scales = calibrate_input_scales(model, lambda m: m(input_ids=sample))
             quantize_model(model, mode="w4a16", input_scales=scales, fuse=args.hf_fuse,  # lm_head stays bf16
                            pack=args.hf_pack)
-        if variant != "bf16":  # one quantized model, both modes (its layers keep the input scales)
+        if variant in ("w4a16", "w4a4"):  # one quantized model, both modes (its layers keep the input scales)
             for m in model.modules():
                 if isinstance(m, NVFP4Linear):
                     m.mode = variant
         mem = weight_bytes(model)
         for b in args.batches:
             row = {"variant": variant, "batch": b, "weight_GB": mem / 1e9, "capture": args.hf_capture,
-                   "fused": bool(args.hf_fuse) and variant != "bf16", "packed": bool(args.hf_pack) and variant != "bf16"}
+                   "fused": bool(args.hf_fuse) and variant in ("w4a16", "w4a4"),
+                   "packed": bool(args.hf_pack) and variant in ("w4a16", "w4a4")}
+            if peer_err is not None:
+                row["peer_rel_err"] = peer_err
             try:
+                if variant == "int4" and device.type != "cuda":
+                    raise RuntimeError("needs CUDA")
                 dec = Decoder(model, b, prompt_len, max_len, args.hf_capture, device)
                 t0 = time.perf_counter()
                 dec.warm_up()
@@ -391,43 +539,47 @@ def bench_hf(args, device):
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 row["warmup_s"] = time.perf_counter() - t0
-                if device.type == "cuda":
-                    a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    for _ in range(tokens):
-                        dec.step()
-                    z.record()
-                    torch.cuda.synchronize()
-                    ms = a.elapsed_time(z) / tokens
-                else:
-                    t0 = time.perf_counter()
-                    for _ in range(tokens):
-                        dec.step()
-                    ms = (time.perf_counter() - t0) * 1e3 / tokens
-                row["ms_per_token"] = ms
-                row["tokens_per_s"] = 1e3 * b / ms
+                row.update(decode_timings(dec, tokens, device))
+                row["ms_per_token"] = row.get("events_ms", row["sync_ms"])
+                row["tokens_per_s"] = 1e3 * b / row["ms_per_token"]
                 if args.hf_profile:
                     row["profile"] = profile_steps(dec, args.hf_profile, device)
+                if args.hf_host_profile:
+                    row["host_profile"] = host_profile(dec, args.hf_host_profile, device)
+                del dec
+                if device.type == "cuda":
+                    torch._dynamo.reset()
+                row.update(generate_timings(model, b, prompt_len, tokens, device, args.hf_generate))
             except Exception as e:  # noqa: BLE001 - reported in the table
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             rows.append(row)
             if "profile" in row:
                 print(profile_text(row), flush=True)
-            print(f"hf {variant:6s}{label(row)} batch {b:2d}: " + (f"{row['ms_per_token']:.2f} ms/token, "
-                  f"{row['tokens_per_s']:.0f} tokens/s" if "ms_per_token" in row else row.get("error", "")),
-                  flush=True)
+            if "host_profile" in row:
+                print(f"host profile of {variant}{label(row)} batch {b}:\n" + row["host_profile"], flush=True)
+            print(f"hf {variant:6s}{label(row)} batch {b:2d}: " + ", ".join(
+                f"{k} {row[k]:.3f}" if isinstance(row[k], float) else f"{k} {row[k]}"
+                for k in ("events_ms", "sync_ms", "host_ms", "generate_ms", "ours_generate_ms",
+                          "ours_generate_compiled_ms", "error", "generate_ms_error", "ours_generate_ms_error",
+                          "ours_generate_compiled_ms_error", "peer_rel_err") if k in row), flush=True)
             if device.type == "cuda":
                 torch._dynamo.reset()
                 torch.cuda.empty_cache()
+        unswap(model, swapped)
     base = {r["batch"]: r for r in rows if r["variant"] == "bf16"}
     for r in rows:
         b = base.get(r["batch"])
         r["vs_bf16"] = b["ms_per_token"] / r["ms_per_token"] if b and "ms_per_token" in b and "ms_per_token" in r else None
+        if b and "generate_ms" in b:
+            for k in ("generate_ms", "ours_generate_ms", "ours_generate_compiled_ms"):
+                if k in r:
+                    r[k.replace("_ms", "_vs_bf16_generate")] = b["generate_ms"] / r[k]
     cfg = model.config
     meta = {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
             "prompt_len": prompt_len, "decode_tokens": tokens, "capture": args.hf_capture, "fuse": bool(args.hf_fuse),
             "pack": bool(args.hf_pack),
-            "note": "random weights; greedy; static cache; lm_head and embeddings bf16"}
+            "note": "random weights; greedy; static cache; lm_head and embeddings bf16; generate timings include "
+                    "the prefill of the prompt and, for nvfp4_gemv.generate, the capture of its graph"}
     return {"meta": meta, "rows": rows}
 
 
@@ -471,15 +623,24 @@ def hf_table(result):
     m = result["meta"]
     name = "Llama-3-8B's config" if m["hidden"] == 4096 else "a tiny config"
     lines = [f"LlamaForCausalLM, {name} ({m['layers']} layers, random weights), static cache, decode "
-             f"of {m['decode_tokens']} tokens after a {m['prompt_len']}-token prompt, {m['capture']}", "",
-             "| variant | batch | ms a token | tokens/s | vs bf16 | weights GB |", "|---|---|---|---|---|---|"]
+             f"of {m['decode_tokens']} tokens after a {m['prompt_len']}-token prompt; ms a token "
+             f"(x: bf16's model.generate over this)", "",
+             "| variant | batch | model.generate | nvfp4_gemv.generate | same, compiled step | loop, sync each token "
+             "| events (host runs ahead) | host of a step | weights GB |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(r, k, vs=None):
+        if k not in r:
+            return "n/a" if k + "_error" not in r else f"n/a ({r[k + '_error'][:40]})"
+        return f"{r[k]:.2f}" + (f" ({r[vs]:.2f}x)" if vs and r.get(vs) else "")
+
     for r in result["rows"]:
-        if "ms_per_token" in r:
-            vs = f"{r['vs_bf16']:.2f}x" if r.get("vs_bf16") else "-"
-            lines.append(f"| {r['variant']}{label(r)} | {r['batch']} | {r['ms_per_token']:.2f} | {r['tokens_per_s']:.0f} | "
-                         f"{vs} | {r['weight_GB']:.3g} |")
-        else:
-            lines.append(f"| {r['variant']}{label(r)} | {r['batch']} | n/a ({r.get('error')}) | - | - | {r['weight_GB']:.3g} |")
+        if "error" in r:
+            lines.append(f"| {r['variant']}{label(r)} | {r['batch']} | n/a ({r['error'][:60]}) | | | | | | {r['weight_GB']:.3g} |")
+            continue
+        lines.append(f"| {r['variant']}{label(r)} | {r['batch']} | {cell(r, 'generate_ms', 'generate_vs_bf16_generate')} | "
+                     f"{cell(r, 'ours_generate_ms', 'ours_generate_vs_bf16_generate')} | "
+                     f"{cell(r, 'ours_generate_compiled_ms', 'ours_generate_compiled_vs_bf16_generate')} | "
+                     f"{cell(r, 'sync_ms')} | {cell(r, 'events_ms')} | {cell(r, 'host_ms')} | {r['weight_GB']:.3g} |")
     return "\n".join(lines)
 
 
@@ -514,7 +675,13 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=None, help="timed steps (default 100, --quick 20)")
     p.add_argument("--floor-tbps", type=float, default=4.3, help="read bandwidth for the FP4 bytes floor (TB/s)")
     p.add_argument("--batches", type=ints, default=None, help="--hf batch sizes (default 1,4,16)")
-    p.add_argument("--hf-variants", type=names(("bf16", "w4a16", "w4a4")), default=["bf16", "w4a16", "w4a4"])
+    p.add_argument("--hf-variants", type=names(("bf16", "int4", "w4a16", "w4a4")),
+                   default=["bf16", "int4", "w4a16", "w4a4"],
+                   help="int4: torch's _weight_int4pack_mm, group 128 (the peer; CUDA only)")
+    p.add_argument("--hf-generate", type=names(GENERATES), default=list(GENERATES),
+                   help="--hf: whole generations timed (model.generate, nvfp4_gemv.generate eager step / compiled step)")
+    p.add_argument("--hf-host-profile", type=int, default=0, metavar="STEPS",
+                   help="--hf: cProfile STEPS synced decode steps and print the top functions by own time")
     p.add_argument("--hf-capture", choices=("compile", "graph"), default="compile")
     p.add_argument("--hf-profile", type=int, default=0, metavar="STEPS",
                    help="--hf: after timing, profile STEPS more decode steps (torch.profiler) and print the top kernels")
