@@ -1,0 +1,230 @@
+"""``nvfp4_gemv.generate``: the tokens of ``model.generate(..., cache_implementation="static")`` (greedy), EOS
+and padding as it does them, sampling options, bad arguments named; on a GPU the step replayed from one
+CUDA graph (no fallback, no sync inside a step)."""
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import nvfp4_gemv  # noqa: E402
+from nvfp4_gemv import generate, quantize_model  # noqa: E402
+
+VOCAB = 512
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def tiny_llama(layers=2, device="cpu", seed=0, dtype=torch.bfloat16):
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, pad_token_id=0,
+                      bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).to(dtype).to(device).eval()
+
+
+def variant(name, device="cpu"):
+    m = tiny_llama(device=device)
+    if name == "w4a16":
+        quantize_model(m)
+    elif name == "w4a16-fused":
+        quantize_model(m, fuse=True)
+    elif name == "w4a16-fused-packed":
+        quantize_model(m, fuse=True, pack=True)
+    return m
+
+
+def prompt(batch, length, device="cpu", seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (batch, length), generator=g).to(device)
+
+
+def hf(model, ids, n, **kw):
+    return model.generate(ids, max_new_tokens=n, do_sample=False, cache_implementation="static",
+                          disable_compile=True, **kw)
+
+
+@pytest.mark.parametrize("name", ["bf16", "w4a16", "w4a16-fused"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_tokens_are_model_generates(name, batch):
+    m = variant(name)
+    ids = prompt(batch, 7)
+    want = hf(m, ids, 10)
+    got = generate(m, ids, 10)
+    assert got.dtype == torch.long and got.shape == want.shape == (batch, 17)
+    assert torch.equal(got, want)
+
+
+def test_rows_after_their_eos_are_padded_and_the_result_stops_where_the_last_row_ended():
+    m = variant("w4a16")
+    ids = prompt(3, 5)
+    free = hf(m, ids, 12)
+    eos = int(free[0, 5 + 2])  # row 0 emits it at its third new token; other rows later or never
+    want = hf(m, ids, 12, eos_token_id=eos, pad_token_id=7)
+    got = generate(m, ids, 12, eos_token_id=eos, pad_token_id=7, sync_every=2)
+    assert torch.equal(got, want)
+    assert (got[0, 5 + 3:] == 7).all()
+
+
+def test_all_rows_ending_early_shortens_the_result_as_generate_does():
+    m = variant("bf16")
+    ids = prompt(2, 4)
+    free = hf(m, ids, 12)
+    eos = [int(free[0, 4 + 1]), int(free[1, 4 + 3])]
+    want = hf(m, ids, 12, eos_token_id=eos, pad_token_id=0)
+    got = generate(m, ids, 12, eos_token_id=eos, pad_token_id=0, sync_every=3)
+    assert got.shape[1] < 4 + 12 and torch.equal(got, want)
+
+
+def test_eos_from_the_generation_config_is_used_when_none_is_given():
+    m = variant("bf16")
+    ids = prompt(1, 4)
+    eos = int(hf(m, ids, 8)[0, 4 + 2])
+    m.generation_config.eos_token_id = eos
+    got = generate(m, ids, 8)
+    assert got.shape[1] == 4 + 3 and int(got[0, -1]) == eos
+
+
+def test_zero_new_tokens_returns_the_prompt():
+    m = variant("bf16")
+    ids = prompt(2, 3)
+    assert torch.equal(generate(m, ids, 0), ids)
+
+
+def test_sampling_is_reproducible_under_a_seed_and_varies_without_one():
+    m = variant("w4a16")
+    ids = prompt(2, 4)
+    kw = dict(do_sample=True, temperature=1.5, top_k=50, top_p=0.95)
+    torch.manual_seed(3)
+    a = generate(m, ids, 12, **kw)
+    torch.manual_seed(3)
+    b = generate(m, ids, 12, **kw)
+    torch.manual_seed(4)
+    c = generate(m, ids, 12, **kw)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_p=1e-6), dict(temperature=1e-4)])
+def test_sampling_that_leaves_one_token_is_greedy(kw):
+    m = tiny_llama(dtype=torch.float32)  # (bf16 logits tie often enough that top-k 1 keeps two)
+    ids = prompt(2, 4)
+    assert torch.equal(generate(m, ids, 8, do_sample=True, **kw), generate(m, ids, 8))
+
+
+def test_top_k_and_top_p_keep_the_tokens_generate_keeps():
+    from nvfp4_gemv.generation import _select
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 64)
+    probs = logits.softmax(-1)
+    for _ in range(20):
+        tok = _select(logits, True, 1.0, 5, None)
+        assert (tok[:, None] == logits.topk(5, -1).indices).any(-1).all()
+        tok = _select(logits, True, 1.0, None, 0.5)
+        srt = probs.sort(-1, descending=True)
+        need = (srt.values.cumsum(-1) < 0.5).sum(-1) + 1  # the smallest set reaching 0.5
+        rank = (srt.indices == tok[:, None]).float().argmax(-1)
+        assert (rank < need).all()
+
+
+@pytest.mark.parametrize("kw, arg", [
+    (dict(input_ids=torch.ones(2, 3)), "input_ids"),
+    (dict(input_ids=torch.ones(3, dtype=torch.long)), "input_ids"),
+    (dict(input_ids=torch.ones(2, 0, dtype=torch.long)), "input_ids"),
+    (dict(input_ids=[[1, 2]]), "input_ids"),
+    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(max_new_tokens=2.0), "max_new_tokens"),
+    (dict(temperature=0.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(eos_token_id="2"), "eos_token_id"),
+    (dict(eos_token_id=[1, -1]), "eos_token_id"),
+    (dict(pad_token_id=-3), "pad_token_id"),
+    (dict(sync_every=0), "sync_every"),
+    (dict(do_sample="yes"), "do_sample"),
+])
+def test_bad_arguments_are_named(kw, arg):
+    m = variant("bf16")
+    args = dict(input_ids=prompt(1, 3), max_new_tokens=2)
+    args.update(kw)
+    with pytest.raises((TypeError, ValueError), match=f"generate: '{arg}'"):
+        generate(m, args.pop("input_ids"), args.pop("max_new_tokens"), **args)
+
+
+def test_a_model_that_is_not_a_module_is_named():
+    with pytest.raises(TypeError, match="generate: 'model'"):
+        generate(object(), prompt(1, 3), 2)
+
+
+def test_compiled_step_gives_the_same_tokens():
+    m = tiny_llama(layers=1)
+    quantize_model(m, fuse=True)
+    ids = prompt(2, 5)
+    assert torch.equal(generate(m, ids, 6, compile=True), hf(m, ids, 6))
+
+
+def test_it_is_exported():
+    assert nvfp4_gemv.generate is generate and "generate" in nvfp4_gemv.__all__
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU: the step in one CUDA graph
+# ----------------------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("name", ["bf16", "w4a16-fused-packed", "w4a16"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_gpu_greedy_from_a_graph_is_model_generates(name, batch):
+    m = variant(name, "cuda")
+    ids = prompt(batch, 9, "cuda")
+    want = hf(m, ids, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the capture's fallback warns: it must not happen
+        got = generate(m, ids, 16)
+    assert torch.equal(got, want)
+
+
+@gpu
+def test_gpu_tokens_after_the_second_are_graph_replays_with_no_sync_between():
+    m = variant("w4a16-fused-packed", "cuda")
+    ids = prompt(2, 5, "cuda")
+    replays, syncs = [], []
+    orig_replay, orig_all = torch.cuda.CUDAGraph.replay, torch.Tensor.all
+    torch.cuda.CUDAGraph.replay = lambda self: replays.append(1) or orig_replay(self)
+    torch.Tensor.all = lambda self, *a, **k: syncs.append(1) or orig_all(self, *a, **k)  # the EOS check
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no eager fallback: a sync inside the step would fail its capture
+            out = generate(m, ids, 12, eos_token_id=[9999 % VOCAB], sync_every=5)
+    finally:
+        torch.cuda.CUDAGraph.replay, torch.Tensor.all = orig_replay, orig_all
+    # prefill (token 1) and one eager step (token 2), then 10 replays; the host looked twice (after 5, 10)
+    assert len(replays) == 10 and len(syncs) <= 3 and out.shape[1] <= 5 + 12
+
+
+@gpu
+def test_gpu_eos_and_sampling_in_the_graph():
+    m = variant("w4a16-fused-packed", "cuda")
+    ids = prompt(3, 5, "cuda")
+    free = hf(m, ids, 14)
+    eos = int(free[1, 5 + 4])
+    assert torch.equal(generate(m, ids, 14, eos_token_id=eos, pad_token_id=3, sync_every=4),
+                       hf(m, ids, 14, eos_token_id=eos, pad_token_id=3))
+    torch.manual_seed(5)
+    a = generate(m, ids, 10, do_sample=True, top_k=40, top_p=0.9, temperature=0.8)
+    torch.manual_seed(5)
+    b = generate(m, ids, 10, do_sample=True, top_k=40, top_p=0.9, temperature=0.8)
+    assert torch.equal(a, b)
+
+
+@gpu
+def test_gpu_compiled_step_in_the_graph_gives_the_same_tokens():
+    m = variant("w4a16-fused-packed", "cuda")
+    ids = prompt(2, 5, "cuda")
+    assert torch.equal(generate(m, ids, 10, compile=True), hf(m, ids, 10))
+
