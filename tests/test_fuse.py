@@ -502,3 +502,28 @@ def test_gpu_a_block_fused_on_the_cpu_then_moved_keeps_one_copy_and_its_results(
         got = [getattr(fused, n)(xg).cpu() for n in parts]
     for name, g, w in zip(parts, got, want):
         assert ulps(g, w) <= 1, name
+
+
+@pytest.mark.parametrize("how", ["setattr", "assign", "mode"])
+def test_under_compile_a_change_after_compiling_ends_the_group_and_is_used(how):
+    # compiled code does not check the parts' buffers each call: the change itself ends the group (or
+    # re-chooses the path), and the compiled forward is guarded on the path chosen
+    plain, fused = pair()
+    f = torch.compile(fused, fullgraph=True, backend="eager")
+    x = x_of(2)
+    assert torch.equal(f(x), plain(x))
+    sd = {k: v.clone() for k, v in plain.state_dict().items()}
+    sd["v_proj.weight"] = torch.flip(sd["v_proj.weight"], dims=[0]).contiguous()
+    with pytest.warns(UserWarning, match="no longer fused"):
+        if how == "setattr":
+            fused.v_proj.weight = sd["v_proj.weight"]
+        elif how == "assign":
+            fused.load_state_dict(sd, assign=True)
+        else:  # one part's mode changed: one GEMV cannot serve the group
+            fused.k_proj.mode = "w4a4"
+            f(x)
+    if how == "mode":
+        plain.k_proj.mode = "w4a4"
+    else:
+        plain.load_state_dict(sd)
+    assert torch.equal(f(x), plain(x))
