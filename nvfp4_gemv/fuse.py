@@ -63,6 +63,8 @@ class Siblings:
             self.bounds.append((lo, lo + p.out_features))
             lo += p.out_features
         self.full = (1 << len(self.parts)) - 1
+        self.sizes = tuple(p.out_features for p in self.parts)
+        self._outs = None
         self.active = True
         self._x = self._out = None
         self._seen, self._version = 0, 0
@@ -89,10 +91,11 @@ class Siblings:
         it again), with one warning, also while torch.compile traces."""
         if self.active:
             self.active = False
-            self._x = self._out = None
+            self._x = self._out = self._outs = None
             self._seen = 0
-            for p in self.parts:
-                p._choose()  # each part's own GEMV from now on
+            if not torch.compiler.is_compiling():  # (while tracing, take() sees active is False instead)
+                for p in self.parts:
+                    p._choose()  # each part's own GEMV from now on
             msg = f"nvfp4_gemv: {self.name}: no longer fused ({why}); each module now runs its own GEMV"
             if torch.compiler.is_compiling():
                 from torch._dynamo.comptime import comptime
@@ -101,25 +104,41 @@ class Siblings:
             else:
                 warnings.warn(msg, stacklevel=3)
 
-    def take(self, part, x, x2):
-        """``part``'s output rows for ``x2`` [R, in] (``x`` reshaped; the round is keyed by the ``x``
-        object the model passed) from the group's one GEMV, or None when the group is no longer active
-        (the caller then computes alone).
+    def take(self, part, x, x2, i):
+        """``part`` (the group's ``i``-th)'s output rows for ``x2`` [R, in] (``x`` reshaped; the round is
+        keyed by the ``x`` object the model passed) from the group's one GEMV, or None when the group is
+        no longer active (the caller then computes alone).
 
         Eager, every call checks that the group still holds what it fused (buffers by identity, modes,
-        device, the input's version). Traced by torch.compile, those checks would each become a dynamo guard
-        checked on every call of the compiled model (dozens a group): there the group relies on what ends
-        it eagerly (a buffer replaced through ``setattr`` or a load dissolves it and re-chooses the parts'
-        path, which the compiled code is guarded on) and checks only that its parts run one kernel."""
-        i = part._sibling_index
+        device, the input's version, the order of calls). Traced by torch.compile, each such check would
+        become dynamo guards evaluated on every call of the compiled model (dozens a group): there the
+        group relies on what ends it eagerly (a buffer replaced through ``setattr`` or a load dissolves
+        it and re-chooses the parts' path, on which the compiled code is guarded), computes a new product
+        for each round (as eagerly, a pattern that does not fit ends the group) and checks only that its
+        parts run one kernel. ``i`` comes with the part's path function (``linear._PART_RUNS``), so that
+        reading it costs no guard."""
         owner = self.owner
-        if not torch.compiler.is_compiling():
-            why = self._why_not_now(part, x, x2)
-            if why is not None:
-                self.dissolve(why)
+        if torch.compiler.is_compiling():
+            if not self.active:  # dissolved while tracing: the parts keep this path, computing alone
                 return None
-        elif part._kernel is not owner._kernel:
-            self.dissolve("its modules' modes differ")
+            if part is not owner and part._kernel is not owner._kernel:
+                self.dissolve("its modules' modes differ")
+                return None
+            if self._x is not x or self._seen & (1 << i):
+                if self._seen:
+                    self.dissolve("its modules were not each called once on one input before another input came")
+                    return None
+                self._x, self._seen = x, 0
+                self._outs = torch.split(owner._product(x2, fused=True), self.sizes, dim=1)
+            outs = self._outs
+            self._seen |= 1 << i
+            if self._seen == self.full:  # every part took its columns: keep nothing between forwards
+                self._x = self._outs = None
+                self._seen = 0
+            return outs[i]
+        why = self._why_not_now(part, x, x2)
+        if why is not None:
+            self.dissolve(why)
             return None
         bit = 1 << i
         if self._x is not x or self._seen & bit:
@@ -127,8 +146,7 @@ class Siblings:
                 self.dissolve("its modules were not each called once on one input before another input came")
                 return None
             self._x, self._seen = x, 0
-            if not torch.compiler.is_compiling():
-                self._version = x._version
+            self._version = x._version
             self._out = owner._product(x2, fused=True)
         self._seen |= bit
         lo, hi = self.bounds[i]
@@ -191,6 +209,10 @@ def _groups(model, groups):
 
 def _compatible(parts):
     """Why one GEMV cannot serve these parts (metadata only), or None."""
+    from .linear import _PART_RUNS
+
+    if len(parts) > len(_PART_RUNS):
+        return f"more than {len(_PART_RUNS)} parts"
     first = parts[0]
     for m in parts[1:]:
         if m.in_features != first.in_features:

@@ -282,7 +282,7 @@ class NVFP4Linear(torch.nn.Module):
         d["_kernel"] = kernel
         sib = d.get("_siblings")
         if sib is not None and sib.active:
-            d["_run"] = _run_part
+            d["_run"] = _PART_RUNS[self._sibling_index]
         else:
             d["_run"] = _run_alone_bias if self._buffers.get("bias") is not None else _run_alone
 
@@ -510,13 +510,20 @@ def _run_alone_bias(mod, x):
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _run_part(mod, x):
-    """A fused group's part (``nvfp4_gemv.fuse``): its columns of the group's one GEMV."""
-    x2 = _rows(x)
-    out = mod._siblings.take(mod, x, x2) if x2.shape[0] else None
-    if out is None:  # the group ended (its path is re-chosen), or no rows
-        out = mod._product(x2)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+def _part_run(i):
+    def run(mod, x):
+        """A fused group's ``i``-th part (``nvfp4_gemv.fuse``): its columns of the group's one GEMV."""
+        x2 = _rows(x)
+        out = mod._siblings.take(mod, x, x2, i) if x2.shape[0] else None
+        if out is None:  # the group ended (its path is re-chosen), or no rows
+            out = mod._product(x2)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+    run.__name__ = run.__qualname__ = f"_run_part{i}"
+    return run
+
+
+# one function a part's index: the index is known from which function runs (no guard on an attribute)
+_PART_RUNS = tuple(_part_run(i) for i in range(16))
 
 
 def _kernel_w4a16(mod, x2, fused):
