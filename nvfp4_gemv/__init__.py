@@ -9,7 +9,7 @@ repository's ``submission.py`` is that module and the ones it imports, stitched 
 leaderboard by tools/gen_submission.py).
 
 For models: ``quantize`` (NVFP4 activations, ``nvfp4_gemv.quant``), ``NVFP4Linear`` and ``quantize_model``
-(``nvfp4_gemv.linear``), ``fuse_linears`` (one GEMV for q/k/v and for gate/up, ``nvfp4_gemv.fuse``), ``save_modelopt`` / ``load_modelopt`` (NVIDIA ModelOpt NVFP4 checkpoints in the
+(``nvfp4_gemv.linear``), ``NVFP4Experts`` (a MoE layer's routed experts, ``nvfp4_gemv.experts``), ``fuse_linears`` (one GEMV for q/k/v and for gate/up, ``nvfp4_gemv.fuse``), ``save_modelopt`` / ``load_modelopt`` (NVIDIA ModelOpt NVFP4 checkpoints in the
 Hugging Face layout, ``nvfp4_gemv.modelopt``; needs the ``hf`` extra: safetensors, transformers), ``generate``
 (decoding with the whole step in one CUDA graph, ``nvfp4_gemv.generation``).
 ``from_pretrained`` builds the model of an NVFP4 checkpoint folder (ModelOpt or compressed-tensors) on the
@@ -21,6 +21,7 @@ transformers' ``AutoModelForCausalLM.from_pretrained`` does the same for ModelOp
 from . import hf_quantizer as _hf_quantizer
 from .awq import PreScaledNVFP4Linear
 from .checkpoint import CheckpointError
+from .experts import NVFP4Experts, calibrate_expert_input_scales
 from .fuse import fuse_linears
 from .generation import generate
 from .leaderboard import check_inputs, custom_kernel
@@ -32,7 +33,7 @@ from .packed import pack_weight, unpack_weight
 from .quant import dequantize, quantize, quantize_reference, quantize_weight
 from .reference import gemv_reference, swizzled_scale_shape
 
-__all__ = ["CheckpointError", "NVFP4Linear", "PreScaledNVFP4Linear", "calibrate_input_scales", "check_inputs",
+__all__ = ["CheckpointError", "NVFP4Experts", "NVFP4Linear", "PreScaledNVFP4Linear", "calibrate_expert_input_scales", "calibrate_input_scales", "check_inputs",
            "custom_kernel", "dequantize", "from_pretrained", "fuse_linears", "gemv", "gemv_packed", "gemv_reference", "generate",
            "input_scale_from", "load_modelopt", "pack_weight", "quantize", "quantize_model", "quantize_reference",
            "quantize_weight", "save_modelopt", "swizzled_scale_shape", "unpack_weight"]

@@ -32,6 +32,7 @@ import warnings
 import torch
 
 from .checkpoint import INDEX, Checkpoint, CheckpointError, check_folder, read_json
+from .experts import NVFP4Experts, plan_experts
 from .linear import NVFP4Linear, name_matches
 
 QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4", "NVFP4_AWQ")
@@ -304,6 +305,8 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
         keys -= set(kv_ignored)
 
     modules = dict(model.named_modules(remove_duplicate=False))
+    moe = plan_experts(modules, keys, ckpt.entries, cfg, mode, "load_modelopt")  # MoE experts' per-expert tensors
+    keys -= {k for fields in moe.values() for k, _ in fields.values()}
     # a quantized layer: one with a weight_scale, a weight_scale_2 or a uint8 weight (so that a layer that lacks
     # one of its tensors is reported as lacking it, not as tensors with no place)
     ckpt_quant = {k.rpartition(".")[0] for k in keys if k.rpartition(".")[2] in ("weight_scale", "weight_scale_2")
@@ -317,7 +320,7 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
     plans = _plan_quantized(modules, ckpt_quant)
 
     # which checkpoint keys the quantized modules claim, and where each is loaded
-    devices, claimed = {}, set()
+    devices, claimed = {k: fields.device for fields in moe.values() for k, _ in fields.values()}, set()
     for kind, name, prefixes in plans:
         if kind == "split":
             dev = _device(modules[prefixes[0]].weight)
@@ -332,7 +335,7 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
                     claimed.add(f"{p}.{s}")
 
     # everything else: the model's tensors by name, less those of the modules being replaced
-    replaced = set()
+    replaced = {o for name, fields in moe.items() for o in fields.owners(name)}
     for kind, name, prefixes in plans:
         replaced.update(prefixes if kind == "split" else [name])
     model_state = model.state_dict(keep_vars=True)
@@ -434,7 +437,7 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
             _fail(f"tensor '{k}': dtype {src.dtype} in the checkpoint, {t.dtype} in the model")
 
     # quantized: build every replacement (validates them) before touching the model
-    replacements = []
+    replacements = [(name, [], fields.build(name, tensors, mode, "load_modelopt")) for name, fields in moe.items()]
     for kind, name, prefixes in plans:
         if kind == "one":
             lin = modules[name]
@@ -515,7 +518,7 @@ def save_modelopt(model, path, max_shard_bytes=None, overwrite=False):
     :return: ``path``."""
     from safetensors.torch import save_file
 
-    quantized = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4Linear)]
+    quantized = [(n, m) for n, m in model.named_modules() if isinstance(m, (NVFP4Linear, NVFP4Experts))]
     if not quantized:
         raise ValueError("save_modelopt: 'model' has no NVFP4Linear (quantize_model(model) first)")
     with_scale = [m.input_scale is not None for _, m in quantized]

@@ -1,0 +1,616 @@
+"""``NVFP4Experts``: a mixture-of-experts layer's routed experts in NVFP4, a drop-in for transformers 5.x's
+experts modules (``Qwen3MoeExperts``, ``Qwen2MoeExperts``, ``MixtralExperts``, ``DeepseekV3Experts``: 3-d
+``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], SwiGLU-style ``act_fn(gate) * up``), and what
+``quantize_model``, ``save_modelopt``, ``load_modelopt`` and ``from_pretrained`` need to handle them.
+
+The contract is transformers': ``forward(hidden_states [T, H], top_k_index [T, k] integer, top_k_weights
+[T, k] floating) -> [T, H]`` in hidden_states' dtype, the routing weights multiplied inside (the router
+and shared experts stay outside, as they are). A slot whose index is not in [0, E) adds nothing
+(transformers' eager loop skips index E, its expert-parallel sentinel); duplicates add twice.
+
+Storage (buffers; ModelOpt's tensors stacked over the experts, gate and up rows concatenated as in
+``gate_up_proj``): ``gate_up_weight`` uint8 [E, 2I, H/2] (two e2m1 codes a byte, the first in the low
+nibble), ``gate_up_weight_scale`` float8_e4m3fn [E, 2I, H/16], ``gate_up_weight_scale_2`` fp32 [E] (one
+global scale an expert, shared by its gate and up rows), ``gate_up_input_scale`` fp32 [E] or None (mode
+"w4a4"); ``down_weight`` [E, H, I/2], ``down_weight_scale`` [E, H, I/16], ``down_weight_scale_2`` [E],
+``down_input_scale`` [E] or None. The state_dict holds ModelOpt's per-expert names instead:
+``{e}.gate_proj.weight`` (rows 0..I of expert e), ``{e}.up_proj.weight`` (rows I..2I), ``{e}.down_proj.weight``,
+each with ``weight_scale``, ``weight_scale_2`` and ``input_scale`` (the shared scalars written under both
+names); loaders also take Mixtral's ``w1`` / ``w3`` / ``w2`` for gate / up / down.
+
+The forward is ``grouped_forward`` (one function: the GPU grouped kernel will take its place). With W_e
+the effective weight of expert e, ``dequantize(weight, weight_scale, alpha)`` rounded to x's dtype
+(alpha = ``weight_scale_2``; in mode "w4a4" ``input_scale * weight_scale_2``, x first replaced by
+``quantize_dequantized(x, 1 / input_scale)`` of its expert, exactly the W4A4 op's operand), each of the
+S = T*k slots (t, j), expert e = top_k_index[t, j], computes
+
+    g = x_t @ W_e(gate_up).T    (in x's dtype)     h = act_fn(g[:I]) * g[I:]    d = h @ W_e(down).T
+    out_t = sum_j fp32(d_j * top_k_weights[t, j])   (one fp32 sum over the slots of t, rounded to x's dtype)
+
+i.e. what a bf16 model whose expert weights are the dequantized values computes (``torch.bmm`` /
+``torch._grouped_mm`` round each product once). Sync-free (routing read on the device only), fixed shapes
+for a given T: capturable in a CUDA graph, no graph break under ``torch.compile(fullgraph=True)``.
+
+Cost of this fallback (the kernel's job is to remove it): below E slots ("slot path", decode), each slot
+gathers its expert's NVFP4 bytes and dequantizes them, so an expert hit by n slots is read and dequantized n
+times (fp32 temporaries of S x rows x K); from E slots on ("grouped path", prefill, x bf16), every expert is
+dequantized once and the slots, sorted by expert on the device, go through ``torch._grouped_mm``.
+
+Error bound (each product, against float64): |y - Y| <= ulp(y)/2 + K * 2^-24 * sum_k |x_k W_k| with Y the
+exact product with the rounded weights W (fp32 accumulation in any order), and |W - w| <= 2^-8 |w|
+(bf16; 2^-11 fp16) against the unrounded dequantized weight w; the combine within ulp/2 + k * 2^-24 *
+sum_j |d_j w_j|. tests/test_experts.py checks each stage against float64 on random cases.
+"""
+
+import re
+
+import torch
+
+from .linear import MODES, _X_DTYPES, name_matches
+from .quant import (BLOCK, E2M1_MAX, E4M3_MAX, _block_view, _e2m1_codes, _e4m3_bytes, _pack, dequantize, e2m1_decode,
+                    quantize_weight)
+
+PROJS = ("gate_proj", "up_proj", "down_proj")
+ALIASES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's checkpoint names
+FIELDS = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+_KEY = re.compile(r"^(?P<mod>.+)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_FORMAT_BUFFERS = tuple(f"{p}_{f}" for p in ("gate_up", "down") for f in FIELDS) + (
+    "_gate_up_alpha", "_down_alpha", "_gate_up_x_scale", "_down_x_scale")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The computation: one function, the GPU grouped kernel's place
+# ----------------------------------------------------------------------------------------------------
+
+
+def quantize_dequantized_rows(x, global_scale):
+    """``quantize_dequantized(x[r:r+1], global_scale[r])`` for every row r at once (``nvfp4_gemv.quant``'s
+    steps with a per-row global scale): x [R, K] bf16/fp16, global_scale fp32 [R] -> [R, K] in x's dtype."""
+    r, k = x.shape
+    xf = x.to(torch.float32)
+    gs = global_scale.to(torch.float32).reshape(r, 1, 1)
+    six = torch.full((), E2M1_MAX, dtype=torch.float32, device=x.device)
+    scale = _e4m3_bytes((_block_view(xf).abs().amax(dim=-1, keepdim=True) * gs) / six)
+    sd = scale.view(torch.float8_e4m3fn).to(torch.float32)
+    q = (_block_view(xf) * gs) / sd
+    q = torch.where(sd == 0, torch.zeros((), dtype=q.dtype, device=q.device), q).reshape(r, k)
+    return dequantize(_pack(_e2m1_codes(q, torch.signbit(x))), scale.reshape(r, k // BLOCK)
+                      .view(torch.float8_e4m3fn)).to(x.dtype)
+
+
+def _weights(w, ws, alpha, dtype):
+    """``dequantize(w, ws) * alpha`` (fp32, the same operations as ``quant.dequantize`` with a scale_2)
+    rounded to ``dtype``: w [P, N, K/2], ws [P, N, K/16], alpha [P] -> [P, N, K]. Bytes decode through a
+    256-entry table of value pairs made on the device (``e2m1_decode`` of every byte; no host copy)."""
+    p, n, half = w.shape
+    pairs = e2m1_decode(torch.arange(256, dtype=torch.uint8, device=w.device).reshape(1, 256)).reshape(256, 2)
+    v = pairs[w.long()].reshape(p, n, 2 * half // BLOCK, BLOCK) * ws.to(torch.float32).unsqueeze(-1)
+    return (v.reshape(p, n, 2 * half) * alpha.reshape(p, 1, 1)).to(dtype)
+
+
+def _products(xs, ids, route, w, ws, alpha, x_scale):
+    """Each slot's row of xs times its expert's weight: [S, K] -> [S, N] in xs' dtype."""
+    if x_scale is not None:  # mode w4a4: x on the NVFP4 grid of its expert's input scale
+        xs = quantize_dequantized_rows(xs, x_scale[ids])
+    if route is None:  # slot path: each slot's expert gathered and dequantized
+        return torch.bmm(_weights(w[ids], ws[ids], alpha[ids], xs.dtype), xs.unsqueeze(-1)).squeeze(-1)
+    order, offs, inverse = route  # grouped path: every expert once, slots sorted by expert
+    y = torch._grouped_mm(xs[order], _weights(w, ws, alpha, xs.dtype).transpose(1, 2), offs=offs)
+    return y[inverse]
+
+
+def grouped_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
+    """The experts' output for tokens ``x`` [T, H] routed by ``top_k_index`` / ``top_k_weights`` [T, k]
+    (the module docstring's formula and bound). ``gate_up`` and ``down``: ``(weight uint8 [E, N, K/2],
+    weight_scale e4m3 [E, N, K/16], alpha fp32 [E], x_scale fp32 [E] or None)``, alpha the product's scale
+    (``weight_scale_2``, times ``input_scale`` in mode w4a4), x_scale the global scale x is quantized with
+    (``1 / input_scale``; None: x as it is). No host sync; inputs are not validated here (``NVFP4Experts``
+    does, from metadata). A GPU grouped kernel replaces this function, same arguments and result."""
+    t, h = x.shape
+    k = top_k_index.shape[1]
+    e = gate_up[0].shape[0]
+    if t * k == 0:
+        return x.new_zeros((t, h))
+    ids = top_k_index.reshape(-1)
+    valid = (ids >= 0) & (ids < e)
+    ids = torch.where(valid, ids, torch.zeros((), dtype=ids.dtype, device=ids.device)).long()
+    route = None
+    if t * k >= e and x.dtype == torch.bfloat16:  # dequantize every expert once: the grouped path
+        key = torch.where(valid, ids, torch.full((), e, dtype=ids.dtype, device=ids.device))
+        order = torch.argsort(key, stable=True)
+        offs = torch.searchsorted(key[order], torch.arange(e, device=ids.device), right=True).to(torch.int32)
+        route = (order, offs, torch.argsort(order))
+    xs = x.unsqueeze(1).expand(t, k, h).reshape(t * k, h)
+    g = _products(xs, ids, route, *gate_up)
+    i = g.shape[1] // 2
+    d = _products(act_fn(g[:, :i]) * g[:, i:], ids, route, *down)
+    c = d.to(torch.float32) * top_k_weights.reshape(-1, 1).to(torch.float32)
+    c = torch.where(valid.unsqueeze(1), c, torch.zeros((), dtype=c.dtype, device=c.device))
+    return c.reshape(t, k, h).sum(dim=1).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The module
+# ----------------------------------------------------------------------------------------------------
+
+
+def is_experts_module(m):
+    """Whether ``m`` is a transformers experts module this one replaces: 3-d ``gate_up_proj`` [E, 2I, H] and
+    ``down_proj`` [E, H, I] parameters (concatenated gate/up, not transposed, no biases) and an ``act_fn``."""
+    gu, dn = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+    if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor) or gu.dim() != 3 or dn.dim() != 3:
+        return False
+    if getattr(m, "is_transposed", False) or getattr(m, "has_bias", False) or not getattr(m, "has_gate", True) \
+            or not getattr(m, "is_concatenated", True) or not callable(getattr(m, "act_fn", None)):
+        return False
+    e, two_i, h = gu.shape
+    return two_i % 2 == 0 and tuple(dn.shape) == (e, h, two_i // 2)
+
+
+def _fail(exc, fn, what, expected, got):
+    raise exc(f"{fn}: {what}: expected {expected}, got {got}")
+
+
+class NVFP4Experts(torch.nn.Module):
+    """A MoE layer's routed experts in NVFP4 (module docstring: storage, state_dict names, forward, cost,
+    bound). Attributes as transformers' experts: ``num_experts``, ``hidden_dim``, ``intermediate_dim``,
+    ``act_fn``; and ``mode`` ("w4a16" or "w4a4"). Build with ``from_experts`` (quantize a transformers
+    experts module: NVIDIA's recipe an expert, gate and up with one global scale) or ``from_modelopt`` (a
+    checkpoint's per-expert tensors); the constructor makes zero-filled buffers (for ``load_state_dict``).
+    The device scalars forward reads (alpha, 1 / input_scale) are computed on construction, a load, a mode
+    change or a reassignment of a scale buffer, on the device (not after an in-place edit of one)."""
+
+    def __init__(self, num_experts, hidden_dim, intermediate_dim, act_fn=None, mode="w4a16", input_scale=False,
+                 device=None):
+        super().__init__()
+        fn = "NVFP4Experts"
+        if mode not in MODES:
+            _fail(ValueError, fn, "'mode'", f"one of {MODES}", repr(mode))
+        for name, v in (("hidden_dim", hidden_dim), ("intermediate_dim", intermediate_dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % BLOCK:
+                _fail(ValueError, fn, f"'{name}'", f"a positive multiple of {BLOCK}", repr(v))
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
+            _fail(ValueError, fn, "'num_experts'", "a positive int", repr(num_experts))
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
+        self.act_fn = act_fn if act_fn is not None else torch.nn.SiLU()
+        self.__dict__["_mode"] = mode
+        e, h, i, kw = num_experts, hidden_dim, intermediate_dim, dict(device=device)
+        for p, rows, k in (("gate_up", 2 * i, h), ("down", h, i)):
+            self.register_buffer(f"{p}_weight", torch.zeros(e, rows, k // 2, dtype=torch.uint8, **kw))
+            self.register_buffer(f"{p}_weight_scale", torch.zeros(e, rows, k // BLOCK, dtype=torch.float8_e4m3fn, **kw))
+            self.register_buffer(f"{p}_weight_scale_2", torch.ones(e, dtype=torch.float32, **kw))
+            self.register_buffer(f"{p}_input_scale", torch.ones(e, dtype=torch.float32, **kw) if input_scale else None)
+            self.register_buffer(f"_{p}_alpha", None, persistent=False)
+            self.register_buffer(f"_{p}_x_scale", None, persistent=False)
+        self._refresh()
+
+    @property
+    def mode(self):
+        return self._mode
+
+    @mode.setter
+    def mode(self, value):
+        if value not in MODES:
+            _fail(ValueError, "NVFP4Experts", "'mode'", f"one of {MODES}", repr(value))
+        self.__dict__["_mode"] = value
+        self._refresh()
+
+    @property
+    def input_scale(self):
+        """The gate/up input scales [E] (None: weight-only): ``save_modelopt`` picks quant_algo from it."""
+        return self.gate_up_input_scale
+
+    def _refresh(self):
+        """alpha and 1 / input_scale of both matrices, on the device (no sync)."""
+        if "_mode" not in self.__dict__:
+            return
+        with torch.no_grad():
+            for p in ("gate_up", "down"):
+                s, ws2 = self._buffers[f"{p}_input_scale"], self._buffers[f"{p}_weight_scale_2"]
+                w4a4 = self._mode == "w4a4" and s is not None
+                self._buffers[f"_{p}_alpha"] = s * ws2 if w4a4 else ws2
+                self._buffers[f"_{p}_x_scale"] = torch.ones_like(s) / s if w4a4 else None
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name in _FORMAT_BUFFERS[:8] and "_mode" in self.__dict__:
+            self._refresh()
+
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype) / .half() convert floating buffers: the format's keep their dtype (moved only)
+        before = {n: b for n, b in self._buffers.items() if b is not None and n in _FORMAT_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        return self
+
+    def extra_repr(self):
+        return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim="
+                f"{self.intermediate_dim}, mode={self.mode!r}, input_scale="
+                f"{'yes' if self.gate_up_input_scale is not None else 'no'}")
+
+    def _why_not_packable(self):  # (the loaders ask every quantized module)
+        return "NVFP4Experts has no packed layout"
+
+    # -- construction --------------------------------------------------------------------------------
+
+    @classmethod
+    def from_experts(cls, experts, mode="w4a16", input_scales=None):
+        """Quantizes a transformers experts module (``is_experts_module``) with NVIDIA's recipe
+        (``quantize_weight``) an expert: gate and up rows together (one ``weight_scale_2``), down alone.
+        ``input_scales``: ``(gate_up [E], down [E])`` fp32 tensors or None; required by mode "w4a4", kept in
+        either. Syncs once (the weights' finiteness)."""
+        fn = "NVFP4Experts.from_experts"
+        if not is_experts_module(experts):
+            _fail(TypeError, fn, "'experts'", "a transformers experts module (3-d gate_up_proj [E, 2I, H] and "
+                  "down_proj [E, H, I], act_fn, no bias, not transposed)", type(experts).__name__)
+        if mode not in MODES:
+            _fail(ValueError, fn, "'mode'", f"one of {MODES}", repr(mode))
+        gu, dn = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        e, two_i, h = gu.shape
+        if gu.device.type == "meta":
+            _fail(ValueError, fn, "'experts.gate_up_proj'", "a materialized tensor (it is quantized here)", "meta")
+        if mode == "w4a4" and input_scales is None:
+            _fail(ValueError, fn, "'input_scales'", "(gate_up [E], down [E]) for mode 'w4a4' (the global scales x "
+                  "is quantized with: calibrate_expert_input_scales)", None)
+        if not bool(torch.isfinite(gu).all() & torch.isfinite(dn).all()):
+            _fail(ValueError, fn, "'experts'", "finite gate_up_proj and down_proj", "non-finite values")
+        mod = cls(e, h, two_i // 2, experts.act_fn, mode, input_scales is not None, gu.device)
+        with torch.no_grad():
+            for j in range(e):
+                for p, w in (("gate_up", gu[j]), ("down", dn[j])):
+                    q, s, ws2 = quantize_weight(w)
+                    mod._buffers[f"{p}_weight"][j].copy_(q)
+                    mod._buffers[f"{p}_weight_scale"][j].copy_(s)
+                    mod._buffers[f"{p}_weight_scale_2"][j].copy_(ws2)
+            if input_scales is not None:
+                for p, s in zip(("gate_up", "down"), input_scales):
+                    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (e,):
+                        _fail(ValueError, fn, f"'input_scales' ({p})", f"an fp32 tensor [{e}]",
+                              f"{getattr(s, 'dtype', type(s).__name__)} {tuple(getattr(s, 'shape', ()))}")
+                    mod._buffers[f"{p}_input_scale"].copy_(s)
+        mod._refresh()
+        return mod
+
+    @classmethod
+    def from_modelopt(cls, tensors, num_experts, hidden_dim, intermediate_dim, act_fn=None, mode="w4a16",
+                      names=None):
+        """A module from a checkpoint's per-expert tensors ``tensors`` ({"{e}.{gate_proj|up_proj|down_proj}.
+        {weight|weight_scale|weight_scale_2|input_scale}": tensor}, all on one device; meta tensors check
+        the metadata alone). Every expert needs its three matrices' weight, weight_scale and
+        weight_scale_2; input_scale everywhere or nowhere (required by mode "w4a4"); gate and up of an
+        expert one weight_scale_2 and one input_scale (compared: a sync). ``names`` maps these keys to the
+        checkpoint's, for messages. :raises KeyError, ValueError: naming the tensor."""
+        fn, names = "NVFP4Experts.from_modelopt", names or {}
+        e, h, i = num_experts, hidden_dim, intermediate_dim
+
+        def nm(key):
+            return names.get(key, key)
+
+        unknown = sorted(k for k in tensors if k.split(".", 1)[-1] not in {f"{p}.{f}" for p in PROJS for f in FIELDS}
+                         or not k.split(".")[0].isdigit() or int(k.split(".")[0]) >= e)
+        if unknown:
+            raise ValueError(f"{fn}: tensor '{nm(unknown[0])}': not a tensor of experts 0..{e - 1} "
+                             f"({', '.join(PROJS)}; {', '.join(FIELDS)})")
+        has_scale = [f"{j}.{p}.input_scale" in tensors for j in range(e) for p in PROJS]
+        if any(has_scale) and not all(has_scale):
+            k = next(f"{j}.{p}.input_scale" for j in range(e) for p in PROJS if f"{j}.{p}.input_scale" not in tensors)
+            raise KeyError(f"{fn}: missing tensor '{nm(k)}' (other experts have an input_scale)")
+        need = FIELDS if mode == "w4a4" else FIELDS[:3]
+        for j in range(e):
+            for p in PROJS:
+                for f in need:
+                    if f"{j}.{p}.{f}" not in tensors:
+                        why = " (mode 'w4a4' quantizes x with it; a weight-only checkpoint loads in mode 'w4a16')" \
+                            if f == "input_scale" else ""
+                        raise KeyError(f"{fn}: missing tensor '{nm(f'{j}.{p}.{f}')}'{why}")
+        dev = tensors["0.gate_proj.weight"].device
+        for key, t in tensors.items():
+            p, f = key.split(".")[1:]
+            rows, k = (h, i) if p == "down_proj" else (i, h)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{fn}: tensor '{nm(key)}': expected a torch.Tensor, got {type(t).__name__}")
+            want = {"weight": ((torch.uint8, torch.float4_e2m1fn_x2), [(rows, k // 2)]),
+                    "weight_scale": ((torch.float8_e4m3fn,), [(rows, k // BLOCK)])}.get(f, ((torch.float32,), [(), (1,)]))
+            if t.dtype not in want[0] or tuple(t.shape) not in want[1]:
+                raise ValueError(f"{fn}: tensor '{nm(key)}': expected {want[0][0]} of shape {want[1][0]}, got "
+                                 f"{t.dtype} {tuple(t.shape)}")
+            if t.device != dev:
+                raise ValueError(f"{fn}: tensor '{nm(key)}': expected a tensor on {dev}, got one on {t.device}")
+        if dev.type != "meta":
+            for f in ("weight_scale_2", "input_scale"):
+                if f"0.gate_proj.{f}" not in tensors:
+                    continue
+                g = torch.stack([tensors[f"{j}.gate_proj.{f}"].reshape(()) for j in range(e)])
+                u = torch.stack([tensors[f"{j}.up_proj.{f}"].reshape(()) for j in range(e)])
+                if not torch.equal(g, u):
+                    j = int((g != u).nonzero()[0, 0])
+                    raise ValueError(f"{fn}: tensors '{nm(f'{j}.gate_proj.{f}')}' and '{nm(f'{j}.up_proj.{f}')}' "
+                                     f"differ: the experts' gate and up rows share one {f} (ModelOpt exports them so)")
+        mod = cls(e, h, i, act_fn, mode, any(has_scale), "meta")
+        with torch.no_grad():
+            def rows(p, f):
+                return torch.stack([tensors[f"{j}.{p}.{f}"].view(torch.uint8) if f == "weight" else tensors[f"{j}.{p}.{f}"]
+                                    for j in range(e)])
+
+            for p, parts in (("gate_up", ("gate_proj", "up_proj")), ("down", ("down_proj",))):
+                mod._buffers[f"{p}_weight"] = torch.cat([rows(q, "weight") for q in parts], dim=1)
+                mod._buffers[f"{p}_weight_scale"] = torch.cat([rows(q, "weight_scale") for q in parts], dim=1)
+                for f in ("weight_scale_2", "input_scale"):
+                    if f"0.{parts[0]}.{f}" in tensors:
+                        mod._buffers[f"{p}_{f}"] = rows(parts[0], f).reshape(e).clone()
+        mod._refresh()
+        return mod
+
+    # -- state_dict: ModelOpt's per-expert names -----------------------------------------------------
+
+    def _entries(self):
+        """(state_dict name, buffer, expert, row slice) of every per-expert tensor, in ModelOpt's names."""
+        i = self.intermediate_dim
+        for j in range(self.num_experts):
+            for p, buf, sl in (("gate_proj", "gate_up", slice(0, i)), ("up_proj", "gate_up", slice(i, 2 * i)),
+                               ("down_proj", "down", slice(None))):
+                for f in FIELDS:
+                    yield f"{j}.{p}.{f}", f"{buf}_{f}", j, (sl if f in ("weight", "weight_scale") else None)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for key, buf, j, sl in self._entries():
+            t = self._buffers[buf]
+            if t is None:
+                continue
+            t = t if keep_vars else t.detach()
+            # rows: views; the scalars: a tensor each (gate and up share one, written under both names)
+            destination[prefix + key] = t[j, sl] if sl is not None else t[j].clone()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)
+                and not k[len(prefix):].startswith("act_fn.")}
+        entries = {key: rest for key, *rest in self._entries()}
+        unexpected_keys.extend(prefix + k for k in sorted(set(mine) - set(entries)))
+        if self.gate_up_input_scale is None and any(k.endswith(".input_scale") and k in entries for k in mine):
+            for p in ("gate_up", "down"):  # a checkpoint that has them
+                self._buffers[f"{p}_input_scale"] = torch.ones_like(self._buffers[f"{p}_weight_scale_2"])
+        copies, errors = [], []
+        for key, (buf, j, sl) in entries.items():
+            t = self._buffers[buf]
+            if t is None:
+                continue
+            src = mine.get(key)
+            if src is None:
+                missing_keys.append(prefix + key)
+                continue
+            src = src.view(torch.uint8) if src.dtype == torch.float4_e2m1fn_x2 else src
+            dst = t[j, sl] if sl is not None else t[j]
+            if src.dtype != t.dtype or (tuple(src.shape) != tuple(dst.shape) if sl is not None else src.numel() != 1):
+                errors.append(f"'{prefix}{key}': expected {t.dtype} {tuple(dst.shape) if sl is not None else '()'}, "
+                              f"got {src.dtype} {tuple(src.shape)}")
+                continue
+            copies.append((dst, src))
+        for f in ("weight_scale_2", "input_scale"):  # gate and up of an expert share these (a sync)
+            pairs = [(j, mine[f"{j}.gate_proj.{f}"], mine[f"{j}.up_proj.{f}"]) for j in range(self.num_experts)
+                     if f"{j}.gate_proj.{f}" in mine and f"{j}.up_proj.{f}" in mine]
+            if pairs and not errors:
+                g = torch.stack([a.reshape(()).to("cpu") for _, a, _ in pairs])
+                u = torch.stack([b.reshape(()).to("cpu") for _, _, b in pairs])
+                if not torch.equal(g, u):
+                    j = pairs[int((g != u).nonzero()[0, 0])][0]
+                    errors.append(f"'{prefix}{j}.gate_proj.{f}' and '{prefix}{j}.up_proj.{f}' differ: an expert's gate "
+                                  f"and up rows share one {f}")
+        if errors:
+            error_msgs.extend(f"NVFP4Experts {prefix or '<root>'}: {m}" for m in errors)
+            return
+        with torch.no_grad():
+            for dst, src in copies:
+                dst.copy_(src.reshape(dst.shape))
+        self._refresh()
+
+    # -- forward -------------------------------------------------------------------------------------
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        if not torch.compiler.is_compiling():
+            self._check(hidden_states, top_k_index, top_k_weights)
+        if self._mode == "w4a4" and self.gate_up_input_scale is None:
+            raise ValueError("NVFP4Experts: mode 'w4a4' needs input scales (None here): load or quantize with "
+                             "them, or use mode 'w4a16'")
+        return grouped_forward(hidden_states, top_k_index, top_k_weights,
+                               (self.gate_up_weight, self.gate_up_weight_scale, self._gate_up_alpha, self._gate_up_x_scale),
+                               (self.down_weight, self.down_weight_scale, self._down_alpha, self._down_x_scale),
+                               self.act_fn)
+
+    def _check(self, x, idx, w):
+        fn, dev = "NVFP4Experts.forward", self.gate_up_weight.device
+        for name, t in (("hidden_states", x), ("top_k_index", idx), ("top_k_weights", w)):
+            if not isinstance(t, torch.Tensor):
+                _fail(TypeError, fn, f"argument '{name}'", "a torch.Tensor", type(t).__name__)
+            if t.device != dev:
+                _fail(ValueError, fn, f"argument '{name}'", f"a tensor on {dev} (where the weights are)",
+                      f"one on {t.device}")
+        if x.dtype not in _X_DTYPES:
+            _fail(TypeError, fn, "argument 'hidden_states'", "dtype torch.bfloat16 or torch.float16", x.dtype)
+        if x.dim() != 2 or x.shape[1] != self.hidden_dim:
+            _fail(ValueError, fn, "argument 'hidden_states'", f"shape [tokens, {self.hidden_dim}] (hidden_dim)",
+                  tuple(x.shape))
+        if idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 2 or idx.shape[0] != x.shape[0]:
+            _fail(ValueError, fn, "argument 'top_k_index'", f"an int64 or int32 tensor [{x.shape[0]}, k]",
+                  f"{idx.dtype} {tuple(idx.shape)}")
+        if not w.is_floating_point() or tuple(w.shape) != tuple(idx.shape):
+            _fail(ValueError, fn, "argument 'top_k_weights'", f"a floating-point tensor of top_k_index's shape "
+                  f"{tuple(idx.shape)}", f"{w.dtype} {tuple(w.shape)}")
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# Whole models: quantize_model's and the loaders' part
+# ----------------------------------------------------------------------------------------------------
+
+
+def _scale_keys(name, j):
+    return [f"{name}.{j}.{p}" for p in PROJS]
+
+
+def quantize_experts(model, mode, skip, scales):
+    """``quantize_model``'s part for MoE experts: every experts module of ``model`` (``is_experts_module``)
+    whose name ``skip`` does not match, built as ``NVFP4Experts.from_experts`` (checked; nothing changed
+    here). Input scales come from ``scales`` under ModelOpt's per-expert names (``"{module}.{e}.gate_proj"``,
+    ``up_proj`` (gate and up read one x: the larger of the two where both are given), ``down_proj``), as
+    ``calibrate_expert_input_scales`` makes them; those keys are taken out of ``scales``. :return: ``([(name,
+    NVFP4Experts)], the skip patterns that matched an experts module)``."""
+    found, used = [], set()
+    for name, m in model.named_modules():
+        if not is_experts_module(m) or isinstance(m, NVFP4Experts):
+            continue
+        hit = [p for p in skip if name_matches(name, (p,))]
+        if hit:
+            used.update(hit)
+            continue
+        found.append((name, m))
+    out = []
+    for name, m in found:
+        e = m.gate_up_proj.shape[0]
+        mine = {k: scales.pop(k) for k in [k for k in scales if k.startswith(name + ".")]}
+        if m.gate_up_proj.device.type == "meta":
+            raise ValueError(f"quantize_model: '{name}.gate_up_proj' is on the meta device: materialize the model "
+                             "first (its weights are quantized here)")
+        input_scales = None
+        if mode == "w4a4" or mine:
+            dev = m.gate_up_proj.device
+            gu, dn = [], []
+            for j in range(e):
+                g, u, d = (mine.get(k) for k in _scale_keys(name, j))
+                if (g is None and u is None) or d is None:
+                    missing = f"{name}.{j}.gate_proj" if g is None and u is None else f"{name}.{j}.down_proj"
+                    raise ValueError(f"quantize_model: mode {mode!r} with input scales for '{name}' needs one for each "
+                                     f"expert; 'input_scales' lacks '{missing}' (calibrate_expert_input_scales makes them)")
+                g, u = (torch.as_tensor(v, dtype=torch.float32).reshape(()).to(dev) if v is not None else None for v in (g, u))
+                gu.append(torch.maximum(g, u) if g is not None and u is not None else (g if g is not None else u))
+                dn.append(torch.as_tensor(d, dtype=torch.float32).reshape(()).to(dev))
+            input_scales = (torch.stack(gu), torch.stack(dn))
+        try:
+            out.append((name, NVFP4Experts.from_experts(m, mode, input_scales)))
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"quantize_model: module '{name}': {err}") from err
+    return out, used
+
+
+def calibrate_expert_input_scales(model, forward_loop, skip=()):
+    """ModelOpt's max calibration for MoE experts: runs ``forward_loop(model)`` with hooks on its experts
+    modules (bf16, ``is_experts_module``) and returns ``{"{module}.{e}.gate_proj" / "up_proj" / "down_proj":
+    input_scale}``, each ``amax / (6 * 448)`` of what that expert's matrix read (gate/up: the tokens routed
+    to it; down: ``act_fn(gate) * up`` of those). An expert that saw no token gets the largest of its layer's
+    (as ModelOpt's export fills uncalibrated experts); a layer that saw none is left out. Syncs (calibration)."""
+    amax, hooks = {}, []
+
+    def hook(name):
+        def record(mod, args):
+            x, idx = args[0].detach(), args[1].detach()
+            e, i = mod.gate_up_proj.shape[0], mod.gate_up_proj.shape[1] // 2
+            got = amax.setdefault(name, torch.full((2, e), float("nan"), dtype=torch.float32, device=x.device))
+            for j in idx.unique().tolist():
+                if not 0 <= j < e:
+                    continue
+                xs = x[(idx == j).any(dim=1)]
+                g = torch.nn.functional.linear(xs, mod.gate_up_proj[j])
+                h = mod.act_fn(g[:, :i]) * g[:, i:]
+                new = torch.stack([xs.abs().amax().float(), h.abs().amax().float()])
+                got[:, j] = torch.fmax(got[:, j], new)
+        return record
+
+    for name, m in model.named_modules():
+        if is_experts_module(m) and not isinstance(m, NVFP4Experts) and not name_matches(name, skip):
+            hooks.append(m.register_forward_pre_hook(hook(name)))
+    try:
+        with torch.no_grad():
+            forward_loop(model)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {}
+    for name, a in amax.items():
+        if torch.isnan(a).all():
+            continue
+        fill = torch.nan_to_num(a, nan=0.0).amax(dim=1, keepdim=True)
+        a = torch.where(torch.isnan(a), fill, a) / torch.full((), E2M1_MAX * E4M3_MAX, device=a.device)
+        for j in range(a.shape[1]):
+            out[f"{name}.{j}.gate_proj"] = out[f"{name}.{j}.up_proj"] = a[0, j].clone()
+            out[f"{name}.{j}.down_proj"] = a[1, j].clone()
+    return out
+
+
+class ExpertFields(dict):
+    """One experts module's checkpoint tensors, as ``pretrained.Plan.layers`` holds a linear's: {"{e}.{proj}.
+    {field}": (checkpoint key, stored as the reciprocal)}; ``build`` makes the ``NVFP4Experts``."""
+
+    def __init__(self, fields, dims, act_fn, device):
+        super().__init__(fields)
+        self.dims, self.act_fn, self.device = dims, act_fn, device
+
+    def owners(self, name):
+        """The module itself and the per-expert names its state_dict holds tensors under (a load skips them)."""
+        return {name} | {f"{name}.{rel.rpartition('.')[0]}" for rel in self}
+
+    def build(self, prefix, tensors, mode, who):
+        """The module of ``prefix`` from ``tensors`` ({checkpoint key: tensor}); reciprocals on the device."""
+        from .checkpoint import fail
+
+        parts = {rel: (torch.reciprocal(tensors[k]) if inv else tensors[k]) for rel, (k, inv) in self.items()}
+        names = {f"{j}.{p}.{f}": f"{prefix}.{j}.{p}.{f}" for j in range(self.dims[0]) for p in PROJS for f in FIELDS}
+        try:
+            return NVFP4Experts.from_modelopt(parts, *self.dims, act_fn=self.act_fn, mode=mode,
+                                              names={**names, **{rel: k for rel, (k, _) in self.items()}})
+        except (KeyError, ValueError, TypeError) as err:
+            fail(who, f"module '{prefix}': {err.args[0] if err.args else err}")
+
+
+def plan_experts(modules, keys, entries, fmt, mode, who):
+    """The MoE part of a load plan: ``{experts module name: ExpertFields}`` for every experts module of the
+    model (``modules``: its named modules; a transformers experts module or an ``NVFP4Experts``) that the
+    checkpoint's ``keys`` hold per-expert tensors of (``"{module}.{e}.{gate_proj|up_proj|down_proj|w1|w3|w2}.
+    {field}"``), checked on the headers (``entries``) as ``NVFP4Experts.from_modelopt`` takes them.
+    ``fmt``: a ModelOpt ``QuantConfig`` or a loader's format object (``pretrained.ModelOptFormat``,
+    ``compressed_tensors.CompressedTensorsConfig``). Raises ``CheckpointError`` naming the tensor."""
+    from .checkpoint import fail
+    from .hf_quantizer import WHO as HF_WHO
+
+    if not hasattr(fmt, "layer_keys"):
+        from .pretrained import ModelOptFormat
+
+        fmt = ModelOptFormat(fmt)
+    prefixes = {}
+    for k in keys:
+        m = _KEY.match(k.rpartition(".")[0])
+        if m and (is_experts_module(modules.get(m["mod"])) or isinstance(modules.get(m["mod"]), NVFP4Experts)):
+            prefixes.setdefault(m["mod"], set()).add((int(m["e"]), m["proj"], k.rpartition(".")[0]))
+    plans, probe = {}, torch.nn.Linear(1, 1, device="meta")  # (what a config's class targets see: a linear)
+    quantized = fmt.quantized_prefixes(keys, entries)
+    for name, found in sorted(prefixes.items()):
+        mod = modules[name]
+        if who == HF_WHO:
+            fail(who, f"module '{name}': MoE experts load with nvfp4_gemv.from_pretrained (transformers' door does "
+                      "not take them yet)")
+        dims = (mod.num_experts, mod.hidden_dim, mod.intermediate_dim) if isinstance(mod, NVFP4Experts) else \
+            (mod.gate_up_proj.shape[0], mod.gate_up_proj.shape[2], mod.gate_up_proj.shape[1] // 2)
+        fields = {}
+        for e, proj, prefix in sorted(found):
+            if prefix not in quantized:
+                fail(who, f"tensor '{prefix}.weight': an unquantized expert (nvfp4_gemv loads NVFP4 experts only)")
+            fmt.check_module(prefix, probe, True, who, modules)
+            got, other = fmt.layer_keys(prefix, keys)
+            if other or "pre_quant_scale" in got or "bias" in got:
+                bad = other[0] if other else fmt.checkpoint_name(prefix, "pre_quant_scale" if "pre_quant_scale" in got
+                                                                 else "bias")
+                fail(who, f"tensor '{bad}': not a tensor of an NVFP4 expert")
+            rel = f"{e}.{ALIASES.get(proj, proj)}"
+            for f, (k, inv) in got.items():
+                if f"{rel}.{f}" in fields:
+                    fail(who, f"tensors '{fields[f'{rel}.{f}'][0]}' and '{k}': one expert matrix under two names")
+                fields[f"{rel}.{f}"] = (k, inv)
+        t = next((b for b in list(mod.parameters()) + list(mod.buffers())), None)
+        device = torch.device("cpu") if t is None or t.is_meta else t.device
+        plan = ExpertFields(fields, dims, mod.act_fn, device)
+        metas = {k: entries[k].meta() for k, _ in plan.values()}
+        plan.build(name, metas, mode, who)  # the checks, on meta tensors
+        plans[name] = plan
+    return plans

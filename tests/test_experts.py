@@ -1,0 +1,590 @@
+"""``NVFP4Experts`` (nvfp4_gemv/experts.py) on the CPU: the forward against float64 (a fuzz of 300 random
+cases, stage by stage, within experts.py's bound), against transformers' own experts module holding the
+dequantized weights, whole tiny Qwen3-MoE / Mixtral / Qwen2-MoE models (logits, greedy generate),
+torch.compile without a graph break, quantize_model / save_modelopt / load_modelopt / from_pretrained
+round trips (ModelOpt's per-expert names, bit for bit), calibration, and bad inputs named."""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+import nvfp4_gemv  # noqa: E402
+from nvfp4_gemv import (CheckpointError, NVFP4Experts, NVFP4Linear, calibrate_expert_input_scales,  # noqa: E402
+                        calibrate_input_scales, dequantize, from_pretrained, load_modelopt, quantize_model,
+                        save_modelopt)
+from nvfp4_gemv.experts import _products, grouped_forward, quantize_dequantized_rows  # noqa: E402
+from nvfp4_gemv.quant import quantize_dequantized  # noqa: E402
+
+PROMPT = torch.tensor([[5, 17, 99, 3, 250, 42], [7, 7, 1, 200, 13, 64]])
+GEN = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+COMMON = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+              max_position_embeddings=64, initializer_range=0.1, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These are many small ops: one thread runs them several times faster than two contending ones."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(arch, seed=0):
+    torch.manual_seed(seed)
+    if arch == "qwen3":
+        cfg = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=256, moe_intermediate_size=64, head_dim=32,
+                                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif arch == "mixtral":
+        cfg = transformers.MixtralConfig(**COMMON, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=256, moe_intermediate_size=64,
+                                          shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
+        model = transformers.Qwen2MoeForCausalLM(cfg)
+    return model.to(torch.bfloat16).eval()
+
+
+def experts_of(model):
+    return [m for m in model.modules() if isinstance(m, NVFP4Experts)]
+
+
+def quantized(arch, mode):
+    """(model, dense twin) with every expert and linear the kernels take quantized; w4a4 scales calibrated."""
+    model = tiny(arch)
+    dense = copy.deepcopy(model)
+    scales = None
+    if mode == "w4a4":
+        def loop(m):
+            return m(PROMPT)
+        scales = {**calibrate_input_scales(model, loop), **calibrate_expert_input_scales(model, loop)}
+    return quantize_model(model, mode=mode, input_scales=scales), dense
+
+
+def logits(model, prompt=PROMPT):
+    with torch.no_grad():
+        return model(prompt).logits
+
+
+# ----------------------------------------------------------------------------------------------------
+# float64 references
+# ----------------------------------------------------------------------------------------------------
+
+
+def eff_weights(w, ws, alpha, dtype):
+    """Every expert's effective weight as experts.py defines it: dequantize * alpha, rounded to dtype."""
+    return torch.stack([dequantize(w[e], ws[e], alpha[e]) for e in range(w.shape[0])]).to(dtype)
+
+
+def half_ulp(y):
+    a = y.abs()
+    return (torch.nextafter(a, torch.full_like(a, float("inf"))) - a).double() / 2
+
+
+def check_bound(y, exact, absum, n, what):
+    tol = half_ulp(y) + (n + 2) * 2.0 ** -24 * absum
+    bad = (y.double() - exact).abs() > tol
+    assert not bad.any(), (f"{what}: {int(bad.sum())} values off the bound, e.g. {y.double()[bad][:3].tolist()} "
+                           f"against {exact[bad][:3].tolist()}")
+
+
+def check_products(xs, ids, valid, route, mats, what):
+    """One stage (_products) against float64 with the rounded weights: ulp/2 + (K+2) 2^-24 sum|terms|, on
+    the valid slots (the grouped route leaves the others' rows unwritten; the combine drops them)."""
+    y = _products(xs, ids, route, *mats)
+    w, ws, alpha, x_scale = mats
+    xq = quantize_dequantized_rows(xs, x_scale[ids]) if x_scale is not None else xs
+    weff = eff_weights(w, ws, alpha, xs.dtype).double()
+    exact = torch.zeros(y.shape, dtype=torch.float64)
+    absum = torch.zeros(y.shape, dtype=torch.float64)
+    for e in ids[valid].unique().tolist():  # (broadcast products: torch's float64 matmul is slow on the CPU)
+        sel = valid & (ids == e)
+        terms = xq[sel].double().unsqueeze(1) * weff[e].unsqueeze(0)
+        exact[sel], absum[sel] = terms.sum(-1), terms.abs().sum(-1)
+    check_bound(y[valid], exact[valid], absum[valid], xs.shape[1], what)
+    return y
+
+
+def random_experts(gen, e, h, i, mode, dtype):
+    def codes(*shape):
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+
+    def scales(*shape):  # e4m3 bytes 0x20..0x57: 2^-4 .. 2^3 and their mantissas
+        return torch.randint(0x20, 0x58, shape, generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+
+    mod = NVFP4Experts(e, h, i, torch.nn.SiLU(), mode, input_scale=mode == "w4a4")
+    mod.gate_up_weight, mod.gate_up_weight_scale = codes(e, 2 * i, h // 2), scales(e, 2 * i, h // 16)
+    mod.down_weight, mod.down_weight_scale = codes(e, h, i // 2), scales(e, h, i // 16)
+    mod.gate_up_weight_scale_2 = torch.exp2(torch.randint(-12, -3, (e,), generator=gen).float()) * \
+        (1 + torch.rand(e, generator=gen))
+    mod.down_weight_scale_2 = torch.exp2(torch.randint(-12, -3, (e,), generator=gen).float()) * \
+        (1 + torch.rand(e, generator=gen))
+    if mode == "w4a4":  # around each input's amax / 2688, some saturating
+        mod.gate_up_input_scale = torch.exp2(torch.empty(e).uniform_(-3, 2, generator=gen)) / 2688
+        mod.down_input_scale = torch.exp2(torch.empty(e).uniform_(-3, 2, generator=gen)) / 2688 * 50
+    return mod
+
+
+def one_case(gen, dtype_choice=None):
+    e = int(torch.randint(1, 13, (1,), generator=gen))
+    k = int(torch.randint(1, min(e, 8) + 1, (1,), generator=gen))
+    t = int(torch.randint(1, 65, (1,), generator=gen))
+    h = 16 * int(torch.randint(1, 9, (1,), generator=gen))
+    i = 16 * int(torch.randint(1, 5, (1,), generator=gen))
+    dtype = dtype_choice or (torch.bfloat16 if torch.rand(1, generator=gen) < 0.7 else torch.float16)
+    mode = "w4a4" if torch.rand(1, generator=gen) < 0.4 else "w4a16"
+    mod = random_experts(gen, e, h, i, mode, dtype)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    idx = torch.randint(0, e, (t, k), generator=gen)  # duplicates within a token allowed
+    odd = torch.rand(t, k, generator=gen) < 0.08  # sentinels (E, transformers' EP mark) and out-of-range ids
+    idx = torch.where(odd, torch.tensor([e, -1, e + 3])[torch.randint(0, 3, (t, k), generator=gen)], idx)
+    wdt = torch.float32 if torch.rand(1, generator=gen) < 0.5 else dtype
+    wts = torch.rand(t, k, generator=gen).to(wdt)
+    return mod, x, idx, wts
+
+
+# ----------------------------------------------------------------------------------------------------
+# The forward against float64
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantize_dequantized_rows_is_the_op_row_by_row(dtype):
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(40, 64, generator=gen) * torch.exp2(torch.randint(-8, 8, (40, 1), generator=gen).float())).to(dtype)
+    x[3] = 0
+    x[5, :16] = 0
+    gs = torch.exp2(torch.empty(40).uniform_(-4, 12, generator=gen))
+    gs[7] = 1e30  # saturating scales
+    got = quantize_dequantized_rows(x, gs)
+    for r in range(40):
+        assert torch.equal(got[r:r + 1], quantize_dequantized(x[r:r + 1], gs[r].reshape(1))), r
+
+
+@pytest.mark.parametrize("chunk", range(10))
+def test_fuzz_each_stage_within_its_bound_of_float64(chunk):
+    """300 random cases (30 a chunk): tokens 1..64, 1..12 experts, top-k 1..8 with duplicate experts,
+    out-of-range and sentinel ids, experts no token hits, H 16..128, I 16..64, bf16/fp16, both modes, both
+    routes (slots, grouped), fp32 or x-dtype routing weights. Each product within ulp/2 + (K+2) 2^-24
+    sum|terms| of float64 (rounded weights), the combine within its bound, and grouped_forward equal to the
+    stages composed."""
+    gen = torch.Generator().manual_seed(1000 + chunk)
+    for case in range(30):
+        mod, x, idx, wts = one_case(gen)
+        t, k = idx.shape
+        e, h = mod.num_experts, mod.hidden_dim
+        what = f"chunk {chunk} case {case} (T={t}, k={k}, E={e}, H={h}, I={mod.intermediate_dim}, {x.dtype}, {mod.mode})"
+        gu = (mod.gate_up_weight, mod.gate_up_weight_scale, mod._gate_up_alpha, mod._gate_up_x_scale)
+        dn = (mod.down_weight, mod.down_weight_scale, mod._down_alpha, mod._down_x_scale)
+        flat = idx.reshape(-1)
+        valid = (flat >= 0) & (flat < e)
+        ids = torch.where(valid, flat, 0)
+        key = torch.where(valid, ids, e)
+        order = torch.argsort(key, stable=True)
+        grouped = (order, torch.searchsorted(key[order], torch.arange(e), right=True).int(), torch.argsort(order))
+        xs = x.unsqueeze(1).expand(t, k, h).reshape(-1, h)
+        used = grouped if t * k >= e and x.dtype == torch.bfloat16 else None
+        for route in ([None, grouped] if x.dtype == torch.bfloat16 else [None]):
+            g = check_products(xs, ids, valid, route, gu, f"{what} gate_up route {route is not None}")
+            i = g.shape[1] // 2
+            hid = torch.nn.functional.silu(g[:, :i]) * g[:, i:]
+            d = check_products(hid, ids, valid, route, dn, f"{what} down route {route is not None}")
+            if route is used:
+                d_used = d
+        out = grouped_forward(x, idx, wts, gu, dn, mod.act_fn)
+        c = d_used.double() * wts.reshape(-1, 1).double() * valid.reshape(-1, 1)
+        exact = c.reshape(t, k, h).sum(1)
+        check_bound(out, exact, c.abs().reshape(t, k, h).sum(1), k, f"{what} combine")
+        cf = torch.where(valid.unsqueeze(1), d_used.float() * wts.reshape(-1, 1).float(), 0.0)
+        assert torch.equal(out, cf.reshape(t, k, h).sum(1).to(x.dtype)), what
+        if case == 0:
+            assert torch.equal(mod(x, idx, wts), out), what
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
+@pytest.mark.parametrize("tokens", [1, 3, 40])  # slot path; grouped path from E slots on
+def test_forward_is_transformers_experts_with_the_dequantized_weights(arch, tokens):
+    model = tiny(arch)
+    ref = model.model.layers[0].mlp.experts
+    mod = NVFP4Experts.from_experts(ref)
+    with torch.no_grad():
+        ref.gate_up_proj.copy_(eff_weights(mod.gate_up_weight, mod.gate_up_weight_scale, mod.gate_up_weight_scale_2,
+                                           torch.bfloat16))
+        ref.down_proj.copy_(eff_weights(mod.down_weight, mod.down_weight_scale, mod.down_weight_scale_2, torch.bfloat16))
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 128, generator=gen).bfloat16()
+    router = model.model.layers[0].mlp.gate
+    with torch.no_grad():
+        _, wts, idx = router(x)
+        got, want = mod(x, idx, wts), ref(x, idx, wts)
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    # transformers rounds each expert's weighted output to bf16 (and adds in bf16): within 2 bf16 ulps
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+
+
+def test_routing_weights_multiply_inside_and_bad_ids_add_nothing():
+    mod = random_experts(torch.Generator().manual_seed(0), 4, 32, 16, "w4a16", torch.bfloat16)
+    x = torch.randn(3, 32).bfloat16()
+    idx = torch.tensor([[1, 4], [2, 2], [-1, 0]])  # 4 = E (transformers' EP sentinel), -1 out of range
+    one = mod(x, idx, torch.ones(3, 2))
+    assert torch.equal(mod(x, idx, torch.zeros(3, 2)), torch.zeros(3, 32, dtype=torch.bfloat16))
+    assert torch.equal(mod(x[:1], idx[:1, :1], torch.ones(1, 1)), one[:1])  # the sentinel adds nothing
+    half = mod(x, idx, torch.full((3, 2), 0.5))
+    assert torch.allclose(half.float() * 2, one.float(), rtol=2 ** -7, atol=1e-6)
+    assert mod(x[:0], idx[:0], torch.ones(0, 2)).shape == (0, 32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Whole models
+# ----------------------------------------------------------------------------------------------------
+
+
+class FakeQuantExperts(torch.nn.Module):
+    """The reference: transformers' loop over slots in float64 with the effective (dequantized, rounded)
+    weights; in w4a4 each slot's x quantized with its expert's input scale first (experts.py's definition)."""
+
+    def __init__(self, q):
+        super().__init__()
+        self.q = q
+
+    def forward(self, x, idx, wts):
+        q, out = self.q, torch.zeros(x.shape, dtype=torch.float64)
+        gu = eff_weights(q.gate_up_weight, q.gate_up_weight_scale, q._gate_up_alpha, x.dtype).double()
+        dn = eff_weights(q.down_weight, q.down_weight_scale, q._down_alpha, x.dtype).double()
+        for t in range(x.shape[0]):
+            for j in range(idx.shape[1]):
+                e = int(idx[t, j])
+                xt = x[t:t + 1]
+                if q._gate_up_x_scale is not None:
+                    xt = quantize_dequantized(xt, q._gate_up_x_scale[e].reshape(1))
+                g = (xt.double() @ gu[e].T).to(x.dtype)
+                i = g.shape[1] // 2
+                h = q.act_fn(g[:, :i]) * g[:, i:]
+                if q._down_x_scale is not None:
+                    h = quantize_dequantized(h, q._down_x_scale[e].reshape(1))
+                out[t] += ((h.double() @ dn[e].T).to(x.dtype).double() * float(wts[t, j]))[0]
+        return out.to(x.dtype)
+
+
+def twin(qmodel):
+    ref = copy.deepcopy(qmodel)
+    for name, m in list(ref.named_modules()):
+        if isinstance(m, NVFP4Experts):
+            parent, _, child = name.rpartition(".")
+            setattr(ref.get_submodule(parent), child, FakeQuantExperts(m))
+    return ref
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_model_logits_and_greedy_tokens_match_the_dequantized_model(arch, mode):
+    qmodel, _ = quantized(arch, mode)
+    assert len(experts_of(qmodel)) == 2 and all(m.mode == mode for m in experts_of(qmodel))
+    ref = twin(qmodel)
+    if mode == "w4a16":  # also transformers' own experts module holding the dequantized weights
+        for name, m in list(ref.named_modules()):
+            if isinstance(m, FakeQuantExperts):
+                own = getattr(tiny(arch).get_submodule(name.rpartition(".")[0]), "experts")
+                with torch.no_grad():
+                    own.gate_up_proj.copy_(eff_weights(m.q.gate_up_weight, m.q.gate_up_weight_scale,
+                                                       m.q.gate_up_weight_scale_2, torch.bfloat16))
+                    own.down_proj.copy_(eff_weights(m.q.down_weight, m.q.down_weight_scale, m.q.down_weight_scale_2,
+                                                    torch.bfloat16))
+                setattr(ref.get_submodule(name.rpartition(".")[0]), "experts", own)
+    got, want = logits(qmodel), logits(ref)
+    torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    tokens = qmodel.generate(PROMPT, **GEN)
+    assert torch.equal(tokens, ref.generate(PROMPT, **GEN))
+    assert torch.equal(nvfp4_gemv.generate(qmodel, PROMPT, 6), tokens)
+
+
+def test_shared_experts_become_nvfp4_linears_and_the_router_stays():
+    model = tiny("qwen2")
+    quantize_model(model, fuse=True)
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp.experts, NVFP4Experts)
+    assert isinstance(mlp.shared_expert.gate_proj, NVFP4Linear) and isinstance(mlp.shared_expert.down_proj, NVFP4Linear)
+    assert mlp.shared_expert.gate_proj._siblings is not None  # gate/up of the shared expert fused
+    assert type(mlp.gate).__name__ == "Qwen2MoeTopKRouter" and type(mlp.shared_expert_gate) is torch.nn.Linear
+    assert logits(model).isfinite().all()
+
+
+def test_skip_leaves_experts_in_bf16_without_a_warning(recwarn):
+    model = tiny("qwen3")
+    quantize_model(model, skip=("lm_head", "mlp.experts"))
+    assert not experts_of(model) and type(model.model.layers[0].mlp.experts).__name__ == "Qwen3MoeExperts"
+    assert not [w for w in recwarn if "skip pattern" in str(w.message)]
+
+
+@pytest.mark.parametrize("route", ["slots", "grouped"])
+def test_torch_compile_fullgraph_has_no_graph_break_and_gives_the_eager_bits(route):
+    from torch._dynamo.utils import counters
+
+    mod = random_experts(torch.Generator().manual_seed(1), 6, 64, 32, "w4a4", torch.bfloat16)
+    tokens = 2 if route == "slots" else 9
+    x = torch.randn(tokens, 64).bfloat16()
+    idx, wts = torch.randint(0, 6, (tokens, 2)), torch.rand(tokens, 2)
+    torch._dynamo.reset()
+    counters.clear()
+    for mode in ("w4a4", "w4a16"):
+        mod.mode = mode
+        compiled = torch.compile(mod, fullgraph=True, backend="eager")
+        assert torch.equal(compiled(x, idx, wts), mod(x, idx, wts))
+    assert not counters["graph_break"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[("qwen3", "w4a16"), ("mixtral", "w4a4")], ids=lambda p: "-".join(p))
+def export(request, tmp_path_factory):
+    arch, mode = request.param
+    qmodel, dense = quantized(arch, mode)
+    path = str(tmp_path_factory.mktemp(f"moe-{arch}-{mode}"))
+    save_modelopt(qmodel, path)
+    qmodel.dense = [dense]  # (kept out of the module tree)
+    return arch, mode, path, qmodel
+
+
+def state_bytes(model):
+    return {k: v.reshape(-1).view(torch.uint8).clone() if v.dim() else v.clone() for k, v in model.state_dict().items()}
+
+
+def test_export_has_modelopts_per_expert_names(export):
+    arch, mode, path, qmodel = export
+    state = load_file(os.path.join(path, "model.safetensors"))
+    pre = "model.layers.1.mlp.experts.3"
+    assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in state)
+    i = qmodel.model.layers[1].mlp.experts.intermediate_dim
+    assert state[f"{pre}.gate_proj.weight"].shape == (i, 64) and state[f"{pre}.gate_proj.weight"].dtype == torch.uint8
+    assert state[f"{pre}.down_proj.weight_scale"].shape == (128, i // 16)
+    assert torch.equal(state[f"{pre}.gate_proj.weight_scale_2"], state[f"{pre}.up_proj.weight_scale_2"])
+    from nvfp4_gemv import quantize_weight
+
+    q, s, ws2 = quantize_weight(qmodel.dense[0].model.layers[1].mlp.experts.gate_up_proj[3].detach())
+    assert torch.equal(state[f"{pre}.gate_proj.weight"], q[:i]) and torch.equal(state[f"{pre}.up_proj.weight"], q[i:])
+    assert torch.equal(state[f"{pre}.up_proj.weight_scale"].view(torch.uint8), s[i:].view(torch.uint8))
+    assert torch.equal(state[f"{pre}.up_proj.weight_scale_2"].reshape(()), ws2)
+    assert (f"{pre}.down_proj.input_scale" in state) == (mode == "w4a4")
+    with open(os.path.join(path, "hf_quant_config.json")) as f:
+        assert json.load(f)["quantization"]["quant_algo"] == ("NVFP4" if mode == "w4a4" else "W4A16_NVFP4")
+
+
+def test_load_modelopt_and_from_pretrained_give_the_exported_model_bit_for_bit(export):
+    arch, mode, path, qmodel = export
+    fresh = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path),
+                                                          dtype=torch.bfloat16).eval()
+    load_modelopt(fresh, path, mode=mode)
+    want = state_bytes(qmodel)
+    got = state_bytes(fresh)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    model = from_pretrained(path, mode=mode, device="cpu")
+    assert len(experts_of(model)) == 2 and all(m.mode == mode for m in experts_of(model))
+    assert torch.equal(logits(model), logits(fresh))
+    assert torch.equal(model.generate(PROMPT, **GEN), fresh.generate(PROMPT, **GEN))
+    load_modelopt(fresh, path, mode=mode)  # into a model whose experts are NVFP4Experts already
+    assert torch.equal(logits(model), logits(fresh))
+
+
+def test_load_state_dict_round_trip_and_dtype_moves_keep_the_format():
+    mod = random_experts(torch.Generator().manual_seed(2), 3, 32, 16, "w4a4", torch.bfloat16)
+    sd = mod.state_dict()
+    assert sorted(sd)[:4] == ["0.down_proj.input_scale", "0.down_proj.weight", "0.down_proj.weight_scale",
+                              "0.down_proj.weight_scale_2"] and len(sd) == 3 * 3 * 4
+    other = NVFP4Experts(3, 32, 16)
+    assert other.load_state_dict(sd).missing_keys == [] and other.gate_up_input_scale is not None
+    other.mode = "w4a4"
+    x, idx, w = torch.randn(4, 32).bfloat16(), torch.randint(0, 3, (4, 2)), torch.rand(4, 2)
+    assert torch.equal(other(x, idx, w), mod(x, idx, w))
+    other.to(torch.float16)
+    assert other.gate_up_weight_scale.dtype == torch.float8_e4m3fn and other.down_weight_scale_2.dtype == torch.float32
+    bad = dict(sd)
+    bad["1.up_proj.weight_scale_2"] = bad["1.up_proj.weight_scale_2"] * 2
+    with pytest.raises(RuntimeError, match="'1.gate_proj.weight_scale_2' and '1.up_proj.weight_scale_2' differ"):
+        other.load_state_dict(bad)
+    bad = dict(sd)
+    bad["2.down_proj.weight"] = bad["2.down_proj.weight"][:, :4]
+    with pytest.raises(RuntimeError, match=r"'2.down_proj.weight': expected torch.uint8 \(32, 8\)"):
+        other.load_state_dict(bad)
+    with pytest.raises(RuntimeError, match='Unexpected key.*"5.gate_proj.weight"'):
+        other.load_state_dict({**sd, "5.gate_proj.weight": sd["0.gate_proj.weight"]})
+
+
+def _edit(src, dst, fn):
+    os.makedirs(dst, exist_ok=True)
+    state = load_file(os.path.join(src, "model.safetensors"))
+    fn(state)
+    save_file(state, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    for name in ("hf_quant_config.json", "config.json"):
+        with open(os.path.join(src, name)) as f, open(os.path.join(dst, name), "w") as g:
+            g.write(f.read())
+    return dst
+
+
+P1 = "model.layers.1.mlp.experts"
+
+
+@pytest.mark.parametrize("what, edit, match", [
+    ("missing", lambda s: s.pop(f"{P1}.2.down_proj.weight_scale"), f"missing tensor '{P1}.2.down_proj.weight_scale'"),
+    ("shape", lambda s: s.__setitem__(f"{P1}.0.up_proj.weight", s[f"{P1}.0.up_proj.weight"][:8]),
+     f"tensor '{P1}.0.up_proj.weight': expected torch.uint8 of shape"),
+    ("scale2", lambda s: s.__setitem__(f"{P1}.1.up_proj.weight_scale_2", s[f"{P1}.1.up_proj.weight_scale_2"] * 2),
+     f"'{P1}.1.gate_proj.weight_scale_2' and '{P1}.1.up_proj.weight_scale_2' differ"),
+    ("expert", lambda s: s.__setitem__(f"{P1}.99.down_proj.weight", s[f"{P1}.0.down_proj.weight"].clone()),
+     f"tensor '{P1}.99.down_proj.weight': not a tensor of experts 0..7"),
+])
+def test_a_bad_expert_tensor_is_named_and_nothing_loads(export, tmp_path, what, edit, match):
+    arch, mode, path, qmodel = export
+    if arch != "qwen3":
+        pytest.skip("one architecture is enough")
+    bad = _edit(path, str(tmp_path / what), edit)
+    fresh = tiny(arch, seed=5)
+    before = state_bytes(fresh)
+    with pytest.raises(CheckpointError, match=match):
+        load_modelopt(fresh, bad)
+    after = state_bytes(fresh)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    with pytest.raises(CheckpointError, match=match):
+        from_pretrained(bad, device="cpu")
+
+
+def test_mixtral_w1_w3_w2_names_load_as_gate_up_down(export, tmp_path):
+    arch, mode, path, qmodel = export
+    if arch != "mixtral":
+        pytest.skip("Mixtral's names")
+    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+    def rename(state):
+        for k in [k for k in state if ".experts." in k]:
+            parts = k.split(".")
+            parts[-2] = names.get(parts[-2], parts[-2])
+            state[".".join(parts)] = state.pop(k)
+    model = from_pretrained(_edit(path, str(tmp_path / "w123"), rename), mode=mode, device="cpu")
+    assert torch.equal(logits(model), logits(from_pretrained(path, mode=mode, device="cpu")))
+
+
+def test_transformers_door_refuses_moe_naming_from_pretrained(export):
+    arch, mode, path, qmodel = export
+    with pytest.raises(CheckpointError, match="MoE experts load with nvfp4_gemv.from_pretrained"):
+        transformers.AutoModelForCausalLM.from_pretrained(path)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Quantizing, calibrating, bad arguments
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_from_experts_is_nvidias_recipe_an_expert_gate_and_up_together():
+    from nvfp4_gemv import quantize_weight
+
+    ex = tiny("mixtral").model.layers[0].mlp.experts
+    mod = NVFP4Experts.from_experts(ex)
+    for e in range(ex.num_experts):
+        q, s, ws2 = quantize_weight(ex.gate_up_proj[e].detach())
+        assert torch.equal(mod.gate_up_weight[e], q) and torch.equal(mod.gate_up_weight_scale_2[e], ws2)
+        assert torch.equal(mod.gate_up_weight_scale[e].view(torch.uint8), s.view(torch.uint8))
+        q, s, ws2 = quantize_weight(ex.down_proj[e].detach())
+        assert torch.equal(mod.down_weight[e], q) and torch.equal(mod.down_weight_scale_2[e], ws2)
+
+
+def test_calibration_gives_each_expert_the_amax_of_its_tokens_and_fills_the_unhit():
+    model = tiny("qwen3")
+    ex = model.model.layers[0].mlp.experts
+    seen = {}
+
+    def record(mod, args):
+        seen.setdefault("x", (args[0].detach(), args[1].detach()))
+    hook = ex.register_forward_pre_hook(record)
+    scales = calibrate_expert_input_scales(model, lambda m: m(PROMPT[:1, :2]))  # 2 tokens: most experts unhit
+    hook.remove()
+    x, idx = seen["x"]
+    hit = sorted(set(idx.flatten().tolist()))
+    name = "model.layers.0.mlp.experts"
+    for e in hit:
+        want = x[(idx == e).any(1)].abs().amax().float() / 2688
+        assert torch.equal(scales[f"{name}.{e}.gate_proj"], want) and torch.equal(scales[f"{name}.{e}.up_proj"], want)
+    top = max(float(scales[f"{name}.{e}.gate_proj"]) for e in hit)
+    unhit = [e for e in range(8) if e not in hit]
+    assert unhit and all(float(scales[f"{name}.{e}.gate_proj"]) == top for e in unhit)
+    assert len(scales) == 2 * 8 * 3
+
+
+def test_w4a4_quantize_model_needs_every_experts_input_scales_and_leaves_the_model_as_it_was():
+    model = tiny("qwen3")
+    loop = lambda m: m(PROMPT)  # noqa: E731
+    scales = {**calibrate_input_scales(model, loop), **calibrate_expert_input_scales(model, loop)}
+    del scales["model.layers.1.mlp.experts.5.down_proj"]
+    before = state_bytes(model)
+    with pytest.raises(ValueError, match="lacks 'model.layers.1.mlp.experts.5.down_proj'"):
+        quantize_model(model, mode="w4a4", input_scales=scales)
+    assert not experts_of(model) and state_bytes(model).keys() == before.keys()
+
+
+def test_bad_arguments_are_named():
+    mod = random_experts(torch.Generator().manual_seed(4), 4, 32, 16, "w4a16", torch.bfloat16)
+    x, idx, w = torch.randn(2, 32).bfloat16(), torch.randint(0, 4, (2, 2)), torch.rand(2, 2)
+    cases = [
+        ((x.float(), idx, w), TypeError, "argument 'hidden_states': expected dtype torch.bfloat16"),
+        ((x[:, :16], idx, w), ValueError, r"argument 'hidden_states': expected shape \[tokens, 32\]"),
+        ((x, idx.float(), w), ValueError, "argument 'top_k_index': expected an int64 or int32"),
+        ((x, idx[:1], w), ValueError, "argument 'top_k_index'"),
+        ((x, idx, w[:, :1]), ValueError, "argument 'top_k_weights': expected a floating-point tensor"),
+        ((x, idx, [0.5]), TypeError, "argument 'top_k_weights': expected a torch.Tensor"),
+        ((x.to("meta"), idx, w), ValueError, "argument 'hidden_states': expected a tensor on cpu"),
+    ]
+    for args, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            mod(*args)
+    mod.mode = "w4a4"
+    with pytest.raises(ValueError, match="mode 'w4a4' needs input scales"):
+        mod(x, idx, w)
+    with pytest.raises(ValueError, match="'mode': expected one of"):
+        mod.mode = "w8"
+    with pytest.raises(ValueError, match="'hidden_dim': expected a positive multiple of 16"):
+        NVFP4Experts(4, 40, 16)
+    with pytest.raises(TypeError, match="'experts': expected a transformers experts module"):
+        NVFP4Experts.from_experts(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="'input_scales': expected"):
+        NVFP4Experts.from_experts(tiny("mixtral").model.layers[0].mlp.experts, mode="w4a4")
+    sd = {k: v.clone() for k, v in mod.state_dict().items()}
+    with pytest.raises(KeyError, match="missing tensor '3.down_proj.weight'"):
+        NVFP4Experts.from_modelopt({k: v for k, v in sd.items() if k != "3.down_proj.weight"}, 4, 32, 16)
+    with pytest.raises(KeyError, match="missing tensor '0.gate_proj.input_scale'.*mode 'w4a4'"):
+        NVFP4Experts.from_modelopt(sd, 4, 32, 16, mode="w4a4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_gpu_forward_is_sync_free_capturable_and_the_cpu_bits(mode):
+    mod = random_experts(torch.Generator().manual_seed(6), 8, 128, 64, mode, torch.bfloat16)
+    for tokens in (1, 16):  # slot path, grouped path
+        x, idx, w = torch.randn(tokens, 128).bfloat16(), torch.randint(0, 8, (tokens, 4)), torch.rand(tokens, 4)
+        want = mod(x, idx, w)
+        gpu = copy.deepcopy(mod).cuda()
+        xc, ic, wc = x.cuda(), idx.cuda(), w.cuda()
+        gpu(xc, ic, wc)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = gpu(xc, ic, wc)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = gpu(xc, ic, wc)
+        xc.copy_(torch.randn(tokens, 128).bfloat16())
+        graph.replay()
+        assert torch.equal(captured, gpu(xc, ic, wc))
+        # the same formula on the GPU: within the stages' bound of the CPU result (sums in another order)
+        torch.testing.assert_close(out.cpu(), want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())

@@ -1,0 +1,154 @@
+"""Times one MoE block alone (transformers' ``Qwen3MoeSparseMoeBlock``: router + routed experts) in bf16
+and with its experts as ``nvfp4_gemv.NVFP4Experts``, per token count, and reports the NVFP4 block against
+the read floor of the bytes it must read: the active experts' NVFP4 weights and scales (each expert hit
+read once) plus the router's bf16 weight.
+
+    python tools/bench_moe.py                                  # Qwen3-30B-A3B's block on the GPU
+    python tools/bench_moe.py --tokens 1,8,64 --mode w4a4 --out docs/bench-moe-h200
+    python tools/bench_moe.py --device cpu --tiny              # smoke mode: a tiny block on the CPU
+
+Qwen3-30B-A3B's block: hidden 2048, 128 experts, top 8, expert intermediate 768 (``--tiny``: 128, 8, 2,
+64). Random weights (std 0.02), random tokens. On CUDA each variant is captured in a CUDA graph where it can
+be (else timed eagerly, said in the table) and timed as the leaderboard times (``bench.time_leaderboard``:
+L2 flushed, CUDA events, median); the read floor is ``tools/read_floor.py``'s fastest plain read of the
+same bytes. On the CPU: wall-clock medians, no floor. Until the grouped kernel exists NVFP4Experts runs its
+dequantize fallback (nvfp4_gemv/experts.py), so expect it far from the floor.
+"""
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from nvfp4_gemv import NVFP4Experts  # noqa: E402
+
+QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
+TINY = dict(hidden_size=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+
+
+def block(tiny, device):
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = transformers.Qwen3MoeConfig(**(TINY if tiny else QWEN3_30B_A3B), norm_topk_prob=True)
+    cfg._experts_implementation = "grouped_mm"  # transformers' default in a model (sync-free, capturable)
+    torch.manual_seed(0)
+    with torch.device(device):
+        b = Qwen3MoeSparseMoeBlock(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in b.parameters():
+            p.normal_(0, 0.02)
+    return b, cfg
+
+
+def nvfp4_bytes(cfg, experts_hit):
+    """Bytes an ideal NVFP4 block reads: each expert hit once (values, e4m3 scales, its scalars) + router."""
+    h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    per_expert = 3 * i * h // 2 + 3 * i * h // 16 + 4 * 4
+    return experts_hit * per_expert + e * h * 2
+
+
+def timer(device, reps):
+    if device.type == "cuda":
+        from bench import time_leaderboard
+
+        return lambda fn: time_leaderboard(fn, reps)
+
+    def cpu(fn):
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e6)
+        return statistics.median(times)
+    return cpu
+
+
+def runnable(mod, x, device):
+    """(a no-argument callable running mod(x), how): a CUDA graph replay where capture works, else eager."""
+    with torch.no_grad():
+        mod(x)  # warm up (compiles, allocates)
+        if device.type != "cuda":
+            return (lambda: mod(x)), "eager"
+        torch.cuda.synchronize()
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                mod(x)
+            return g.replay, "graph"
+        except Exception as err:  # e.g. transformers' eager experts loop (nonzero): not capturable
+            torch.cuda.synchronize()
+            return (lambda: mod(x)), f"eager ({type(err).__name__})"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a tiny block (smoke mode)")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    ap.add_argument("--mode", default="w4a16", choices=("w4a16", "w4a4"))
+    ap.add_argument("--reps", type=int, default=None, help="timed runs a case (default 30 on CUDA, 5 on the CPU)")
+    ap.add_argument("--no-floor", action="store_true", help="skip the read floor (CUDA)")
+    ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    reps = args.reps or (30 if device.type == "cuda" else 5)
+    ref, cfg = block(args.tiny, device)
+    ours = copy.deepcopy(ref)
+    scales = None
+    if args.mode == "w4a4":  # a stand-in calibration: tokens of unit scale
+        e, s = cfg.num_experts, torch.full((), 4.0 / 2688, device=device)
+        scales = (s.expand(e).clone(), (s / 8).expand(e).clone())
+    ours.experts = NVFP4Experts.from_experts(ref.experts, mode=args.mode, input_scales=scales)
+    time_fn = timer(device, reps)
+    floor = None
+    if device.type == "cuda" and not args.no_floor:
+        from bench import time_leaderboard
+        from tools.read_floor import floor_us
+
+        def floor(nbytes):
+            return floor_us(nbytes, reps, time_leaderboard)[0]
+    rows = []
+    for t in [int(v) for v in args.tokens.split(",")]:
+        x = torch.randn(1, t, cfg.hidden_size, device=device).to(torch.bfloat16)
+        with torch.no_grad():
+            _, _, idx = ref.gate(x.reshape(t, -1))
+            want, got = ref(x), ours(x)
+        hit = int(idx.unique().numel())
+        err = float((got.float() - want.float()).norm() / want.float().norm())
+        fb, how_b = runnable(ref, x, device)
+        fo, how_o = runnable(ours, x, device)
+        us_b, us_o = time_fn(fb), time_fn(fo)
+        nbytes = nvfp4_bytes(cfg, hit)
+        fl = floor(nbytes) if floor else None
+        rows.append(dict(tokens=t, experts_hit=hit, bf16_us=us_b, bf16_how=how_b, nvfp4_us=us_o, nvfp4_how=how_o,
+                         nvfp4_bytes=nbytes, floor_us=fl, pct_of_floor=(100 * fl / us_o) if fl else None,
+                         rel_err_vs_bf16=err))
+        print(f"T={t}: {hit} experts hit, bf16 {us_b:.1f} us ({how_b}), NVFP4 {args.mode} {us_o:.1f} us ({how_o}), "
+              f"{nbytes / 1e6:.2f} MB" + (f", floor {fl:.1f} us ({100 * fl / us_o:.1f}%)" if fl else "")
+              + f", rel. error vs bf16 {err:.3g}", flush=True)
+    head = "| tokens | experts hit | bf16 us | NVFP4 us | speed-up | NVFP4 MB read | read floor us | % of floor |"
+    lines = [head, "|" + "---|" * 8]
+    for r in rows:
+        fl = f"{r['floor_us']:.1f} | {r['pct_of_floor']:.1f}%" if r["floor_us"] else "- | -"
+        lines.append(f"| {r['tokens']} | {r['experts_hit']} | {r['bf16_us']:.1f} | {r['nvfp4_us']:.1f} | "
+                     f"{r['bf16_us'] / r['nvfp4_us']:.2f}x | {r['nvfp4_bytes'] / 1e6:.2f} | {fl} |")
+    print("\n".join(lines))
+    if args.out:
+        meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+                    mode=args.mode, config={k: getattr(cfg, k) for k in QWEN3_30B_A3B}, reps=reps)
+        with open(args.out + ".json", "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(f"MoE block ({meta['config']}), {meta['device']}, mode {args.mode}\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
