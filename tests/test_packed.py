@@ -296,6 +296,20 @@ def test_packing_a_group_whose_part_was_replaced_dissolves_it_and_stays_right():
     assert torch.equal(model(x), want)
 
 
+def test_packing_a_group_whose_part_was_replaced_behind_setattr_dissolves_it():
+    # torch.func.functional_call writes a module's buffer dict directly: pack() compares the parts' buffers
+    model = quantize_model(Block(), skip=(), fuse=True)
+    model.k_proj._buffers["weight_scale_2"] = model.k_proj.weight_scale_2 * 2
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="was replaced"):
+        want = ref(x)  # the eager call notices, and each part computes alone
+    with pytest.warns(UserWarning, match="was replaced"):
+        model.k_proj.pack()
+    assert not model.q_proj._siblings.active and model.k_proj.packed and not model.q_proj.packed
+    assert torch.equal(model(x), want)
+
+
 def test_packed_and_unpacked_siblings_are_not_fused():
     model = quantize_model(Block(), skip=())
     model.q_proj.weight_scale_2 = model.k_proj.weight_scale_2 = model.v_proj.weight_scale_2
