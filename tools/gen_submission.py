@@ -145,8 +145,13 @@ def render():
 
 
 def main(argv):
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="exit 1 where submission.py on disk differs; write nothing")
+    args = p.parse_args(argv)
     text = render()
-    if "--check" in argv:
+    if args.check:
         with open(TARGET) as f:
             if f.read() != text:
                 print("submission.py is out of date: run python tools/gen_submission.py", file=sys.stderr)

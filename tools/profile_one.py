@@ -6,6 +6,9 @@
 import os
 import sys
 
+if {"-h", "--help"} & set(sys.argv[1:]):  # the docstring, and nothing run
+    sys.exit(print(__doc__) or 0)
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 

@@ -148,10 +148,16 @@ def floor_us(nbytes, reps, time_fn, clean=False, verbose=False, buf=None):
     return best
 
 
-def main():
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("shapes", nargs="*", default=["7168x16384x1", "4096x7168x8", "7168x2048x4"],
+                   help="M x K x L of the competition's tensors whose bytes are read (default: task.yml's benchmarks)")
+    args = p.parse_args(argv)
     from bench import bytes_moved, time_leaderboard
 
-    for spec in sys.argv[1:] or ["7168x16384x1", "4096x7168x8", "7168x2048x4"]:
+    for spec in args.shapes:
         m, k, l = (int(v) for v in spec.split("x"))
         nbytes = bytes_moved(m, k, l)
         for clean in (False, True):

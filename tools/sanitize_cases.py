@@ -7,6 +7,9 @@ it; `all` = those plus fuzz shapes; `wide` = the three alone. All add the cases 
 import os
 import sys
 
+if {"-h", "--help"} & set(sys.argv[1:]):  # the docstring, and nothing run
+    sys.exit(print(__doc__) or 0)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 

@@ -49,4 +49,6 @@ def main():
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):  # the docstring, and nothing run
+        sys.exit(print(__doc__) or 0)
     main()
