@@ -29,6 +29,7 @@ from .linear import NVFP4Linear, calibrate_input_scales, input_scale_from, quant
 from .modelopt import load_modelopt, save_modelopt
 from .pretrained import from_pretrained
 from .op import gemv, gemv_packed
+from .tp import shard_model
 from .packed import pack_weight, unpack_weight
 from .quant import dequantize, quantize, quantize_reference, quantize_weight
 from .reference import gemv_reference, swizzled_scale_shape
@@ -36,6 +37,6 @@ from .reference import gemv_reference, swizzled_scale_shape
 __all__ = ["CheckpointError", "NVFP4Experts", "NVFP4Linear", "PreScaledNVFP4Linear", "calibrate_expert_input_scales", "calibrate_input_scales", "check_inputs",
            "custom_kernel", "dequantize", "from_pretrained", "fuse_linears", "gemv", "gemv_packed", "gemv_reference", "generate",
            "input_scale_from", "load_modelopt", "pack_weight", "quantize", "quantize_model", "quantize_reference",
-           "quantize_weight", "save_modelopt", "swizzled_scale_shape", "unpack_weight"]
+           "quantize_weight", "save_modelopt", "shard_model", "swizzled_scale_shape", "unpack_weight"]
 
 _hf_quantizer.install()  # transformers' "modelopt" quant_method, when transformers' quantizers are imported

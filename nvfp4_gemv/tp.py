@@ -1,0 +1,307 @@
+"""Tensor parallelism for NVFP4 models with plain ``torch.distributed``: ``shard_model``.
+
+``shard_model(model, rank, world_size, plan=None, group=None)`` shards, in place, the linears a
+transformers-style TP plan names (``{"layers.*.self_attn.q_proj": "colwise", ...}``; by default the
+model's ``config.base_model_tp_plan``, prefixed with the base model's name) as transformers' "colwise" and
+"rowwise" styles shard an ``nn.Linear``; each rank keeps only its shard (no DTensor):
+
+* ``"colwise"``: rank r keeps rows ``[r*out/W, (r+1)*out/W)`` of ``weight``, ``weight_scale`` (and ``bias``);
+  ``weight_scale_2`` and ``input_scale`` are replicated (they scale every row). The output is this rank's
+  columns of the full output; nothing is communicated (q/k/v give this rank's heads, gate/up its slice of
+  the intermediate dimension).
+* ``"rowwise"``: rank r keeps columns ``[r*in/W, (r+1)*in/W)`` of the weight, i.e. bytes ``in/(2W)`` and
+  scale groups ``in/(16W)`` a row; the scalars are replicated. Its input is this rank's slice (what the
+  colwise layers before it produce), its output a partial product that a forward hook all-reduces (SUM over
+  ``group``) before the bias, held as the non-persistent buffer ``tp_bias``, is added once.
+
+Refused by name at sharding time (before the model changes), never at a forward: a dimension the world
+size does not divide, a row-wise shard that would cut a 16-value scale group, a shard the kernels cannot
+take (``linear.kernel_takes``: out % 128 == 0, in % 64 == 0 a shard; a packed layer also in % 128 == 0 a
+row-wise shard), attention head counts (``num_attention_heads``, ``num_key_value_heads``) the world size
+does not divide when q/k/v are sharded, styles other than "colwise"/"rowwise", and modules other than
+``NVFP4Linear`` / ``nn.Linear`` (``NVFP4Experts`` under TP is not implemented: it raises
+``NotImplementedError``; experts the plan does not name stay replicated, which is correct).
+
+The all-reduce is in fp32. The ops return their product in the output dtype only (bf16/fp16:
+``reference.OUT_DTYPES``; each accumulates in fp32 or better and rounds once), so a rank's partial ``p_r``
+is already rounded once. Upcast to fp32, the W partials sum exactly in practice (W bf16 values of nearby
+magnitudes fit fp32's 24 bits; at worst one fp32 rounding, ``2**-24`` relative), whatever order NCCL or
+gloo reduce in, so every rank gets the same bits and a run is deterministic; one rounding to the output
+dtype follows. Summing bf16 partials in bf16 instead adds a rounding per reduction step (W-1 of them, in an
+order the backend chooses). Bound, with ``u(v) = ulp of v in the output dtype`` and ``E`` the exact
+product: ``|y_tp - E| <= 0.5*u(y_tp) + sum_r 0.5*u(p_r)`` (+ fp32's ``2**-24 * sum_r |p_r|``), against
+``|y_1 - E| <= 0.5*u(y_1)`` on one device; the extra ``sum_r 0.5*u(p_r)`` is the partials' own
+rounding, which only an fp32 output of the ops would remove (a kernel change: the GPU half of issue #59).
+
+Fused groups (``fuse_linears``, ``quantize_model(fuse=True)``): each part is sharded on its own and the
+group fused again from the shards (the group's shared ``weight_scale_2`` is replicated, so the parts still
+share it). A group whose parts the plan shards differently (or only some of) is refused.
+
+Attention: transformers 5 infers the head count from the projection's width (``view(..., -1, head_dim)``)
+and leaves ``config`` alone under TP, as this does; attention modules' own ``num_heads`` /
+``num_attention_heads`` / ``num_key_value_heads`` attributes (older or other models) are divided by W.
+``model.config`` keeps the full model's counts: a cache sized from them (eager ``StaticCache``
+initialization) must divide the KV heads by W.
+
+Not covered here: ``torch.compile`` of the all-reduce hook (plain ``dist.all_reduce``), saving a sharded
+model's state_dict as one checkpoint, loading shards directly (``from_pretrained(tp_plan=...)``).
+"""
+
+import fnmatch
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from .linear import NVFP4Linear, kernel_takes
+from .packed import packed_takes, unpack_weight
+from .quant import BLOCK
+
+STYLES = ("colwise", "rowwise")
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads")
+
+
+def default_plan(model):
+    """The model's ``config.base_model_tp_plan`` (transformers' per-model plan, relative to the base model),
+    with keys prefixed by the base model's qualified name in ``model`` (``"model."`` for ``LlamaForCausalLM``)."""
+    cfg = getattr(model, "config", None)
+    plan = getattr(cfg, "base_model_tp_plan", None)
+    if not plan and cfg is not None and hasattr(cfg, "get_text_config"):
+        plan = getattr(cfg.get_text_config(), "base_model_tp_plan", None)
+    if not plan:
+        raise ValueError("shard_model: no 'plan' given and the model has no config.base_model_tp_plan")
+    base = getattr(model, "base_model", model)
+    prefix = ""
+    if base is not model:
+        prefix = next((n + "." for n, m in model.named_modules() if m is base and n), "")
+    return {prefix + k: v for k, v in plan.items()}
+
+
+def _style_of(name, plan):
+    hits = {s for p, s in plan.items() if name == p or fnmatch.fnmatchcase(name, p)}
+    if len(hits) > 1:
+        raise ValueError(f"shard_model: module '{name}' matches plan entries of different styles {sorted(hits)}")
+    return hits.pop() if hits else None
+
+
+def _nvfp4_tensors(mod):
+    """ModelOpt's (weight, weight_scale) of an NVFP4Linear, packed or not."""
+    if mod.packed:
+        return unpack_weight(mod.weight.detach())
+    return mod.weight.detach(), mod.weight_scale.detach()
+
+
+def _check_nvfp4(name, mod, style, world):
+    """Why ``mod`` cannot be sharded ``style`` over ``world`` ranks (a sentence naming it), or None."""
+    out_f, in_f = mod.out_features, mod.in_features
+    if style == "colwise":
+        if out_f % world:
+            return f"module '{name}': colwise: out_features={out_f} is not divisible by world_size={world}"
+        if not kernel_takes(in_f, out_f // world, mod.mode):
+            return (f"module '{name}': colwise: a shard of {out_f // world}x{in_f} (out x in) that the kernels do "
+                    f"not take (out_features % 128 == 0 a shard)")
+        return None
+    if in_f % world:
+        return f"module '{name}': rowwise: in_features={in_f} is not divisible by world_size={world}"
+    k = in_f // world
+    if k % BLOCK:
+        return (f"module '{name}': rowwise: a shard of in_features={k} would cut a {BLOCK}-value scale group "
+                f"(in_features / world_size must be a multiple of {BLOCK})")
+    if not kernel_takes(k, out_f, mod.mode):
+        return (f"module '{name}': rowwise: a shard of {out_f}x{k} (out x in) that the kernels do not take "
+                f"(in_features % 64 == 0 a shard, in_features <= 32768)")
+    if mod.packed and not packed_takes(k, out_f):
+        return (f"module '{name}': rowwise: packed, but a shard of in_features={k} cannot be packed "
+                f"(in_features % 128 == 0 a shard); shard the unpacked model, or pack after sharding")
+    return None
+
+
+def _shard_nvfp4(mod, style, rank, world):
+    w, ws = _nvfp4_tensors(mod)
+    bias = mod.bias.detach() if mod.bias is not None else None
+    if style == "colwise":
+        n = mod.out_features // world
+        rows = slice(rank * n, (rank + 1) * n)
+        w, ws = w[rows], ws[rows]
+        bias = bias[rows].clone() if bias is not None else None
+        tail_bias = None
+    else:
+        k = mod.in_features // world
+        w, ws = w[:, rank * k // 2:(rank + 1) * k // 2], ws[:, rank * k // BLOCK:(rank + 1) * k // BLOCK]
+        tail_bias, bias = bias, None
+    tensors = {"weight": w.clone().contiguous(), "weight_scale": ws.clone().contiguous(),
+               "weight_scale_2": mod.weight_scale_2.detach().clone()}
+    if mod.input_scale is not None:
+        tensors["input_scale"] = mod.input_scale.detach().clone()
+    new = NVFP4Linear.from_modelopt(tensors, bias=bias, mode=mod.mode)
+    if mod.packed:
+        new.pack()
+    return new, tail_bias
+
+
+def _shard_linear(mod, style, rank, world):
+    w = mod.weight.detach()
+    bias = mod.bias.detach() if mod.bias is not None else None
+    if style == "colwise":
+        n = mod.out_features // world
+        w = w[rank * n:(rank + 1) * n]
+        bias = bias[rank * n:(rank + 1) * n] if bias is not None else None
+        tail_bias = None
+    else:
+        k = mod.in_features // world
+        w = w[:, rank * k:(rank + 1) * k]
+        tail_bias, bias = bias, None
+    new = torch.nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        new.weight.copy_(w)
+        if bias is not None:
+            new.bias.copy_(bias)
+    return new, tail_bias
+
+
+class _AllReduce:
+    """Forward hook of a row-wise shard: ``round(fp32 all-reduce SUM of the partials)`` (+ ``tp_bias``)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, mod, args, out):
+        if not dist.is_initialized():
+            raise RuntimeError("nvfp4_gemv.tp: a row-wise shard's forward needs torch.distributed initialized "
+                               "(its output is a partial sum to all-reduce)")
+        total = out.to(torch.float32)  # (a copy even for fp32 outputs: the hook does not write `out`)
+        if total is out:
+            total = out.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        y = total.to(out.dtype)
+        bias = mod._buffers.get("tp_bias")
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y
+
+
+def _set_submodule(model, name, new):
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def shard_model(model, rank=None, world_size=None, plan=None, group=None):
+    """Shards ``model`` in place for tensor parallelism over ``world_size`` ranks, keeping rank ``rank``'s
+    shards (module docstring): the modules ``plan`` names (fnmatch patterns of qualified names -> "colwise"
+    or "rowwise"; default ``default_plan(model)``, transformers' ``base_model_tp_plan``) are replaced by
+    their shards, row-wise ones with an fp32 all-reduce over ``group`` (default: the default process group)
+    after them; attention modules' head-count attributes are divided. ``rank`` / ``world_size`` default to
+    ``group``'s (``torch.distributed`` must then be initialized; sharding itself communicates nothing).
+    Every shard is built and checked before the model changes: a plan the model cannot take raises
+    ``ValueError`` (``NotImplementedError`` for ``NVFP4Experts`` and other module types) naming the module.
+    :return: ``{qualified name: style}`` of the modules sharded."""
+    from .experts import NVFP4Experts
+    from .fuse import fuse_linears
+
+    if world_size is None or rank is None:
+        if not dist.is_initialized():
+            raise ValueError("shard_model: give 'rank' and 'world_size', or initialize torch.distributed")
+        world_size = dist.get_world_size(group) if world_size is None else world_size
+        rank = dist.get_rank(group) if rank is None else rank
+    if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"shard_model: expected 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
+    if dist.is_initialized() and dist.get_world_size(group) != world_size:
+        raise ValueError(f"shard_model: world_size={world_size}, but the process group has "
+                         f"{dist.get_world_size(group)} ranks")
+    plan = dict(default_plan(model) if plan is None else plan)
+    for p, s in plan.items():
+        if s not in STYLES and not isinstance(s, str):
+            raise ValueError(f"shard_model: plan entry {p!r}: expected a style name, got {s!r}")
+
+    targets, used = [], set()
+    for name, mod in model.named_modules():
+        style = _style_of(name, plan)
+        if style is None:
+            continue
+        used |= {p for p in plan if name == p or fnmatch.fnmatchcase(name, p)}
+        if getattr(mod, "tp_world", None) is not None:
+            raise ValueError(f"shard_model: module '{name}' is already sharded")
+        if style not in STYLES:
+            raise NotImplementedError(f"shard_model: module '{name}': style {style!r} is not supported "
+                                      f"(only {STYLES}); leave it out of the plan to keep the module replicated")
+        if isinstance(mod, NVFP4Experts):
+            raise NotImplementedError(f"shard_model: module '{name}': NVFP4Experts under tensor parallelism "
+                                      "(experts sharded by the intermediate dimension) is not implemented")
+        if type(mod) is not NVFP4Linear and type(mod) is not torch.nn.Linear:
+            raise NotImplementedError(f"shard_model: module '{name}': a {type(mod).__name__} cannot be sharded "
+                                      "(NVFP4Linear and nn.Linear only)")
+        targets.append((name, mod, style))
+    unused = sorted(set(plan) - used)
+    if unused:
+        warnings.warn(f"shard_model: plan entries {unused} match no module (ignored)", UserWarning, stacklevel=2)
+    if world_size == 1 or not targets:
+        return {n: s for n, _, s in targets}
+
+    errors = []
+    for name, mod, style in targets:
+        if type(mod) is NVFP4Linear:
+            why = _check_nvfp4(name, mod, style, world_size)
+        else:
+            dim = mod.out_features if style == "colwise" else mod.in_features
+            why = None if dim % world_size == 0 else \
+                f"module '{name}': {style}: {'out' if style == 'colwise' else 'in'}_features={dim} is not divisible " \
+                f"by world_size={world_size}"
+        if why:
+            errors.append(why)
+    # attention heads: q/k/v sharded by rows must keep whole heads, as many on every rank
+    if any(style == "colwise" and name.rpartition(".")[2] in ("q_proj", "k_proj", "v_proj")
+           for name, _, style in targets):
+        cfg = getattr(model, "config", None)
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        heads = getattr(cfg, "num_attention_heads", None)
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        for label, n in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+            if n is not None and n % world_size:
+                errors.append(f"config.{label}={n} is not divisible by world_size={world_size} (q/k/v are "
+                              "sharded by whole heads)")
+    # fused groups: every part sharded alike, then fused again from the shards
+    by_id = {id(m): n for n, m, _ in targets}
+    style_of = {id(m): s for _, m, s in targets}
+    groups, seen = [], set()
+    for name, mod, style in targets:
+        sib = getattr(mod, "_siblings", None) if type(mod) is NVFP4Linear else None
+        if sib is None or not sib.active or id(sib) in seen:
+            continue
+        seen.add(id(sib))
+        if any(id(p) not in by_id or style_of[id(p)] != style for p in sib.parts):
+            errors.append(f"fused group '{sib.name}': the plan shards some of its parts, or shards them "
+                          "differently; shard every part alike, or shard before fuse_linears")
+            continue
+        names = [by_id[id(p)] for p in sib.parts]
+        parent = names[0].rpartition(".")[0]
+        groups.append((parent, tuple(n.rpartition(".")[2] for n in names)))
+    if errors:
+        raise ValueError("shard_model: cannot shard over world_size=%d: %s" % (world_size, "; ".join(errors)))
+
+    shards = []
+    for name, mod, style in targets:  # every shard built before the model changes
+        make = _shard_nvfp4 if type(mod) is NVFP4Linear else _shard_linear
+        try:
+            new, tail_bias = make(mod, style, rank, world_size)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"shard_model: module '{name}': {e}") from e
+        shards.append((name, new, style, tail_bias))
+    for name, new, style, tail_bias in shards:
+        new.tp_rank, new.tp_world, new.tp_style = rank, world_size, style
+        if style == "rowwise":
+            new.register_buffer("tp_bias", tail_bias, persistent=False)
+            new._tp_hook = new.register_forward_hook(_AllReduce(group))
+        _set_submodule(model, name, new)
+    attn = {name.rpartition(".")[0] for name, _, style in targets
+            if style == "colwise" and name.rpartition(".")[2] in ("q_proj", "k_proj", "v_proj")}
+    for pname in attn:
+        parent = model.get_submodule(pname)
+        for a in _HEAD_ATTRS:
+            v = getattr(parent, a, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                setattr(parent, a, v // world_size)
+    for parent, kids in groups:
+        if not fuse_linears(model.get_submodule(parent) if parent else model, groups=(kids,)):
+            warnings.warn(f"shard_model: the shards of '{parent}.{{{','.join(kids)}}}' could not be fused again",
+                          UserWarning, stacklevel=2)
+    return {n: s for n, _, s in targets}
