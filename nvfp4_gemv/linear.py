@@ -522,8 +522,10 @@ def _part_run(i):
     return run
 
 
-# one function a part's index: the index is known from which function runs (no guard on an attribute)
+# one function a part's index: the index is known from which function runs (no guard on an attribute);
+# each a module-level name too, so that a pickled module (torch.save of a whole model) finds it
 _PART_RUNS = tuple(_part_run(i) for i in range(16))
+globals().update({f.__name__: f for f in _PART_RUNS})
 
 
 def _kernel_w4a16(mod, x2, fused):

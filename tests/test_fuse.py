@@ -527,3 +527,15 @@ def test_under_compile_a_change_after_compiling_ends_the_group_and_is_used(how):
     else:
         plain.load_state_dict(sd)
     assert torch.equal(f(x), plain(x))
+
+
+def test_a_fused_module_saved_whole_loads_and_computes_the_same():
+    import io
+
+    plain, fused = pair()
+    x = x_of(2)
+    buf = io.BytesIO()
+    torch.save(fused, buf)  # the whole module pickled: its path functions by name
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    assert torch.equal(again(x), plain(x)) and again.q_proj._siblings.active
