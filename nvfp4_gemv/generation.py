@@ -21,16 +21,26 @@ draws differently).
 
 On the CPU (tests) the same step runs eagerly. Where the step cannot be captured (a model whose forward
 syncs or allocates outside the graph's pool), it runs eagerly too, with one warning.
+
+A capture (and the eager step before it) costs a few hundred ms on an 8B model, as much as 100 tokens'
+replays: the latest captured step of each model is kept (its static cache, its buffers, the graph and its
+memory pool) and a later call with the same batch, cache length (``max_cache_len``, by default prompt + new
+tokens) and selection options replays it after an eager prefill. A model changed since (a parameter, a
+buffer or a module replaced, a mode switched) is captured anew: the kept graph would read memory the model
+no longer uses. ``release(model)`` frees what is kept.
 """
 
 import inspect
 import warnings
+import weakref
 
 import torch
 
-__all__ = ["generate"]
+__all__ = ["generate", "release"]
 
 _warned = set()
+# model -> _Kept: the model's latest captured decode step. Weak: the graph and cache go with the model.
+_kept = weakref.WeakKeyDictionary()
 
 
 def _warn_once(key, msg):
@@ -59,7 +69,7 @@ def _eos_ids(model, eos_token_id):
     return list(ids)
 
 
-def _check(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, sync_every):
+def _check(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, sync_every, max_cache_len):
     if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "forward", None)):
         _fail(TypeError, "model", "a transformers causal LM (a torch.nn.Module)", type(model).__name__)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.dim() != 2 \
@@ -81,6 +91,11 @@ def _check(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_
         _fail(ValueError, "top_p", "None or a float in (0, 1]", repr(top_p))
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         _fail(ValueError, "sync_every", "an int >= 1", repr(sync_every))
+    if max_cache_len is not None:
+        need = input_ids.shape[1] + max_new_tokens
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < need:
+            _fail(ValueError, "max_cache_len", f"None or an int >= prompt + max_new_tokens = {need}",
+                  repr(max_cache_len))
     dev = next((t.device for t in model.parameters()), None) or next((t.device for t in model.buffers()), None)
     if dev is not None and dev != input_ids.device and dev.type != "meta":
         _fail(ValueError, "input_ids", f"a tensor on {dev} (where the model is)", f"one on {input_ids.device}")
@@ -108,12 +123,13 @@ def _select(logits, do_sample, temperature, top_k, top_p):
 
 
 class _Decoder:
-    """The decode state on the device and the step that advances it by one token."""
+    """The decode state on the device and the step that advances it by one token. It holds no reference to
+    the model (it is kept in a weak dictionary keyed by the model): the model is an argument."""
 
     def __init__(self, model, batch, max_len, device, eos, pad, sel):
         from transformers import StaticCache
 
-        self.model, self.sel = model, sel
+        self.sel = sel
         params = inspect.signature(model.forward).parameters
         # transformers 5.24 renamed forward's past_key_values to cache (the old name deprecated)
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -125,14 +141,22 @@ class _Decoder:
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.col = torch.zeros(1, dtype=torch.long, device=device)
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.out = None
+        # the new tokens; as wide as the cache, so that any request that fits the cache fits here
+        self.out = torch.full((batch, max_len), pad, dtype=torch.long, device=device)
         self.decode_forward = _Decoder.forward
 
-    def forward(self, ids, cache_position):
+    def restart(self):
+        """Back to no tokens, in place (a captured step reads these addresses)."""
+        self.cache.reset()
+        self.out.fill_(self.pad)
+        self.done.zero_()
+        self.col.zero_()
+
+    def forward(self, model, ids, cache_position):
         kw = {self.cache_kw: self.cache}
         if self.keep_kw:
             kw["logits_to_keep"] = 1
-        out = self.model(input_ids=ids, cache_position=cache_position, use_cache=True, **kw)
+        out = model(input_ids=ids, cache_position=cache_position, use_cache=True, **kw)
         return out.logits[:, -1, :].to(torch.float32)
 
     def accept(self, nxt):
@@ -144,10 +168,43 @@ class _Decoder:
         self.tok.copy_(nxt[:, None])
         self.col.add_(1)
 
-    def step(self):
-        nxt = self.sel(self.decode_forward(self, self.tok, self.pos))
+    def step(self, model):
+        nxt = self.sel(self.decode_forward(self, model, self.tok, self.pos))
         self.accept(nxt)
         self.pos.add_(1)
+
+
+class _Kept:
+    """A model's captured decode step: what it was captured for (``key``), the model's state then
+    (``state``), the decoder whose buffers the graph reads, and the graph."""
+
+    def __init__(self, key, state, dec, graph):
+        self.key, self.state, self.dec, self.graph = key, state, dec, graph
+
+
+def _state(model):
+    """What a captured step depends on besides its own buffers: every module (its identity, type, mode,
+    hooks and, for NVFP4Linear, the path it chose) and every parameter and buffer (address, shape, dtype).
+    Equal states mean the graph's kernels read the model's current tensors. A tuple; well under a ms for an
+    8B model, once a call."""
+    st = []
+    for m in model.modules():
+        d = m.__dict__
+        st.append((id(m), type(m), m.training, d.get("_run"), d.get("_kernel"), len(d.get("_forward_hooks", ())),
+                   len(d.get("_forward_pre_hooks", ()))))
+        for group in (d.get("_parameters", {}), d.get("_buffers", {})):
+            for t in group.values():
+                st.append(None if t is None else (t.data_ptr(), t.shape, t.dtype, t.device))
+    return tuple(st)
+
+
+def release(model=None):
+    """Frees the captured decode step (its static cache, buffers, graph and memory pool) that ``generate``
+    keeps for ``model``, or for every model when None."""
+    if model is None:
+        _kept.clear()
+    else:
+        _kept.pop(model, None)
 
 
 _compiled = []
@@ -164,7 +221,8 @@ def _compiled_forward():
 
 @torch.no_grad()
 def generate(model, input_ids, max_new_tokens, *, do_sample=False, temperature=1.0, top_k=None, top_p=None,
-             eos_token_id=None, pad_token_id=None, sync_every=8, cuda_graph=True, compile=False):
+             eos_token_id=None, pad_token_id=None, sync_every=8, cuda_graph=True, compile=False,
+             max_cache_len=None):
     """Decodes ``max_new_tokens`` tokens after ``input_ids`` [batch, prompt] (no padding) with a static
     cache, the decode step replayed from one CUDA graph (module docstring). Returns a LongTensor [batch,
     prompt + new], as ``model.generate`` does: greedy tokens are ``model.generate(input_ids,
@@ -179,8 +237,11 @@ def generate(model, input_ids, max_new_tokens, *, do_sample=False, temperature=1
     :param compile: run the decode step's forward through ``torch.compile`` (inductor, without its own CUDA
         graphs: norms, rotary embeddings and activations fused into fewer kernels) inside the graph; the
         first call compiles (tens of seconds for an 8B model), later calls with the same batch reuse it.
+    :param max_cache_len: the static cache's length (None: prompt + ``max_new_tokens``). The captured step
+        is kept and replayed by later calls with the same batch, cache length and options: a fixed
+        ``max_cache_len`` lets prompts and lengths that differ share one capture.
     """
-    _check(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, sync_every)
+    _check(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, sync_every, max_cache_len)
     eos = _eos_ids(model, eos_token_id)
     if pad_token_id is None:
         pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
@@ -192,47 +253,61 @@ def generate(model, input_ids, max_new_tokens, *, do_sample=False, temperature=1
         return input_ids.clone()
     batch, prompt = input_ids.shape
     device = input_ids.device
+    cap = prompt + max_new_tokens if max_cache_len is None else max_cache_len
+    use_graph = cuda_graph and device.type == "cuda"
+    key = (batch, cap, device, do_sample, float(temperature), top_k, top_p, tuple(eos), pad_token_id,
+           bool(compile))
+    kept = _kept.get(model) if use_graph else None
+    state = None
+    if kept is not None:
+        state = _state(model)
+        if kept.key != key or kept.state != state:
+            kept = None
+            _kept.pop(model, None)  # its pool and cache go before the new capture allocates its own
 
     def sel(logits):
         return _select(logits, do_sample, float(temperature), top_k, top_p)
 
-    dec = _Decoder(model, batch, prompt + max_new_tokens, device, eos, pad_token_id, sel)
-    if compile:
-        dec.decode_forward = _compiled_forward()
-    dec.out = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    if kept is not None:
+        dec, graph = kept.dec, kept.graph
+        dec.restart()
+    else:
+        dec, graph = _Decoder(model, batch, cap, device, eos, pad_token_id, sel), None
+        if compile:
+            dec.decode_forward = _compiled_forward()
     # the prefill: the prompt at positions 0..prompt-1 gives the first new token
-    dec.accept(sel(dec.forward(input_ids, torch.arange(prompt, device=device))))
+    dec.accept(sel(dec.forward(model, input_ids, torch.arange(prompt, device=device))))
     dec.pos.fill_(prompt)
     made = 1
-    graph = None
-    use_graph = cuda_graph and device.type == "cuda"
-    if made < max_new_tokens and use_graph:
+    if kept is None and made < max_new_tokens and use_graph:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            dec.step()  # eager: compiles the decode shapes' kernels; it is the second token
+            dec.step(model)  # eager: compiles the decode shapes' kernels; it is the second token
         torch.cuda.current_stream(device).wait_stream(side)
         made += 1
         if made < max_new_tokens:
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph):
-                    dec.step()
+                    dec.step(model)
             except Exception as e:  # noqa: BLE001 - the step is correct eagerly; only its capture failed
                 graph = None
                 _warn_once(("capture", type(model)), f"generate: the decode step of {type(model).__name__} could "
                            f"not be captured in a CUDA graph ({type(e).__name__}: {str(e)[:200]}); it runs "
                            "eagerly, with the model's host time exposed each token")
                 torch.cuda.synchronize(device)
+            else:
+                _kept[model] = _Kept(key, state if state is not None else _state(model), dec, graph)
     while made < max_new_tokens:
         if graph is not None:
             graph.replay()
         else:
-            dec.step()
+            dec.step(model)
         made += 1
         if dec.eos is not None and made % sync_every == 0 and bool(dec.done.all()):
             break
-    gen = dec.out
+    gen = dec.out[:, :max_new_tokens]
     if dec.eos is not None:
         # as model.generate: stop at the token where the last row ended
         hit = torch.isin(gen, dec.eos)

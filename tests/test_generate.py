@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import nvfp4_gemv  # noqa: E402
 from nvfp4_gemv import generate, quantize_model  # noqa: E402
+from nvfp4_gemv.generation import _kept, _state, release  # noqa: E402
 
 VOCAB = 512
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -146,6 +147,8 @@ def test_top_k_and_top_p_keep_the_tokens_generate_keeps():
     (dict(pad_token_id=-3), "pad_token_id"),
     (dict(sync_every=0), "sync_every"),
     (dict(do_sample="yes"), "do_sample"),
+    (dict(max_cache_len=4), "max_cache_len"),  # prompt 3 + 2 new tokens need 5
+    (dict(max_cache_len=True), "max_cache_len"),
 ])
 def test_bad_arguments_are_named(kw, arg):
     m = variant("bf16")
@@ -169,6 +172,28 @@ def test_compiled_step_gives_the_same_tokens():
 
 def test_it_is_exported():
     assert nvfp4_gemv.generate is generate and "generate" in nvfp4_gemv.__all__
+    assert nvfp4_gemv.generation.release is release
+
+
+def test_a_longer_cache_gives_generates_tokens():
+    m = variant("w4a16-fused")
+    ids = prompt(2, 6)
+    assert torch.equal(generate(m, ids, 9, max_cache_len=40), hf(m, ids, 9))
+
+
+def test_the_model_state_a_kept_graph_checks_sees_replaced_tensors_and_switched_modes():
+    m = variant("w4a16")
+    s0 = _state(m)
+    assert _state(m) == s0
+    with torch.no_grad():
+        m.model.norm.weight.mul_(2)  # in place: the graph reads the new values at the same address
+    assert _state(m) == s0
+    m.model.norm.weight = torch.nn.Parameter(m.model.norm.weight.detach().clone())
+    s1 = _state(m)
+    assert s1 != s0
+    lin = next(x for x in m.modules() if isinstance(x, nvfp4_gemv.NVFP4Linear))
+    lin.mode = "w4a4"
+    assert _state(m) != s1
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -205,6 +230,67 @@ def test_gpu_tokens_after_the_second_are_graph_replays_with_no_sync_between():
         torch.cuda.CUDAGraph.replay, torch.Tensor.all = orig_replay, orig_all
     # prefill (token 1) and one eager step (token 2), then 10 replays; the host looked twice (after 5, 10)
     assert len(replays) == 10 and len(syncs) <= 3 and out.shape[1] <= 5 + 12
+
+
+class _Count:
+    """Counts graph captures and replays while in a ``with``."""
+
+    def __enter__(self):
+        self.captures, self.replays = 0, 0
+        self._begin, self._replay = torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.replay
+        begin, replay = self._begin, self._replay
+
+        def counted_begin(g, *a, **k):
+            self.captures += 1
+            return begin(g, *a, **k)
+
+        def counted_replay(g):
+            self.replays += 1
+            return replay(g)
+
+        torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.replay = counted_begin, counted_replay
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.replay = self._begin, self._replay
+
+
+@gpu
+def test_gpu_a_second_call_replays_the_kept_step_without_capturing():
+    m = variant("w4a16-fused-packed", "cuda")
+    ids = prompt(2, 5, "cuda")
+    with _Count() as first:
+        a = generate(m, ids, 12)
+    with _Count() as second:
+        b = generate(m, ids, 12)
+    assert (first.captures, first.replays) == (1, 10)
+    assert (second.captures, second.replays) == (0, 11)  # token 1 from the prefill, 2..12 replays
+    assert torch.equal(a, b) and torch.equal(a, hf(m, ids, 12))
+    # another prompt and length in the same cache length: the same graph, the eager step's tokens
+    other = prompt(2, 8, "cuda", seed=4)
+    with _Count() as third:
+        c = generate(m, other, 20, max_cache_len=32)
+        d = generate(m, ids, 12, max_cache_len=32)
+    assert (third.captures, third.replays) == (1, 18 + 11)
+    assert torch.equal(c, generate(m, other, 20, max_cache_len=32, cuda_graph=False))
+    assert torch.equal(d, generate(m, ids, 12, max_cache_len=32, cuda_graph=False))
+    release(m)
+    assert m not in _kept
+
+
+@gpu
+def test_gpu_a_model_changed_since_its_capture_is_captured_anew():
+    m = variant("bf16", "cuda")
+    ids = prompt(2, 5, "cuda")
+    generate(m, ids, 8)
+    m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.detach() * -1)  # a new address
+    with _Count() as n:
+        got = generate(m, ids, 8)
+    assert n.captures == 1 and torch.equal(got, hf(m, ids, 8))
+    quantize_model(m, fuse=True, pack=True)  # modules replaced in place
+    with _Count() as n:
+        got = generate(m, ids, 8)
+    assert n.captures == 1 and torch.equal(got, hf(m, ids, 8))
 
 
 @gpu
