@@ -25,7 +25,8 @@ from .experts import NVFP4Experts, calibrate_expert_input_scales
 from .fuse import fuse_linears
 from .generation import generate
 from .leaderboard import check_inputs, custom_kernel
-from .linear import NVFP4Linear, calibrate_input_scales, input_scale_from, quantize_model
+from .convert import calibrate_input_scales, quantize_model
+from .linear import NVFP4Linear, input_scale_from
 from .modelopt import load_modelopt, save_modelopt
 from .pretrained import from_pretrained
 from .op import gemv, gemv_packed

@@ -46,7 +46,8 @@ import re
 
 import torch
 
-from .linear import MODES, _X_DTYPES, name_matches
+from .convert import name_matches, run_with_pre_hooks
+from .linear import MODES, _X_DTYPES
 from .quant import (BLOCK, E2M1_MAX, E4M3_MAX, _block_view, _e2m1_codes, _e4m3_bytes, _pack, dequantize, e2m1_decode,
                     quantize_weight)
 
@@ -501,7 +502,7 @@ def calibrate_expert_input_scales(model, forward_loop, skip=()):
     input_scale}``, each ``amax / (6 * 448)`` of what that expert's matrix read (gate/up: the tokens routed
     to it; down: ``act_fn(gate) * up`` of those). An expert that saw no token gets the largest of its layer's
     (as ModelOpt's export fills uncalibrated experts); a layer that saw none is left out. Syncs (calibration)."""
-    amax, hooks = {}, []
+    amax = {}
 
     def hook(name):
         def record(mod, args):
@@ -518,15 +519,9 @@ def calibrate_expert_input_scales(model, forward_loop, skip=()):
                 got[:, j] = torch.fmax(got[:, j], new)
         return record
 
-    for name, m in model.named_modules():
-        if is_experts_module(m) and not isinstance(m, NVFP4Experts) and not name_matches(name, skip):
-            hooks.append(m.register_forward_pre_hook(hook(name)))
-    try:
-        with torch.no_grad():
-            forward_loop(model)
-    finally:
-        for h in hooks:
-            h.remove()
+    run_with_pre_hooks(model, forward_loop, [(m, hook(name)) for name, m in model.named_modules()
+                                             if is_experts_module(m) and not isinstance(m, NVFP4Experts)
+                                             and not name_matches(name, skip)])
     out = {}
     for name, a in amax.items():
         if torch.isnan(a).all():

@@ -33,7 +33,8 @@ import torch
 
 from .checkpoint import INDEX, Checkpoint, CheckpointError, check_folder, read_json
 from .experts import NVFP4Experts, plan_experts
-from .linear import NVFP4Linear, name_matches
+from .convert import name_matches
+from .linear import NVFP4Linear
 
 QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4", "NVFP4_AWQ")
 GROUP_SIZE = 16

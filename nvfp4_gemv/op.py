@@ -18,14 +18,13 @@ implementations for tracing, so ``torch.compile(fullgraph=True)`` and CUDA graph
 ``gemv`` skip the dispatcher and launch directly (a cached launch plan per tensor metadata).
 """
 
-import threading
 from typing import Optional
 
 import torch
 
 from . import launch
 from . import packed
-from . import w4a16
+from . import w4a16_plan
 from .mma import compile_mma, pick_groups
 from .reference import OUT_DTYPES, check_args, fail_gemv, gemv_reference, unswizzle_scales
 from .tokens import Nvfp4GemvTokens, compile_tokens
@@ -38,23 +37,13 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # other subclasses (fake, functiona
 # Routing and launch plans
 # ----------------------------------------------------------------------------------------------------
 
-_compiled = {}
 _plans = {}
-_lock = threading.RLock()
 # eager calls with a weight tensor of a recent call, whose tensors pass that plan's C++ guard (the same
 # metadata), skip the key
 _recent = launch.RecentPlans()
 
 
-_sms = {}
-
-
-def _sm_count(device_index):
-    """SMs of a device (not ``launch.device_info``, whose sm_100 probe of ``_scaled_mm`` synchronises)."""
-    sms = _sms.get(device_index)
-    if sms is None:
-        sms = _sms[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return sms
+_sm_count = launch.sm_count  # a module name, so that tests can stand in another SM count
 
 
 def token_group(n, k):
@@ -97,18 +86,12 @@ def use_bulk(n, m, k):
     return Nvfp4GemvTokensBulk.suits(k, n, **bulk_tuning(n, m, k))
 
 
+_kernels = launch.KernelCache(lambda key: {"mma": compile_mma, "tokens": compile_tokens,
+                                             "bulk": compile_tokens_bulk}[key[0]](*key[2:-1], **dict(key[-1])))
+
+
 def _get_kernel(device_index, key):
-    kern = _compiled.get(key)
-    if kern is None:
-        with _lock:
-            kern = _compiled.get(key)
-            if kern is None:
-                build = {"mma": compile_mma, "tokens": compile_tokens, "bulk": compile_tokens_bulk}[key[0]]
-                op, fn = build(*key[2:-1], **dict(key[-1]))
-                kern = launch.Kernel(fn, device_index, op)
-                kern.check_fast()
-                _compiled[key] = kern
-    return kern
+    return _kernels.get(device_index, key)
 
 
 class _TokensPlan:
@@ -305,7 +288,7 @@ def _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype, key=None):
 
 def _run(x, x_scale, w, w_scale, alpha, out, out_dtype):
     if w.is_cuda and x_scale is None:
-        return w4a16.run_cuda(x, w, w_scale, alpha, out, out_dtype, check_args)
+        return w4a16_plan.run_cuda(x, w, w_scale, alpha, out, out_dtype, check_args)
     if w.is_cuda:
         return _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype)
     res = gemv_reference(x, x_scale, w, w_scale, alpha, out_dtype)
@@ -375,7 +358,7 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
     if direct and x_scale is None and w.is_cuda:  # W4A16 (check_args names a missing x_scale for fp4 x)
         if out is not None and (not isinstance(out, torch.Tensor) or out.dtype not in OUT_DTYPES):
             fail_gemv(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor", getattr(out, "dtype", type(out).__name__))
-        return w4a16.run_cuda(x, w, w_scale, alpha, out, out_dtype if out is None else out.dtype, check_args)
+        return w4a16_plan.run_cuda(x, w, w_scale, alpha, out, out_dtype if out is None else out.dtype, check_args)
     if direct:
         hit = _recent.hits.get(id(w))
         res = hit(x, x_scale, w, w_scale, alpha, out, out_dtype) if hit is not None else None
@@ -414,7 +397,7 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
 
 def _run_packed(x, w_packed, alpha, out, out_dtype):
     if w_packed.is_cuda:
-        return w4a16.run_cuda_packed(x, w_packed, alpha, out, out_dtype, packed.check_packed_args)
+        return w4a16_plan.run_cuda_packed(x, w_packed, alpha, out, out_dtype, packed.check_packed_args)
     w, ws = packed.unpack_weight(w_packed)
     return _run(x, None, w, ws, alpha, out, out_dtype)  # the exact CPU reference
 
@@ -464,7 +447,7 @@ def gemv_packed(x, w_packed, alpha=None, out_dtype=torch.bfloat16, out=None):
     direct = (type(w_packed) in _PLAIN and type(x) in _PLAIN and not torch.compiler.is_compiling()
               and not torch._C._len_torch_dispatch_stack())
     if direct and w_packed.is_cuda:
-        return w4a16.run_cuda_packed(x, w_packed, alpha, out, out_dtype, packed.check_packed_args)
+        return w4a16_plan.run_cuda_packed(x, w_packed, alpha, out, out_dtype, packed.check_packed_args)
     if not torch.compiler.is_compiling():
         packed.check_packed_args(x, w_packed, alpha, out_dtype, out)  # our errors, not the dispatcher's
     if out is None:

@@ -24,8 +24,6 @@ Layouts: x [R, K] K-contiguous with 16-byte aligned rows; codes [R, K/2] and sca
 ``K % 16 == 0``; ``K`` is a compile-time constant.
 """
 
-import threading
-
 import cutlass
 import cutlass.cute as cute
 import torch
@@ -33,7 +31,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from cuda.bindings.driver import CUstream
 
-from .launch import Kernel, current_device, current_stream, dsl_compile
+from .launch import KernelCache, current_device, current_stream, dsl_compile, sm_count
 from .ptx import asm as _asm
 from .ptx import asm_store
 from .ptx import ldg_f32, ldg_v4, stg_u8, stg_u32x2
@@ -189,10 +187,6 @@ def abs_f32(v, *, loc=None, ip=None):
     return cutlass.Float32(r[0])
 
 
-_compiled = {}
-_sms = {}
-_lock = threading.RLock()
-
 
 def compile_quantize(k, x_bf16, options=None, tvm_ffi=None, dequantized=False):
     """``(op, compiled)`` (no GPU needed when ``options`` names ``--gpu-arch``)."""
@@ -213,6 +207,9 @@ def quantize_dequantized_cuda(x, global_scale, out):
     _launch(x, global_scale, out, None, True)
 
 
+_kernels = KernelCache(lambda key: compile_quantize(key[1], key[2], dequantized=key[3]))
+
+
 def _launch(x, global_scale, out_q, out_s, dequantized):
     """Rows of x that are not 16-byte aligned and K-contiguous are copied first (a new allocation:
     ``contiguous()`` keeps a contiguous tensor at a misaligned address where it is)."""
@@ -223,17 +220,8 @@ def _launch(x, global_scale, out_q, out_s, dequantized):
         x = x.clone(memory_format=torch.contiguous_format)  # a new, aligned allocation (contiguous() may not move)
     dev = x.device.index
     key = (dev, k, x.dtype == torch.bfloat16, dequantized)
-    kern = _compiled.get(key)
-    if kern is None:
-        with _lock:
-            kern = _compiled.get(key)
-            if kern is None:
-                op, fn = compile_quantize(k, key[2], dequantized=dequantized)
-                kern = _compiled[key] = Kernel(fn, dev, op)
-                kern.check_fast()
-    sms = _sms.get(dev)
-    if sms is None:
-        sms = _sms[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    kern = _kernels.get(dev, key)
+    sms = sm_count(dev)
     blocks = rows * (k // 16)
     grid = max(1, min(-(-blocks // THREADS), sms * 8))
     args = (x.data_ptr(), global_scale.data_ptr(), out_q.data_ptr(), 0 if out_s is None else out_s.data_ptr(), rows,

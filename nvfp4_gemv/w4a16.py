@@ -2,7 +2,8 @@
 
 This is the product Hopper serving runs for NVFP4 checkpoints (weight-only): ``x`` is taken as it is, no
 quantization. One kernel (``Nvfp4GemvW4A16``) serves 1..32 tokens a launch with ``w`` read once; more
-tokens launch once per group of at most 32.
+tokens launch once per group of at most 32. This module is the kernel; which build a shape takes is
+``w4a16_route``, the host's launch plans ``w4a16_plan``.
 
 Exact operands for the tensor cores (``mma.sync.m16n8k16``, fp32 accumulation):
 
@@ -57,58 +58,24 @@ chunk's block sums for rows ``g`` and ``g + 8`` in C's columns ``2t`` and ``2t +
 add theirs by two shuffles at the end. ``across``: a tile's last ``depth`` slices load the next tile's first
 ones, so the loads run on between tiles. At the end the warps' partials
 meet in shared memory and are added in a fixed order. Where ``K % 128 == 64`` the last slice's lanes 2 and 3
-read lane 1's chunk again and take zeros for ``x``. At 1 token the decode is most of the work (a slice of 4
-groups: 449 instructions a warp, 199 of them on the half-rate ALU pipe, 8 loads; 380 and 145 with ``dec`` and
-``xpair``, 308 and 141 with ``late`` too, which the route of many rows takes, mostly with 2 groups: 163 a
-slice, 183 with ``across``): the route is latency-bound, neither issue (0.44 instructions a scheduler a cycle) nor DRAM (48%)
-saturated (docs/design.md, "W4A16").
+read lane 1's chunk again and take zeros for ``x``. Where a slice's instructions go and which pipe binds: docs/design.md, "W4A16".
 
-Measuring builds (never routed): ``probe`` (loads only, arithmetic only, w's loads only) and ``bulk`` (w and its
-scales brought into shared memory by ``cp.async.bulk`` a row, stages on mbarriers, warp 0 copying; its loads alone
-beat the route's, the whole kernel was slower on the large weights, level at 4096 x 4096: docs/results.md, "Tenth
-session").
+Measuring builds (``probe``, ``bulk``; never routed): docs/design.md, "W4A16".
 
 Layouts: ``w`` [M, K/2] uint8 and ``x`` [N, K] K-contiguous with 16-byte aligned rows; ``ws`` plain [M, K/16]
 K-contiguous with even row strides, or 128x4 blocked; ``out`` [N, M] unit stride along M; ``alpha`` one fp32
 on the device, or none.
 """
 
-import threading
-
 import cutlass
 import cutlass.cute as cute
-import torch
 
 from .decode import blocked_row, e4m3x2_to_f32x2, scale_offset, scaled_bf16_chunk, scaled_bf16x8, scaled_f16x8
-from .launch import MAX_PLANS, Kernel, current_device, current_stream
-from .packed import fail_packed
 from .ptx import (
-    SMEM_A_SM,
-    SmemAllocator,
-    bulk_g2s,
-    fma_f32,
-    ldg_f32,
-    ldg_u16,
-    ldg_v4,
-    ldg_v4_if,
-    ldg_w_v4,
-    lds_stage_f32,
-    lds_stage_u16,
-    lds_stage_v4,
-    lds_v4_if,
-    mbar_arrive,
-    mbar_arrive_expect_tx,
-    mbar_init,
-    mbar_init_fence,
-    mbar_wait,
-    mma_16816,
-    mul_bf16x2,
-    pair_halves,
-    stg_as,
-    sts_f32x4,
-    sts_v4,
+    SMEM_A_SM, SmemAllocator, bulk_g2s, fma_f32, ldg_f32, ldg_u16, ldg_v4, ldg_v4_if, ldg_w_v4, lds_stage_f32,
+    lds_stage_u16, lds_stage_v4, lds_v4_if, mbar_arrive, mbar_arrive_expect_tx, mbar_init, mbar_init_fence,
+    mbar_wait, mma_16816, mul_bf16x2, pair_halves, stg_as, sts_f32x4, sts_v4,
 )
-from .reference import fail_gemv
 from .tokens import OpLaunch, compile_op
 
 MAX_TOKENS = 32  # tokens a launch takes: two A tiles of 16
@@ -119,34 +86,7 @@ BF16_SUM_SCALE = 128.0  # 2^7: undoes the 2^-7 of the bf16 weights
 F16_SUM_SCALE = 16384.0  # 2^14: undoes the 2^-14 of the f16 weights
 X_LATE_BF16X2 = 0x63806380  # bf16x2 of 2^72: late's bf16 x, so that x * v * 2^-126 * s stays normal
 LATE_BF16_SUM_SCALE = 2.0 ** 54  # undoes late's 2^72 * 2^-126
-SHARED_X_TOKENS = 4  # tokens up to which many rows take the 4-CTA shared-x build (measured to 8: slower from 6)
-SHARED_X_VALUES = 16384  # ... where N x K is at most this (measured faster at 4096 x 4, 8192 x 2)
-SHARED_X_MIN_K = 2048  # ... and K at least this (measured from 2048; the one-token route's across from 1024)
 XBATCH = 8  # copies of x (16 bytes each) a thread has in flight while x is copied into shared memory
-FEW_ROWS_MIN_K = 4096  # 1..4 tokens on rows whose 4-group tiles do not pass the SMs: 16-warp CTAs from this K
-MANY_TOKENS_X_VALUES = 65536  # 9..16 tokens on many rows: x in shared memory (one 16-warp CTA) up to this N x K
-ONE_SLICE_K = 2048  # ... and, at this K (a slice for each of 16 warps), 9..32 tokens (17..32 on any rows)
-FOUR_WARPS_K = (2048, 6144)  # one token on many rows at K in this range: CTAs of 4 warps, 8 a SM (level at 8192)
-FOUR_WARPS_TILES = 5  # ... where the 2-group tiles are at least this many a SM (faster from 672 on 132, slower at 544)
-LONG_K_PAIR_VALUES = 32768  # 2 tokens on many rows past SHARED_X_VALUES: 2 CTAs of 4 groups up to this N x K
-
-
-def pick_groups(n_tok, m, sms, even=False, cap=None):
-    """Groups of 8 rows a CTA owns at a time: as many as fill the SMs evenly (up to ``cap``), counting a round
-    of tiles as ``groups + 2``. ``cap``: by default what the registers hold without ``across`` (a lane holds
-    ``5 * groups`` words of ``w`` and 16 of ``x`` per 8 tokens, twice: the slice computed and the next in
-    flight; with 8 warps 4 groups spill at 25-32 tokens, sm_90a, DSL 4.3.5, hence 2 there, and 6 and 4 at
-    9-16 and 17-24 tokens); the route passes its own (``default_tuning``). ``even``: only even counts (``w_a``
-    pairs the groups; M is a multiple of 128, so 16 groups at least)."""
-    if cap is None:
-        cap = MAX_GROUPS if n_tok <= 8 else 6 if n_tok <= 16 else 4 if n_tok <= 24 else 2
-    total = m // 8
-
-    def cost(gr):
-        tiles = -(-total // gr)
-        return -(-tiles // sms) * (gr + 2), -gr
-
-    return min(range(2 if even else 1, min(cap, total) + 1, 2 if even else 1), key=cost)
 
 
 class Nvfp4GemvW4A16(OpLaunch):
@@ -678,318 +618,3 @@ def compile_w4a16(k, n_tok, groups, x_bf16, w_blocked, has_alpha, out_bf16, opti
     """Compiles the kernel (no GPU needed when ``options`` names ``--gpu-arch``)."""
     return compile_op(Nvfp4GemvW4A16(k, n_tok, groups, x_bf16, w_blocked, has_alpha, out_bf16, **tuning),
                       options, tvm_ffi)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Host side: validation, exact reference, launch plans
-# ----------------------------------------------------------------------------------------------------
-
-
-# from this many tokens on, w is dequantized into x's dtype and multiplied by torch.mm (cuBLAS, tensor cores):
-# the kernel reads w once a group of 32 tokens, so prefill-sized N would read it N / 32 times
-DEQUANT_MIN_TOKENS = 129
-
-_compiled = {}
-_plans = {}
-_sms = {}
-_lock = threading.RLock()
-
-
-def _sm_count(dev):
-    sms = _sms.get(dev)
-    if sms is None:
-        sms = _sms[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return sms
-
-
-def default_tuning(n_tok, m, sms, k):
-    """8 warps a CTA (with 16, at most 128 registers a thread, ptxas spills a lane's two slices of loads). One
-    token where the 4-group tiles outnumber the SMs: x in shared memory, the scales after the MMA (``late``),
-    two CTAs a SM of 4 groups each, or four of 2 groups where four copies of x fit a SM's shared memory (K up
-    to 26560) with the next tile's loads from the last slices (``across``), five where the tiles fill five in
-    one round but not four (10240 rows: 23.09 us against 25.46; fifth session); otherwise one CTA a SM,
-    x in registers with w (H200, docs/history/w4a16-sweep-s15.md: two CTAs won at 7168 and 28672 rows, lost
-    at 4096; shared-memory x was slower from 4 tokens on, at 4096 rows). Up to 8 tokens w is the MMA's A
-    operand (``w_a``: half the MMAs), and the shared-memory builds add the scales after the MMA (``late``), the three-operation
-    bf16 decode (``dec``) and x stored in pair order (``xpair``): each measured faster on H200 there
-    (docs/results.md, "W4A16"; ``dec`` alone was slower, with ``xpair`` faster, and 4 CTAs of 2 groups
-    fastest at 7168 and 28672 rows, within 1.3% at 6144, 40% slower at K = 28672 where only three fit).
-    2..4 tokens on the same many rows where N x K <= 16384 and K >= 2048: the one-token route's 4 CTAs of 2
-    groups with x in shared memory, without ``late`` (28672 x 4096 at N = 2 38.56 -> 28.51 us; seventh
-    session). Otherwise from 2 tokens on x stays in registers with ``across``; from 9 tokens a CTA takes up
-    to 8 groups, or 16 warps of up to 4 (sixth session, docs/results.md: N = 32 at 7168 x 16384 99.95 -> 54.40
-    us, N = 16 at 4096 x 14336 27.12 -> 22.02), or one 16-warp CTA with x in shared memory: 9..16 tokens on
-    many rows where N x K <= 65536 from K = 4096 (ninth session), and at K = 2048 9..16 tokens on many rows and
-    17..32 on any (eleventh). Eighth session: 1..4 tokens on fewer rows (``M / 32`` within the
-    SMs, ``M / 16`` at least seven eighths of them, K >= 4096) take 16-warp CTAs, two a SM, of 2 groups with x in
-    shared memory (4096 x 14336 N = 1 20.66 -> 15.84 us); 2 tokens on many rows with ``16384 < N x K <= 32768``
-    two CTAs of 4 groups with x in shared memory (7168 x 16384 34.98 -> 29.36). Twelfth session: one token at K
-    2048..6144 on rows of at least 5 two-group tiles a SM takes CTAs of 4 warps, 8 a SM, in even rounds
-    (28672 x 4096 27.68 -> 25.34 us)."""
-    w_a = {"w_a": 1} if n_tok <= W_A_TOKENS else {}
-    if n_tok == 1 and m // 32 > sms:
-        if FOUR_WARPS_K[0] <= k <= FOUR_WARPS_K[1] and m // 16 >= FOUR_WARPS_TILES * sms:
-            # CTAs of 4 warps, 8 a SM (the same 32 warps), as many as take the tiles in even rounds: a warp takes 8
-            # slices a tile instead of 4 before the partials meet, 4 warps meet instead of 8, and no CTA has a
-            # tile more than another (H200, twelfth session: 28672 x 4096 27.68 -> 25.34 us, 896 CTAs of 2
-            # tiles; 14336 x 4096 17.55 -> 15.65, 12288 x 4096 15.47 -> 14.54; 28672 x 2048 / 3072 / 6144 and
-            # 14336 x 5120 2.6-5.1% faster; 1-2% slower at 20480 x 4096, level at K = 8192 (10240 and 57344 rows);
-            # slower on 8192 and 8704 rows at K = 4096: 11.52 -> 12.61, 512 tiles, too few warps a SM).
-            # Eight such CTAs take at most 124 KB of a SM's shared memory (K = 6144; a test checks the fit)
-            return {"threads": 128, "ctas": 8, "even": 1, "groups": 2, "late": 1, "dec": 1, "xpair": 1, "across": 1,
-                    **w_a}
-        # four 2-group CTAs where their shared memory (as the class sizes it) and the 1 KiB a SM keeps for each
-        # CTA fit a SM
-        two = Nvfp4GemvW4A16(k, 1, 2, True, False, False, True, threads=256, x_smem=1, xpair=1, late=1, **w_a)
-        fit = SMEM_A_SM // (two.smem_bytes + 1024)  # such CTAs a SM's shared memory holds
-        if fit < 4:
-            return {"threads": 256, "ctas": 2, "groups": 4, "dec": 1, "xpair": 1, "late": 1, **w_a}
-        # five where the 2-group tiles fill five a SM in one round but not four
-        ctas = 5 if fit >= 5 and 4 * sms < m // 16 <= 5 * sms else 4
-        # across where every warp has a slice (tested and timed there)
-        across = {"across": 1} if k >= 1024 else {}
-        return {"threads": 256, "ctas": ctas, "groups": 2, "dec": 1, "xpair": 1, "late": 1, **across, **w_a}
-    if 2 <= n_tok <= SHARED_X_TOKENS and SHARED_X_MIN_K <= k and n_tok * k <= SHARED_X_VALUES and m // 32 > sms:
-        # 2..4 tokens on many rows: the one-token route's 4 CTAs of 2 groups with x in shared memory, without
-        # late (which would take N MMAs a k-step: measured slower). Where the four copies of x take more of a
-        # SM's shared memory (N x K above 16384: K = 8192 from 3 tokens, 4096 from 5) it was slower than x in
-        # registers, likely because the 2-byte scale loads lose the L1 they share it with (not profiled;
-        # seventh session, docs/results.md).
-        return {"threads": 256, "ctas": 4, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, **w_a}
-    if (n_tok <= SHARED_X_TOKENS and k >= FEW_ROWS_MIN_K and m // 32 <= sms and m // 16 >= sms - sms // 8
-            and _ctas_fit(2, k, n_tok, 2, threads=512)):
-        # 1..4 tokens on fewer rows (1920..4224 on 132 SMs; measured at 2048..4096): the 2-group tiles are about
-        # one or two a SM, so 16 warps a CTA (two CTAs a SM: 32 warps) with x in shared memory, late at one token
-        # (H200, eighth session: 4096 x 14336 20.66 -> 15.84 us at N = 1, 20.74 -> 16.21 at N = 2; at N = 4 and K = 14336,
-        # where one CTA fits a SM, 21.18 -> 22.30, so two must fit; docs/results.md, "Eighth session")
-        late = {"late": 1} if n_tok == 1 else {}
-        return {"threads": 512, "ctas": 2, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, **late, "across": 1,
-                **w_a}
-    if n_tok == 2 and SHARED_X_VALUES < n_tok * k <= LONG_K_PAIR_VALUES and m // 32 > sms and _ctas_fit(2, k, n_tok, 4):
-        # 2 tokens on many rows past SHARED_X_VALUES (K 8256..16384): two CTAs of 4 groups with x in shared
-        # memory (7168 x 16384 34.98 -> 29.36 us; at 3 tokens 34.72 -> 42.62 and 4 tokens 34.45 -> 41.87, and
-        # K = 28672, where one fits, 58.02 -> 69.62: not taken; eighth session). The fit holds at every such K
-        # (two such CTAs take at most 146 of a SM's 228 KiB); it is a guard should LONG_K_PAIR_VALUES grow
-        return {"threads": 256, "ctas": 2, "groups": 4, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, **w_a}
-    if (SHARED_X_TOKENS < n_tok <= W_A_TOKENS and k >= FEW_ROWS_MIN_K and sms - sms // 8 <= m // 16
-            and _ctas_fit(2, k, n_tok, 2, 512)):
-        # 5..8 tokens from 1920 rows (on 132 SMs) where two 16-warp CTAs' x fit a SM (N x K up to about 53000):
-        # the 16-warp build of fewer rows, without late (ninth session, docs/results.md: 28672 x 4096 at N = 8
-        # 38.67 -> 29.04 us, at N = 6 40.22 -> 30.22; 4096 x 4096 N = 8 10.45 -> 9.38; 4096 x 7168 N = 6
-        # 13.60 -> 13.17, N = 8 (one CTA fits) 13.97 -> 16.29: not taken; 6144 x 4096 level:
-        # 12.86 / 12.90 at N = 6, 12.30 / 12.35 at N = 8)
-        return {"threads": 512, "ctas": 2, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, **w_a}
-    if n_tok <= W_A_TOKENS:
-        # 2..8 tokens (and one on fewer rows): x in registers; with across from 2 tokens (level to 6% faster; any K:
-        # at depth 1 a warp without slices skips the loop)
-        return {"threads": 256, "x_smem": 0, **w_a, **({"across": 1} if n_tok > 1 else {})}
-    # 9..32 tokens, x the A operand: a warp reads x's slice once a tile, N / (2 * groups) times w's bytes,
-    # so as many groups as the registers hold, with across (its builds keep 8 groups at 32 tokens without a
-    # stack); 9..16 tokens on rows whose 4-group tiles fill at most two rounds: 16 warps of up to 4 groups
-    # (6 spill at 128 registers a thread)
-    if n_tok <= 16 and k >= 2048 and m // 32 <= 2 * sms:
-        return {"threads": 512, "x_smem": 0, "across": 1, "groups": pick_groups(n_tok, m, sms, cap=4)}
-    if n_tok * k <= MANY_TOKENS_X_VALUES and (k == ONE_SLICE_K or (n_tok <= 16 and k >= FEW_ROWS_MIN_K)):
-        # 9..16 tokens on the many rows past that from K = 4096, up to the measured N x K (x and the partials 160 KB
-        # of the SM's shared memory at 16 x 4096, one CTA): x read once a CTA from shared memory instead of once a
-        # tile, 16 warps of 4 groups (ninth session, docs/results.md: 28672 x 4096 N = 16 46.98 -> 39.36 us,
-        # 14336 x 4096 26.46 -> 25.17). At K = 2048 (a slice a warp) the same for 9..16 tokens on many rows
-        # (eleventh session: 28672 x 2048 N = 16 28.02 -> 26.08, 16384 x 2048 18.72 -> 17.66) and 17..32 tokens on
-        # any rows (28672 x 2048 N = 32 39.39 -> 28.58, N = 17 34.90 -> 27.74; at K = 2048 N x K is always within
-        # the bound), of as many groups as fill the SMs, 2 to 4 (the best of 2, 3 and 4 at 24 and 32 tokens on
-        # 2048, 3072, 16384 and 28672 rows: 2048 x 2048 N = 32 10.61 -> 8.96 with 2; one group not measured).
-        # Not past it: at 17..24 tokens K = 2688 was slower (16384 x 2688 N = 24 28.06 -> 33.04: 21 slices on 16
-        # warps, and 4 groups keep bytes on the stack there), K = 3840 level on many rows (28672 x 3840 N = 17
-        # 55.50 / 55.81) and 7% faster on few (1152 x 3840: 10.51 -> 9.78): not taken, one rule for K = 2048
-        return {"threads": 512, "x_smem": 1, "across": 1,
-                "groups": 4 if n_tok <= 16 else max(2, pick_groups(n_tok, m, sms, cap=4))}
-    return {"threads": 256, "x_smem": 0, "across": 1, "groups": pick_groups(n_tok, m, sms, cap=MAX_GROUPS)}
-
-
-def _ctas_fit(ctas, k, n_tok, groups, threads=256):
-    """Whether ``ctas`` CTAs of the shared-x build (x rows, late's padding at one token, the partials) and the
-    1 KiB a SM keeps for each fit a SM's shared memory."""
-    try:
-        op = Nvfp4GemvW4A16(k, n_tok, groups, True, False, False, True, threads=threads, x_smem=1, xpair=1,
-                            late=int(n_tok == 1), w_a=int(n_tok <= W_A_TOKENS))
-    except ValueError:  # not even one CTA's x fits (4 tokens at K = 32768)
-        return False
-    return ctas * (op.smem_bytes + 1024) <= SMEM_A_SM
-
-
-def _get_kernel(dev, key):
-    kern = _compiled.get(key)
-    if kern is None:
-        with _lock:
-            kern = _compiled.get(key)
-            if kern is None:
-                _, k, nt, groups, x_bf16, wb, has_alpha, out_bf16, tuning = key[1:]
-                op, fn = compile_w4a16(k, nt, groups, x_bf16, wb, has_alpha, out_bf16, **dict(tuning))
-                kern = Kernel(fn, dev, op)
-                kern.check_fast()
-                _compiled[key] = kern
-    return kern
-
-
-class W4A16Plan:
-    """What the tensors' metadata fixes for the W4A16 launches (kernels, grid, strides, token groups), so
-    that a call only reads the data pointers and the stream. ``dims`` comes from ``reference.check_args``."""
-
-    def __init__(self, x, w, w_scale, alpha, out, out_dtype, dims, tuning=(), packed=False):
-        n, m, k, _, wb = dims
-        self.dev = w.device.index
-        self.out_shape = (n, m)
-        self.device = w.device  # the result is allocated each call: see op._TokensPlan
-        # packed (w_scale None): w is packed.py's [M, 9K/16] buffer, read in 576-byte pieces of 8 rows
-        self.packed = bool(packed)
-        for t, name, es in ((x, "x", 2),) + (() if packed else ((w, "w", 1),)):
-            if t.stride(1) != 1 or (t.shape[0] > 1 and (t.stride(0) * es) % 16) or t.data_ptr() % 16:
-                fail_gemv(ValueError, name, "K-contiguous rows (stride(1) == 1) at 16-byte aligned addresses",
-                          f"strides {t.stride()} at address {t.data_ptr():#x}")
-        if packed and (w.stride() != (w.shape[1], 1) or w.data_ptr() % 16):
-            fail_packed(ValueError, "w_packed", "a contiguous tensor at a 16-byte aligned address (pack_weight's "
-                        "output, or whole rows of it)", f"strides {w.stride()} at address {w.data_ptr():#x}")
-        if not packed and not wb and (w_scale.stride(1) != 1 or w_scale.stride(0) % 2 or w_scale.data_ptr() % 2):
-            fail_gemv(ValueError, "w_scale", "K-contiguous scales (stride(1) == 1) with even row strides at even "
-                      "addresses", f"strides {w_scale.stride()} at address {w_scale.data_ptr():#x}")
-        out_rs = m
-        if out is not None:
-            if out.stride(1) != 1 and m > 1:
-                fail_gemv(ValueError, "out", "unit stride along M", f"strides {out.stride()}")
-            if n > 1 and out.stride(0) < m:
-                fail_gemv(ValueError, "out", f"rows that do not overlap (stride(0) >= {m})", f"strides {out.stride()}")
-            out_rs = out.stride(0)
-        self.dequant = n >= DEQUANT_MIN_TOKENS
-        self.ws_mask = 1  # address bits of w_scale that must be 0 (checked each call; bulk's below)
-        self.k = k
-        self.wb = wb
-        self.launches = []
-        if self.dequant:
-            return
-        sms = _sm_count(self.dev)
-        tuning = dict(tuning)
-        g = -(-n // -(-n // MAX_TOKENS))
-        tile = 512 * (-(-(k // 16) // 4))  # bytes of a 128-row tile of blocked scales
-        ws_rs = 0 if packed else tile if wb else w_scale.stride(0)
-        x_rs = x.stride(0) * 2
-
-        for t0 in range(0, n, g):
-            nt = min(g, n - t0)
-            tune = {**default_tuning(nt, m, sms, k), **tuning, **({"packed": 1} if packed else {})}
-            if tune.get("bulk"):  # (never routed) bulk copies 16-byte rows of plain scales
-                if wb or (w_scale.data_ptr() | ws_rs) & 15:
-                    fail_gemv(ValueError, "w_scale", "plain rows at 16-byte aligned addresses for bulk",
-                              f"{'blocked scales' if wb else f'row stride {ws_rs}'} at address {w_scale.data_ptr():#x}")
-                self.ws_mask = 15
-            groups = tune.pop("groups", None) or pick_groups(nt, m, sms, even=bool(tune.get("w_a")))
-            key = ("w4a16", self.dev, k, nt, groups, x.dtype == torch.bfloat16, wb, alpha is not None,
-                   out_dtype == torch.bfloat16, tuple(sorted(tune.items())))
-            kern = _get_kernel(self.dev, key)
-            self.launches.append((kern, (t0 * x_rs, t0 * out_rs * 2),
-                                  (m, w.stride(0), ws_rs, x_rs, 0, out_rs * 2, kern.op.grid_x(m, sms))))
-
-    def __call__(self, x, w, w_scale, alpha, out, out_dtype):
-        # addresses are not in the plan's key: checked on every call (the kernel reads 16-byte rows of x and
-        # w and 2-byte scale pairs; a misaligned read would fault and break the CUDA context)
-        px, pw, pws = x.data_ptr(), w.data_ptr(), 0 if self.packed else w_scale.data_ptr()
-        if (px | pw) & 15 or pws & self.ws_mask:
-            bad = [nm for nm, p, mask in (("x", px, 15), ("w", pw, 15), ("w_scale", pws, self.ws_mask)) if p & mask][0]
-            if self.packed:
-                fail_packed(ValueError, "w_packed" if bad == "w" else bad, "16-byte aligned rows of x and w_packed",
-                            f"address {dict(x=px, w=pw)[bad]:#x}")
-            fail_gemv(ValueError, bad, f"16-byte aligned rows of x and w, a w_scale address a multiple of "
-                      f"{self.ws_mask + 1}", f"address {dict(x=px, w=pw, w_scale=pws)[bad]:#x}")
-        if self.dequant:
-            if self.packed:
-                from .packed import unpack_weight
-
-                w, w_scale = unpack_weight(w)  # prefill: a copy of the weight besides the dequantization's
-            return dequant_mm(x, w, w_scale, alpha, out, out_dtype, self.k, self.wb)
-        if out is None:
-            out = torch.empty(self.out_shape, dtype=out_dtype, device=self.device)
-        pout = out.data_ptr()
-        pa = alpha.data_ptr() if alpha is not None else 0
-        dev_ok = current_device() == self.dev
-        stream = current_stream(self.dev)
-        for kern, (dx, dout), static in self.launches:
-            if kern.ffi is not None and dev_ok:
-                kern.ffi(pw, px + dx, pws, 0, pout + dout, pa, *static, stream)
-            else:
-                with torch.cuda.device(self.dev):
-                    kern.launch_dsl((pw, px + dx, pws, 0, pout + dout, pa, *static), stream)
-        return out
-
-
-def dequantized(w, w_scale, k, blocked, dtype):
-    """``w * w_scale`` in ``dtype`` (bf16 or fp16: exact, e2m1 x e4m3 has at most 6 significant bits), by
-    elementwise torch ops on w's device (no host sync; about 12 bytes of temporaries a weight value)."""
-    from .quant import e2m1_decode
-    from .reference import unswizzle_scales
-
-    m = w.shape[0]
-    s = w_scale.view(torch.float8_e4m3fn)
-    if blocked:
-        s = unswizzle_scales(s, m, k)
-    v = e2m1_decode(w).view(m, k // 16, 16) * s.to(torch.float32).unsqueeze(-1)
-    return v.view(m, k).to(dtype)
-
-
-def dequant_mm(x, w, w_scale, alpha, out, out_dtype, k, blocked):
-    """Many tokens (prefill): ``w`` dequantized into x's dtype, then one fp32-output ``torch.mm`` (cuBLAS
-    tensor cores, fp32 accumulation in cuBLAS's order: its error bound is cuBLAS's, tested to 2^-12 of the
-    sum of |terms|), ``alpha`` (one fp32 rounding) and the rounding to the output dtype. Besides the GEMM it
-    costs the dequantization's torch kernels (tens of bytes of memory traffic a weight value; not yet
-    measured, nor the 129-token threshold)."""
-    wd = dequantized(w, w_scale, k, blocked, x.dtype)
-    res = torch.mm(x, wd.T, out_dtype=torch.float32)
-    if alpha is not None:
-        res = res * alpha.reshape(())
-    res = res.to(out_dtype)
-    if out is None:
-        return res
-    out.copy_(res)
-    return out
-
-
-def _key(x, w, w_scale, alpha, out, out_dtype):
-    return (x.shape, x.stride(), x.dtype, x.get_device(), w.shape, w.stride(), w.dtype, w.get_device(),
-            w_scale.shape, w_scale.stride(), w_scale.dtype, w_scale.get_device(),
-            None if alpha is None else (alpha.shape, alpha.dtype, alpha.layout, alpha.get_device()),
-            None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()), out_dtype)
-
-
-def run_cuda(x, w, w_scale, alpha, out, out_dtype, check_args):
-    """The W4A16 product on CUDA through a cached plan (``check_args``: the op's validation)."""
-    try:
-        key = _key(x, w, w_scale, alpha, out, out_dtype)
-    except (AttributeError, TypeError, RuntimeError, NotImplementedError):
-        key = None
-    plan = _plans.get(key) if key is not None else None
-    if plan is None:
-        dims = check_args(x, None, w, w_scale, alpha, out_dtype, out)
-        plan = W4A16Plan(x, w, w_scale, alpha, out, out_dtype, dims)
-        if key is not None:
-            if len(_plans) >= MAX_PLANS:
-                _plans.clear()
-            _plans[key] = plan
-    return plan(x, w, w_scale, alpha, out, out_dtype)
-
-
-def run_cuda_packed(x, w_packed, alpha, out, out_dtype, check_args):
-    """The W4A16 product with a packed weight (``packed.pack_weight``) on CUDA through a cached plan
-    (``check_args``: ``packed.check_packed_args``)."""
-    try:
-        # whether the rows start at an 8-row group is in the key: checked (check_packed_weight) on a miss
-        key = ("packed", w_packed.storage_offset() % (8 * w_packed.shape[1]) == 0) \
-            + _key(x, w_packed, w_packed, alpha, out, out_dtype)
-    except (AttributeError, TypeError, RuntimeError, NotImplementedError, IndexError, ZeroDivisionError):
-        key = None
-    plan = _plans.get(key) if key is not None else None
-    if plan is None:
-        n, m, k = check_args(x, w_packed, alpha, out_dtype, out)
-        plan = W4A16Plan(x, w_packed, None, alpha, out, out_dtype, (n, m, k, False, False), packed=True)
-        if key is not None:
-            if len(_plans) >= MAX_PLANS:
-                _plans.clear()
-            _plans[key] = plan
-    return plan(x, w_packed, None, alpha, out, out_dtype)

@@ -6,7 +6,7 @@ scale layouts, x and output dtypes, alpha, cancelling sums and subnormal scales.
 import pytest
 import torch
 
-from nvfp4_gemv import gemv, w4a16
+from nvfp4_gemv import gemv, w4a16_plan, w4a16_route
 from w4a16_inputs import w4a16_exact, w4a16_inputs, w4a16_violations
 
 pytestmark = pytest.mark.gpu
@@ -51,7 +51,7 @@ def test_the_one_token_route_of_many_rows_matches_float64(k, kw, dtype):
     ``K % 128 == 64``, the largest K at 4 CTAs (26560), blocked scales, subnormal scales with the weights' 0.5,
     cancelling sums."""
     m = one_token_rows()
-    tune = w4a16.default_tuning(1, m, torch.cuda.get_device_properties(0).multi_processor_count, k)
+    tune = w4a16_route.default_tuning(1, m, torch.cuda.get_device_properties(0).multi_processor_count, k)
     assert tune["dec"] and tune["xpair"] and tune["late"] and tune["groups"] == (4 if k == 28672 else 2), tune
     check(1, m, k, seed=k + 3, dtype=dtype, **kw)
 
@@ -64,8 +64,8 @@ def test_one_token_on_many_rows_at_k_4096_takes_four_warp_ctas_in_even_rounds_an
     as take the tiles in even rounds (28672 rows: 896 CTAs of 2 tiles on an H200), each warp 8 slices a tile;
     blocked scales, cancelling sums, subnormal scales with the weights' 0.5."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tune = w4a16.default_tuning(1, m, sms, 4096)
-    if m // 16 < w4a16.FOUR_WARPS_TILES * sms:
+    tune = w4a16_route.default_tuning(1, m, sms, 4096)
+    if m // 16 < w4a16_route.FOUR_WARPS_TILES * sms:
         pytest.skip(f"{m} rows are too few for the route on {sms} SMs")
     assert tune["threads"] == 128 and tune["ctas"] == 8 and tune["even"] == 1 and tune["late"], tune
     check(1, m, 4096, seed=m + 5, dtype=dtype, **kw)
@@ -92,7 +92,7 @@ def test_two_to_four_tokens_on_many_rows_take_shared_x_and_match_float64(n, m, k
     count that leaves the last batch of the copy of x part full), cancelling sums, subnormal scales; ``None``:
     the fewest rows that take the route on this GPU."""
     m = m or one_token_rows()
-    tune = w4a16.default_tuning(n, m, torch.cuda.get_device_properties(0).multi_processor_count, k)
+    tune = w4a16_route.default_tuning(n, m, torch.cuda.get_device_properties(0).multi_processor_count, k)
     if n * k > 16384:
         pytest.skip("N x K over 16384 keeps x in registers")
     assert tune["x_smem"] and tune["ctas"] == 4 and tune["groups"] == 2 and not tune.get("late"), tune
@@ -115,8 +115,8 @@ def test_one_to_four_tokens_on_fewer_rows_take_16_warp_ctas_and_match_float64(n,
     2 groups, x in shared memory, ``late`` at one token): the most and the fewest such rows, ``K % 128 == 64``
     with blocked scales, cancelling sums, subnormal scales, the longest K (one token)."""
     m = few_rows()[rows]
-    tune = w4a16.default_tuning(n, m, torch.cuda.get_device_properties(0).multi_processor_count, k)
-    if not w4a16._ctas_fit(2, k, n, 2, threads=512):
+    tune = w4a16_route.default_tuning(n, m, torch.cuda.get_device_properties(0).multi_processor_count, k)
+    if not w4a16_route._ctas_fit(2, k, n, 2, threads=512):
         pytest.skip("two CTAs' x do not fit a SM: x in registers")
     assert tune["threads"] == 512 and tune["x_smem"] and tune["ctas"] == 2 and tune["groups"] == 2, tune
     assert bool(tune.get("late")) == (n == 1), tune
@@ -133,7 +133,7 @@ def test_five_to_eight_tokens_take_16_warp_ctas_and_match_float64(n, k, kw, dtyp
     cancelling sums, subnormal scales, K = 6144 (two CTAs' x fit up to K = 6656 at 8 tokens)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for m in (few_rows()[1], 28672):
-        tune = w4a16.default_tuning(n, m, sms, k)
+        tune = w4a16_route.default_tuning(n, m, sms, k)
         assert tune["threads"] == 512 and tune["x_smem"] and tune["ctas"] == 2 and not tune.get("late"), tune
         check(n, m, k, seed=n + m + k, dtype=dtype, **kw)
 
@@ -146,11 +146,11 @@ def test_nine_to_sixteen_tokens_on_many_rows_take_shared_x_and_match_float64(n, 
     """The routed build of 9..16 tokens on rows past two rounds of 4-group tiles (one CTA of 16 warps, 4 groups,
     x as the A operand from shared memory): the fewest such rows and many, ``K % 128 == 64`` with blocked
     scales (up to the N x K it takes), cancelling sums, subnormal scales."""
-    if n * k > w4a16.MANY_TOKENS_X_VALUES:
+    if n * k > w4a16_route.MANY_TOKENS_X_VALUES:
         pytest.skip("N x K past the shared-x range: x in registers")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for m in (128 * (32 * (2 * sms + 1) // 128 + 1), 28672):
-        tune = w4a16.default_tuning(n, m, sms, k)
+        tune = w4a16_route.default_tuning(n, m, sms, k)
         assert tune == {"threads": 512, "x_smem": 1, "across": 1, "groups": 4}, tune
         check(n, m, k, seed=n + m + k, dtype=dtype, **kw)
 
@@ -163,7 +163,7 @@ def test_seventeen_to_32_tokens_take_shared_x_and_match_float64(n, m, k, kw, dty
     """The routed build of 17..32 tokens at K = 2048 (one CTA of 16 warps, x as two A tiles from shared memory,
     2..4 groups): many rows and few (one tile a CTA or less; 128 rows: the floor of 2 groups), blocked scales,
     cancelling sums, subnormal scales."""
-    tune = w4a16.default_tuning(n, m, torch.cuda.get_device_properties(0).multi_processor_count, k)
+    tune = w4a16_route.default_tuning(n, m, torch.cuda.get_device_properties(0).multi_processor_count, k)
     assert tune["threads"] == 512 and tune["x_smem"] and 2 <= tune["groups"] <= 4, tune
     check(n, m, k, seed=n + m + k, dtype=dtype, **kw)
 
@@ -176,7 +176,7 @@ def test_two_tokens_on_many_rows_and_long_k_take_two_ctas_of_four_groups_and_mat
     memory, ``dec``, ``xpair``, ``across``): ``K % 128 == 64`` with blocked scales, cancelling sums, subnormal
     scales, on the fewest rows that pass the SMs and on several tiles a CTA."""
     for m in (one_token_rows(), 17536):
-        tune = w4a16.default_tuning(2, m, torch.cuda.get_device_properties(0).multi_processor_count, k)
+        tune = w4a16_route.default_tuning(2, m, torch.cuda.get_device_properties(0).multi_processor_count, k)
         assert tune["x_smem"] and tune["ctas"] == 2 and tune["groups"] == 4 and not tune.get("late"), tune
         check(2, m, k, seed=m + k, dtype=dtype, **kw)
 
@@ -229,7 +229,7 @@ def test_a_nan_scale_byte_makes_its_row_nan_as_the_reference_does(dtype, nan_byt
     block sum). The output is poisoned with a finite value here, not NaN."""
     m, k, row = (256 if n > 1 else one_token_rows()), 1024, 77
     if n == 1:
-        assert w4a16.default_tuning(1, m, torch.cuda.get_device_properties(0).multi_processor_count, k)["late"]
+        assert w4a16_route.default_tuning(1, m, torch.cuda.get_device_properties(0).multi_processor_count, k)["late"]
     x, _, w, ws, a = w4a16_inputs(n, m, k, seed=11, dtype=dtype)
     ws.view(torch.uint8)[row, 5] = nan_byte
     out = torch.full((n, m), 1234.0, dtype=torch.bfloat16, device="cuda")
@@ -245,7 +245,7 @@ def test_a_nan_scale_byte_makes_its_row_nan_as_the_reference_does(dtype, nan_byt
 
 def test_many_tokens_take_launches_of_32_then_the_dequantized_product():
     check(70, 256, 1024, seed=21)  # three launches of 24 (a group of at most 32)
-    check(w4a16.DEQUANT_MIN_TOKENS, 256, 1024, seed=22, slack=2.0 ** -12)  # dequantize + torch.mm
+    check(w4a16_plan.DEQUANT_MIN_TOKENS, 256, 1024, seed=22, slack=2.0 ** -12)  # dequantize + torch.mm
 
 
 def test_results_do_not_depend_on_the_run():
@@ -285,7 +285,7 @@ def test_reduce_overhead_compile_captures_the_op(form, monkeypatch):
 
     torch._dynamo.reset()
     monkeypatch.setattr(op, "_plans", {})
-    monkeypatch.setattr(w4a16, "_plans", {})
+    monkeypatch.setattr(w4a16_plan, "_plans", {})
     monkeypatch.setattr(op, "_recent", type(op._recent)())
     if form == "w4a16":
         x, xs, w, ws, a = w4a16_inputs(2, 384, 1024, 30)
@@ -303,7 +303,7 @@ def test_reduce_overhead_compile_captures_the_op(form, monkeypatch):
 def test_prefill_sized_n_never_syncs_and_is_capturable():
     """From DEQUANT_MIN_TOKENS on, w is dequantized by torch ops: none may copy from the host (a sync) or
     break a CUDA graph capture."""
-    n = w4a16.DEQUANT_MIN_TOKENS
+    n = w4a16_plan.DEQUANT_MIN_TOKENS
     x, _, w, ws, a = w4a16_inputs(n, 256, 2048, 31)
     out = torch.empty(n, 256, dtype=torch.bfloat16, device="cuda")
     gemv(x, None, w, ws, a, out=out)  # the plan, outside
@@ -383,7 +383,7 @@ def run_forced(tuning, n, m, k, seed, dtype, **kw):
     x, _, w, ws, a = w4a16_inputs(n, m, k, seed=seed, dtype=dtype, **kw)
     out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
     dims = check_args(x, None, w, ws, a, torch.bfloat16, out)
-    plan = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16, dims, tuning=tuple(sorted(tuning.items())))
+    plan = w4a16_plan.W4A16Plan(x, w, ws, a, out, torch.bfloat16, dims, tuning=tuple(sorted(tuning.items())))
     assert_built_as(plan, tuning)
     plan(x, w, ws, a, out, torch.bfloat16)
     torch.cuda.synchronize()
@@ -505,7 +505,7 @@ def test_bulk_refuses_scales_off_sixteen_byte_rows():
     off.copy_(ws)
     out = torch.empty(1, 1152, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="argument 'w_scale'"):
-        w4a16.W4A16Plan(x, w, off, a, out, torch.bfloat16, check_args(x, None, w, off, a, torch.bfloat16, out),
+        w4a16_plan.W4A16Plan(x, w, off, a, out, torch.bfloat16, check_args(x, None, w, off, a, torch.bfloat16, out),
                         tuning=tuple(sorted({**LATE, "groups": 2, "ctas": 4, "bulk": 2}.items())))
     got = gemv(x, None, w, off, a)
     exact, terms = w4a16_exact(x, w, off, a)
@@ -520,7 +520,7 @@ def test_late_keeps_bf16_x_within_the_bound_from_tiny_to_huge_rows(e):
     m = one_token_rows()
     x, _, w, ws, a = w4a16_inputs(1, m, 4096, seed=e + 100, min_exp=0, max_exp=15)
     x = (x.double() / x.double().abs().max() * 1.9 * 2.0 ** e).to(torch.bfloat16)  # |x| up to 1.9 * 2^e
-    assert w4a16.default_tuning(1, m, torch.cuda.get_device_properties(0).multi_processor_count, 4096)["late"]
+    assert w4a16_route.default_tuning(1, m, torch.cuda.get_device_properties(0).multi_processor_count, 4096)["late"]
     out = torch.full((1, m), float("nan"), dtype=torch.bfloat16, device="cuda")
     gemv(x, None, w, ws, a, out=out)
     torch.cuda.synchronize()

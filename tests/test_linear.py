@@ -7,7 +7,8 @@ import torch
 
 from nvfp4_gemv import (NVFP4Linear, calibrate_input_scales, dequantize, gemv_reference, input_scale_from,
                         quantize_model, quantize_reference, quantize_weight)
-from nvfp4_gemv.linear import kernel_takes, name_matches
+from nvfp4_gemv.convert import name_matches
+from nvfp4_gemv.linear import kernel_takes
 from nvfp4_gemv.reference import round_to
 
 DTYPES = [torch.bfloat16, torch.float16]

@@ -7,7 +7,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import inputs
 import reference
-from nvfp4_gemv import gemv, gemv_reference, w4a16
+from nvfp4_gemv import gemv, gemv_reference, w4a16, w4a16_plan, w4a16_route
 from w4a16_inputs import w4a16_exact, w4a16_inputs
 
 
@@ -114,15 +114,15 @@ def test_one_token_takes_x_in_shared_memory_only_where_its_tiles_fill_the_sms(m,
     at 6144, 7168 and 28672 rows), or 16-warp CTAs where the 2-group tiles about fill them (4096 rows);
     otherwise (1024 rows), and from 5 tokens, x in registers, one CTA. Up to 8 tokens w is the MMA's A
     operand (docs/results.md)."""
-    one = w4a16.default_tuning(1, m, 132, 4096)
+    one = w4a16_route.default_tuning(1, m, 132, 4096)
     assert (one.get("x_smem", 1) == 1) == shared_x and one["w_a"] == 1
     if not shared_x:
         assert one == {"threads": 256, "x_smem": 0, "w_a": 1}
     # 5..8 tokens: the 16-warp shared-x build where two CTAs fit, from 1920 rows (a test below)
-    assert w4a16.default_tuning(8, m, 132, 4096)["x_smem"] == shared_x
-    assert w4a16.default_tuning(2, m, 132, 4096)["x_smem"] == shared_x
+    assert w4a16_route.default_tuning(8, m, 132, 4096)["x_smem"] == shared_x
+    assert w4a16_route.default_tuning(2, m, 132, 4096)["x_smem"] == shared_x
     for n in (9, 16, 32):
-        tune = w4a16.default_tuning(n, m, 132, 4096)
+        tune = w4a16_route.default_tuning(n, m, 132, 4096)
         # 9..16 tokens on rows past two rounds of 4-group tiles: x in shared memory (a test below)
         assert tune["x_smem"] == (n <= 16 and m // 32 > 2 * 132) and tune["across"] == 1 and "w_a" not in tune
 
@@ -138,7 +138,7 @@ def test_two_to_four_tokens_on_many_rows_take_x_in_shared_memory_where_n_k_is_at
     measured range); four such CTAs fit a SM.
     Elsewhere x stays in registers (H200: with more shared memory the scale loads lost their L1 and it was
     slower; docs/results.md, "Seventh session")."""
-    tune = w4a16.default_tuning(n, m, 132, k)
+    tune = w4a16_route.default_tuning(n, m, 132, k)
     if not shared_x:
         assert tune == {"threads": 256, "x_smem": 0, "w_a": 1, "across": 1}
         return
@@ -164,7 +164,7 @@ def test_one_to_four_tokens_on_fewer_rows_take_16_warp_ctas_with_x_in_shared_mem
     fill them (``M / 16 >= SMs - SMs / 8``), from K = 4096: CTAs of 16 warps, two a SM, 2 groups, x in shared
     memory (``late`` at one token) where two such CTAs fit a SM's shared memory (H200: 4096 x 14336 20.66 ->
     15.84 us at one token; docs/results.md, "Eighth session"). The class builds it within that memory."""
-    tune = w4a16.default_tuning(n, m, 132, k)
+    tune = w4a16_route.default_tuning(n, m, 132, k)
     if not taken:
         assert tune.get("threads") != 512 or not tune.get("x_smem"), tune
         return
@@ -185,7 +185,7 @@ def test_five_to_eight_tokens_take_16_warp_ctas_with_x_in_shared_memory_where_tw
     """5..8 tokens from K = 4096 on rows whose 2-group tiles nearly fill the SMs or more (``M / 16 >= SMs -
     SMs / 8``): the 16-warp build of fewer rows (two CTAs a SM, 2 groups, x in shared memory, no ``late``) where
     two such CTAs fit a SM (H200: 28672 x 4096 N = 8 38.67 -> 29.04 us; docs/results.md, "Ninth session")."""
-    tune = w4a16.default_tuning(n, m, 132, k)
+    tune = w4a16_route.default_tuning(n, m, 132, k)
     if not taken:
         assert not (tune.get("threads") == 512 and tune.get("ctas") == 2 and tune.get("x_smem")), tune
         return
@@ -208,7 +208,7 @@ def test_nine_to_sixteen_tokens_on_many_rows_take_x_in_shared_memory_up_to_16_by
     K = 4096 with ``N x K <= 65536``, and at K = 2048: one CTA of 16 warps and 4 groups with x in shared memory,
     read once a CTA instead of once a tile (H200: 28672 x 4096 N = 16 46.98 -> 39.36 us, ninth session;
     28672 x 2048 28.02 -> 26.08, eleventh; docs/results.md)."""
-    tune = w4a16.default_tuning(n, m, 132, k)
+    tune = w4a16_route.default_tuning(n, m, 132, k)
     if not taken:
         assert not (tune.get("x_smem") and not tune.get("w_a")), tune  # (x as B from shared memory: 8 tokens)
         return
@@ -231,7 +231,7 @@ def test_seventeen_to_32_tokens_take_x_in_shared_memory_at_k_2048(n, m, k, group
     (2 to 4) as fill the SMs evenly (H200, eleventh session: 28672 x 2048 N = 32 39.39 -> 28.58 us with 4
     groups, 2048 x 2048 10.61 -> 8.96 with 2, the best of 2, 3 and 4 on four row counts; 16384 x 2688 N = 24
     28.06 -> 33.04, so not past 2048; docs/results.md)."""
-    tune = w4a16.default_tuning(n, m, 132, k)
+    tune = w4a16_route.default_tuning(n, m, 132, k)
     if groups is None:
         assert not tune["x_smem"] and tune["threads"] == 256, tune
         return
@@ -249,8 +249,8 @@ def test_the_route_takes_every_token_count_row_count_and_k(sms):
     for k in (64, 1024, 2048, 4096, 8256, 14336, 16384, 26624, 32768):
         for m in (128, 1920, 2048, 4096, 4224, 4352, 7168, 28672, 57344):
             for n in range(1, 33):
-                tune = dict(w4a16.default_tuning(n, m, sms, k))
-                groups = tune.pop("groups", None) or w4a16.pick_groups(n, m, sms, even=bool(tune.get("w_a")))
+                tune = dict(w4a16_route.default_tuning(n, m, sms, k))
+                groups = tune.pop("groups", None) or w4a16_route.pick_groups(n, m, sms, even=bool(tune.get("w_a")))
                 w4a16.Nvfp4GemvW4A16(k, n, groups, True, False, True, True, **tune)
 
 
@@ -263,7 +263,7 @@ def test_the_route_takes_every_token_count_row_count_and_k(sms):
 def test_two_tokens_on_many_rows_and_long_k_take_two_ctas_of_four_groups(n, m, k, taken):
     """2 tokens on many rows with ``16384 < N x K <= 32768``: two CTAs of 4 groups with x in shared memory
     (H200: 7168 x 16384 34.98 -> 29.36 us; slower at 3 and 4 tokens, and at K = 28672 where one CTA fits)."""
-    tune = w4a16.default_tuning(n, m, 132, k)
+    tune = w4a16_route.default_tuning(n, m, 132, k)
     want = {"threads": 256, "ctas": 2, "groups": 4, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, "w_a": 1}
     if not taken:
         assert not (tune.get("ctas") == 2 and tune.get("groups") == 4 and tune.get("x_smem")), tune
@@ -292,13 +292,13 @@ def test_from_nine_tokens_the_tiles_take_as_many_groups_as_the_registers_hold(n,
     16 warps of up to 4 groups where the 4-group tiles fill at most two rounds of the SMs (and K has a slice
     for every warp), else, and from 17 tokens, 8 warps of up to 8 groups (H200: N = 32 at 7168 x 16384
     99.95 -> 54.40 us with 7 groups; 28672 x 4096 at N = 16: 7 groups 46.75 us, 16 warps of 6 spill)."""
-    tune = w4a16.default_tuning(n, m, 132, k)
+    tune = w4a16_route.default_tuning(n, m, 132, k)
     if n > 16 and threads == 512:
         threads, groups = 256, {4096: 4, 7168: 7, 8192: 8, 6144: 6, 1024: 1, 8448: 8}[m]
     if n <= 16 and m // 32 > 2 * 132 and (k >= 4096 or k == 2048) and n * k <= 65536:  # shared x (tests above)
         threads, groups = 512, 4
     if n > 16 and k == 2048:  # x in shared memory (test above)
-        threads, groups = 512, max(2, w4a16.pick_groups(n, m, 132, cap=4))
+        threads, groups = 512, max(2, w4a16_route.pick_groups(n, m, 132, cap=4))
     assert (tune["threads"], tune["groups"], tune["across"]) == (threads, groups, 1), tune
     # what 16 warps of 128 registers hold without a stack (sm_90a, tests/test_compile.py)
     assert tune["groups"] <= (4 if tune["threads"] == 512 else w4a16.MAX_GROUPS)
@@ -309,7 +309,7 @@ def test_from_nine_tokens_the_tiles_take_as_many_groups_as_the_registers_hold(n,
 def test_w_a_gets_an_even_group_count_within_the_rows(n, m):
     """``w_a`` pairs the groups (16 rows an MMA): the count the plan picks for it is even and never more than
     the rows hold; 7168 rows take 8 (112 tiles, one round) where the unrestricted count is 7."""
-    gr = w4a16.pick_groups(n, m, 132, even=True)
+    gr = w4a16_route.pick_groups(n, m, 132, even=True)
     assert gr % 2 == 0 and 2 <= gr <= min(8, m // 8)
     if m == 7168:
         assert gr == 8
@@ -317,9 +317,9 @@ def test_w_a_gets_an_even_group_count_within_the_rows(n, m):
 
 @pytest.mark.parametrize("n,cap", [(1, 8), (8, 8), (9, 6), (16, 6), (17, 4), (24, 4), (25, 2), (32, 2)])
 def test_groups_stay_within_what_the_registers_hold(n, cap):
-    assert all(1 <= w4a16.pick_groups(n, m, 132) <= cap for m in (128, 4096, 7168, 28672))
+    assert all(1 <= w4a16_route.pick_groups(n, m, 132) <= cap for m in (128, 4096, 7168, 28672))
     if cap == 8:  # 7168 rows: 128 tiles of 7 groups, one round on 132 SMs
-        assert w4a16.pick_groups(n, 7168, 132) == 7
+        assert w4a16_route.pick_groups(n, 7168, 132) == 7
 
 
 def test_kernel_refuses_what_it_cannot_take():
@@ -348,7 +348,7 @@ def test_dequantized_weights_are_exact_in_both_dtypes(blocked):
     _, _, w, ws, _ = w4a16_inputs(1, 256, 1024, seed=12, device="cpu", blocked=blocked)
     exact = w4a16_exact(torch.eye(1024, dtype=torch.bfloat16), w, ws, None, blocked)[0].T  # [M, K]
     for dtype in (torch.bfloat16, torch.float16):
-        got = w4a16.dequantized(w, ws, 1024, blocked, dtype)
+        got = w4a16_plan.dequantized(w, ws, 1024, blocked, dtype)
         assert got.dtype == dtype and torch.equal(got.double(), exact)
 
 
@@ -369,8 +369,8 @@ def test_every_routed_plan_builds_kernels_the_class_accepts(m, monkeypatch):
     """The plan's route for 1..40 tokens (no GPU: the kernel objects are built, not compiled, on 132 SMs):
     every launch's tuning is one ``Nvfp4GemvW4A16`` takes (``w_a`` with an even group count), ``w_a`` exactly
     up to 8 tokens, and at most 32 tokens a launch."""
-    monkeypatch.setattr(w4a16, "_sm_count", lambda dev: 132)
-    monkeypatch.setattr(w4a16, "_get_kernel", lambda dev, key: _FakeKernel(
+    monkeypatch.setattr(w4a16_plan, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(w4a16_plan, "_get_kernel", lambda dev, key: _FakeKernel(
         w4a16.Nvfp4GemvW4A16(key[2], key[3], key[4], key[5], key[6], key[7], key[8], **dict(key[9]))))
     from nvfp4_gemv.reference import check_args
 
@@ -379,7 +379,7 @@ def test_every_routed_plan_builds_kernels_the_class_accepts(m, monkeypatch):
     ws = torch.zeros(m, k // 16, dtype=torch.uint8).view(torch.float8_e4m3fn)
     for n in range(1, 41):
         x = torch.zeros(n, k, dtype=torch.bfloat16)
-        plan = w4a16.W4A16Plan(x, w, ws, None, None, torch.bfloat16,
+        plan = w4a16_plan.W4A16Plan(x, w, ws, None, None, torch.bfloat16,
                                check_args(x, None, w, ws, None, torch.bfloat16, None))
         ops = [kern.op for kern, _, _ in plan.launches]
         assert sum(op.n_tok for op in ops) == n and all(op.n_tok <= 32 for op in ops)
@@ -402,7 +402,7 @@ def test_one_token_route_of_many_rows_takes_four_ctas_where_their_x_fits(m, k, w
     scales after the MMA (``late``); 4 CTAs of 2 groups a SM where four such CTAs fit a SM's shared memory
     (5 where the tiles fill five in one round but not four, and five fit), with ``across``, else 2 of 4. The
     class builds it within that memory."""
-    tune = w4a16.default_tuning(1, m, 132, k)
+    tune = w4a16_route.default_tuning(1, m, 132, k)
     assert tune == {"threads": 256, "w_a": 1, "dec": 1, "xpair": 1, "late": 1, **want}
     groups = tune.pop("groups")
     op = w4a16.Nvfp4GemvW4A16(k, 1, groups, True, False, True, True, **tune)
@@ -418,7 +418,7 @@ def test_one_token_from_k_2048_to_6144_on_many_rows_takes_four_warp_ctas_in_even
     """One token at K 2048..6144 where the 2-group tiles are at least 5 a SM: CTAs of 4 warps, 8 a SM, the
     grid cut to even rounds (H200: 28672 x 4096 27.68 -> 25.34 us, docs/results.md, "Twelfth session");
     elsewhere the 8-warp CTAs as before."""
-    tune = w4a16.default_tuning(1, m, 132, k)
+    tune = w4a16_route.default_tuning(1, m, 132, k)
     assert (tune["threads"] == 128) == taken and (tune.get("even") == 1) == taken, tune
     if taken:
         assert tune == {"threads": 128, "ctas": 8, "groups": 2, "dec": 1, "xpair": 1, "late": 1, "across": 1,
@@ -495,15 +495,15 @@ def test_a_prefill_sized_plan_checks_addresses_then_takes_the_dequantized_produc
     tested on the GPU)."""
     from nvfp4_gemv.reference import check_args
 
-    n, m, k = w4a16.DEQUANT_MIN_TOKENS, 128, 256
+    n, m, k = w4a16_plan.DEQUANT_MIN_TOKENS, 128, 256
     x = torch.zeros(n, k + 8, dtype=torch.bfloat16)
     w = torch.zeros(m, k // 2, dtype=torch.uint8)
     ws = torch.zeros(m, k // 16, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    plan = w4a16.W4A16Plan(x[:, :k], w, ws, None, None, torch.bfloat16,
+    plan = w4a16_plan.W4A16Plan(x[:, :k], w, ws, None, None, torch.bfloat16,
                            check_args(x[:, :k], None, w, ws, None, torch.bfloat16, None))
     assert plan.dequant and not plan.launches
     got = []
-    monkeypatch.setattr(w4a16, "dequant_mm", lambda *args: got.append(args) or "product")
+    monkeypatch.setattr(w4a16_plan, "dequant_mm", lambda *args: got.append(args) or "product")
     assert plan(x[:, :k], w, ws, None, None, torch.bfloat16) == "product" and got[0][6:] == (k, False)
     with pytest.raises(ValueError, match="argument 'x'"):
         plan(x[:, 4:k + 4], w, ws, None, None, torch.bfloat16)
@@ -517,8 +517,8 @@ def test_bulk_is_refused_for_scales_off_sixteen_byte_rows(offset, monkeypatch):
     strides) is refused before any launch."""
     from nvfp4_gemv.reference import check_args
 
-    monkeypatch.setattr(w4a16, "_sm_count", lambda dev: 132)
-    monkeypatch.setattr(w4a16, "_get_kernel", lambda dev, key: _FakeKernel(
+    monkeypatch.setattr(w4a16_plan, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(w4a16_plan, "_get_kernel", lambda dev, key: _FakeKernel(
         w4a16.Nvfp4GemvW4A16(key[2], key[3], key[4], key[5], key[6], key[7], key[8], **dict(key[9]))))
     m, k = 1152, 4096
     x = torch.zeros(1, k, dtype=torch.bfloat16)
@@ -530,15 +530,15 @@ def test_bulk_is_refused_for_scales_off_sixteen_byte_rows(offset, monkeypatch):
         ws = base[off: off + m * k // 16].view(m, k // 16).view(torch.float8_e4m3fn)
         args = (x, w, ws, None, None, torch.bfloat16, check_args(x, None, w, ws, None, torch.bfloat16, None))
         if ok:
-            plan = w4a16.W4A16Plan(*args, tuning=tuple(sorted(tune.items())))
+            plan = w4a16_plan.W4A16Plan(*args, tuning=tuple(sorted(tune.items())))
             assert plan.ws_mask == 15 and plan.launches[0][0].op.bulk == 2
             moved = base[off + offset: off + offset + m * k // 16].view(m, k // 16).view(torch.float8_e4m3fn)
             with pytest.raises(ValueError, match="argument 'w_scale'.*a multiple of 16"):
                 plan(x, w, moved, None, None, torch.bfloat16)
         else:
             with pytest.raises(ValueError, match="argument 'w_scale'.*16-byte aligned"):
-                w4a16.W4A16Plan(*args, tuning=tuple(sorted(tune.items())))
+                w4a16_plan.W4A16Plan(*args, tuning=tuple(sorted(tune.items())))
     wide = torch.zeros(m, k // 16 + 8, dtype=torch.uint8)[:, :k // 16].view(torch.float8_e4m3fn)  # rows 264 apart
     with pytest.raises(ValueError, match="argument 'w_scale'.*row stride 264"):
-        w4a16.W4A16Plan(x, w, wide, None, None, torch.bfloat16, check_args(x, None, w, wide, None, torch.bfloat16, None),
+        w4a16_plan.W4A16Plan(x, w, wide, None, None, torch.bfloat16, check_args(x, None, w, wide, None, torch.bfloat16, None),
                         tuning=tuple(sorted(tune.items())))

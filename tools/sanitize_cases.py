@@ -128,7 +128,7 @@ for n, m, k, dtype, blocked in () if section in ("bulk", "packed") else ((1, 512
     assert bad == 0
 # bulk (a measuring build, not routed): its stages on mbarriers, warp 0 copying while the warps read, one token
 # (late, 4 CTAs of 2 groups, stages of 2 rounds) and 2 tokens (three stages of one round) over several tiles a CTA
-from nvfp4_gemv import w4a16  # noqa: E402
+from nvfp4_gemv import w4a16_plan  # noqa: E402
 from nvfp4_gemv.reference import check_args  # noqa: E402
 
 late = {"threads": 256, "w_a": 1, "x_smem": 1, "xpair": 1, "late": 1, "dec": 1, "groups": 2, "ctas": 4}
@@ -136,7 +136,7 @@ for n, m, k, tune in () if section == "packed" else ((1, 17536, 4096, {**late, "
                                                     (2, 17536, 3072, {**late, "late": 0, "bulk": 3})):
     x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n + m + 1)
     out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
-    plan = w4a16.W4A16Plan(x, w, ws, a, out, torch.bfloat16, check_args(x, None, w, ws, a, torch.bfloat16, out),
+    plan = w4a16_plan.W4A16Plan(x, w, ws, a, out, torch.bfloat16, check_args(x, None, w, ws, a, torch.bfloat16, out),
                            tuning=tuple(sorted(tune.items())))
     plan(x, w, ws, a, out, torch.bfloat16)
     torch.cuda.synchronize()

@@ -12,6 +12,8 @@ changed. The configurations are the ones the code routes to, asked of the code i
 * the op's kernels (``nvfp4_gemv.gemv``: tokens, tokens_bulk, mma): the launch plan that ``gemv`` makes is built
   on CPU tensors for a grid of N (1..32), weight shapes, scale layouts and epilogues; each kernel it asks for
   is compiled.
+* the W4A16 kernel: the builds ``default_tuning`` routes Llama-3-8B's linears to at 1..32 tokens, plain and
+  packed weights (bf16 x and out, alpha).
 
 The hash covers ``nvdisasm -c`` of the cubin with the kernel's symbol name replaced by ``KERNEL``: the DSL
 names a kernel after its class's module (``kernel_cutlass_kernel_<module><class>_object_at_...``), so moving a
@@ -144,6 +146,37 @@ def op_configs(arch):
     return out
 
 
+# W4A16 (``gemv`` with bf16 x): Llama-3-8B's linears (fused q/k/v and gate/up too), the tokens the routing
+# distinguishes; plain and packed weights
+W4A16_WEIGHTS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (14336, 4096), (1024, 4096), (2048, 2048)]
+W4A16_TOKENS = [1, 2, 3, 4, 6, 8, 9, 16, 17, 32]
+
+
+def w4a16_configs(arch):
+    """``[(label, build)]``: the W4A16 builds that ``default_tuning`` routes the shapes above to on ``arch``'s
+    SM count (from ``nvfp4_gemv.w4a16_route`` since issue 57, ``nvfp4_gemv.w4a16`` before)."""
+    from nvfp4_gemv.w4a16 import compile_w4a16
+
+    try:
+        from nvfp4_gemv.w4a16_route import default_tuning, pick_groups
+    except ImportError:
+        from nvfp4_gemv.w4a16 import default_tuning, pick_groups
+    sms, keys = SMS[arch], set()
+    for m, k in W4A16_WEIGHTS:
+        for n in W4A16_TOKENS:
+            for packed in (False, True):
+                tune = {**default_tuning(n, m, sms, k), **({"packed": 1} if packed else {})}
+                groups = tune.pop("groups", None) or pick_groups(n, m, sms, even=bool(tune.get("w_a")))
+                keys.add((k, n, groups, True, False, True, True, tuple(sorted(tune.items()))))
+    out = []
+    for key in sorted(keys, key=repr):
+        args, tuning = key[:-1], key[-1]
+        label = "w4a16 " + " ".join(str(int(a) if isinstance(a, bool) else a) for a in args) + " " + (
+            ",".join(f"{n}={v}" for n, v in tuning) or "default")
+        out.append((label, lambda opts, args=args, tuning=tuning: compile_w4a16(*args, options=opts, **dict(tuning))[1]))
+    return out
+
+
 def digest(cubin_path, nvdisasm):
     """``(sha256 of the SASS with the kernel's name replaced, instructions)``."""
     sass = subprocess.run([nvdisasm, "-c", cubin_path], capture_output=True, text=True, check=True).stdout
@@ -173,7 +206,7 @@ def main():
     nvdisasm = None if args.list else _nvdisasm()
     dsl = md.version("nvidia-cutlass-dsl")
     for arch in args.arch.split(","):
-        configs = [c for c in gemv_configs(arch) + op_configs(arch) if args.only in c[0]]
+        configs = [c for c in gemv_configs(arch) + op_configs(arch) + w4a16_configs(arch) if args.only in c[0]]
         for label, build in configs:
             if args.list:
                 print(f"{label} | {arch}")
