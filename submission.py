@@ -1575,7 +1575,39 @@ def launch_options(options, tvm_ffi):
 # ----------------------------------------------------------------------------------------------------
 
 
+class KernelCache:
+    """Compiled kernels by a key of what changes their code: ``build(key)`` returns ``(op, compiled fn)``, run
+    once a key under a lock (a second thread waits for the first's compile); ``get`` wraps it as a
+    ``Kernel`` of the device and checks its fast launch path once."""
+
+    def __init__(self, build):
+        self._build = build
+        self._kernels = {}
+        self._lock = threading.RLock()
+
+    def get(self, device_index, key):
+        kern = self._kernels.get(key)
+        if kern is None:
+            with self._lock:
+                kern = self._kernels.get(key)
+                if kern is None:
+                    op, fn = self._build(key)
+                    kern = Kernel(fn, device_index, op)
+                    kern.check_fast()
+                    self._kernels[key] = kern
+        return kern
+
+
 _device_info = {}
+_sms = {}
+
+
+def sm_count(device_index):
+    """SMs of a CUDA device, read once (not ``device_info``, whose sm_100 probe of ``_scaled_mm`` syncs)."""
+    sms = _sms.get(device_index)
+    if sms is None:
+        sms = _sms[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return sms
 
 
 def device_info(device_index):
