@@ -1615,7 +1615,7 @@ def device_info(device_index):
     info = _device_info.get(device_index)
     if info is None:
         major, minor = torch.cuda.get_device_capability(device_index)
-        sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+        sms = sm_count(device_index)
         arch = f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
         if major == 10 and torch.cuda.is_current_stream_capturing():
             return arch, sms, True  # no probe inside a graph capture: go by the architecture
