@@ -56,6 +56,8 @@ class Siblings:
     """The shared state of one fused group (not a module: it holds references to its parts, which hold
     it as ``_siblings``). ``take(part, x, x2)`` is a part's forward while the group is active."""
 
+    _outs = None  # the traced round's column slices (a class default: also for groups pickled before it)
+
     def __init__(self, name, owner, parts):
         self.name, self.owner, self.parts = name, owner, list(parts)
         self.bounds, lo = [], 0
@@ -63,13 +65,25 @@ class Siblings:
             self.bounds.append((lo, lo + p.out_features))
             lo += p.out_features
         self.full = (1 << len(self.parts)) - 1
-        self.sizes = tuple(p.out_features for p in self.parts)
-        self._outs = None
         self.active = True
         self._x = self._out = None
         self._seen, self._version = 0, 0
         self._held = [None] * len(self.parts)  # each part's buffers as fused (see _PART_BUFFERS)
         self._fused = None
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.restored()
+
+    def restored(self):
+        """Completes an unpickled group once it and every part have their state (pickle restores the cycle
+        in either order; the last of them calls this with everything there): each part chooses its path
+        (a part pickled before the path was chosen once has none)."""
+        parts = self.__dict__.get("parts")
+        if parts is None or not all("_mode" in p.__dict__ for p in parts):
+            return
+        for p in parts:
+            p._choose()
 
     def record(self, part):
         """Notes ``part``'s buffers (and, for the owner, the concatenations) as the ones fused."""
@@ -129,7 +143,8 @@ class Siblings:
                     self.dissolve("its modules were not each called once on one input before another input came")
                     return None
                 self._x, self._seen = x, 0
-                self._outs = torch.split(owner._product(x2, fused=True), self.sizes, dim=1)
+                sizes = [hi - lo for lo, hi in self.bounds]  # (Python at trace time only)
+                self._outs = torch.split(owner._product(x2, fused=True), sizes, dim=1)
             outs = self._outs
             self._seen |= 1 << i
             if self._seen == self.full:  # every part took its columns: keep nothing between forwards

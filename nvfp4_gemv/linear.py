@@ -279,10 +279,21 @@ class NVFP4Linear(torch.nn.Module):
             kernel = _kernel_w4a16 if self._mode == "w4a16" else _kernel_w4a4
         d["_kernel"] = kernel
         sib = d.get("_siblings")
-        if sib is not None and sib.active:
+        if sib is not None and getattr(sib, "active", False):  # (unpickling: the group's state may come later)
             d["_run"] = _PART_RUNS[self._sibling_index]
         else:
             d["_run"] = _run_alone_bias if self._buffers.get("bias") is not None else _run_alone
+
+    def __setstate__(self, state):
+        # a module pickled before the path was chosen once: "mode" was a plain attribute, no _run / _kernel
+        if "mode" in state and "_mode" not in state:
+            state = dict(state)
+            state["_mode"] = state.pop("mode")
+        super().__setstate__(state)
+        sib = self.__dict__.get("_siblings")
+        if sib is not None:
+            sib.restored()
+        self._choose()
 
     def __setattr__(self, name, value):
         sib = self.__dict__.get("_siblings")

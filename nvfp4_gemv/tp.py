@@ -219,6 +219,8 @@ def shard_model(model, rank=None, world_size=None, plan=None, group=None):
         if style is None:
             continue
         used |= {p for p in plan if name == p or fnmatch.fnmatchcase(name, p)}
+        if isinstance(style, str) and style.startswith("replicated"):
+            continue  # transformers' "replicated_with_grad_allreduce" (Qwen3's q_norm / k_norm): kept whole
         if getattr(mod, "tp_world", None) is not None:
             raise ValueError(f"shard_model: module '{name}' is already sharded")
         if style not in STYLES:

@@ -539,3 +539,36 @@ def test_a_fused_module_saved_whole_loads_and_computes_the_same():
     buf.seek(0)
     again = torch.load(buf, weights_only=False)
     assert torch.equal(again(x), plain(x)) and again.q_proj._siblings.active
+
+
+def test_a_module_pickled_before_the_path_was_chosen_once_still_runs_fused():
+    """A pickle of the layout before this round ("mode" a plain attribute, no _run / _kernel; groups without
+    _outs) loads, chooses its path and computes the same, still fused."""
+    import io
+    import pickle
+    import types
+
+    plain, fused = pair()
+    x = x_of(2)
+    sib = fused.q_proj._siblings
+
+    class Old(pickle.Pickler):
+        def reducer_override(self, obj):  # write each part and the group as the older code held them
+            if isinstance(obj, NVFP4Linear):
+                state = dict(obj.__dict__)
+                state["mode"] = state.pop("_mode")
+                del state["_run"], state["_kernel"]
+                return (object.__new__, (NVFP4Linear,), state)
+            if obj is sib:
+                state = {k: v for k, v in obj.__dict__.items() if k != "_outs"}
+                return (object.__new__, (type(obj),), state)
+            return NotImplemented
+
+    buf = io.BytesIO()
+    torch.save(fused, buf, pickle_module=types.SimpleNamespace(Pickler=Old, __name__="pickle"))
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    assert again.q_proj.mode == "w4a16" and again.q_proj._siblings.active
+    assert {p._run.__name__ for p in (again.q_proj, again.k_proj, again.v_proj)} == {"_run_part0", "_run_part1",
+                                                                                     "_run_part2"}
+    assert torch.equal(again(x), plain(x))

@@ -8,6 +8,7 @@ give. Plans the model cannot take are refused by name at sharding time.
 """
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -212,3 +213,20 @@ def test_world_one_is_a_no_op():
     assert len(shard_model(model, rank=0, world_size=1)) == 14
     assert isinstance(model.model.layers[0].mlp.down_proj, NVFP4Linear)
     assert model.model.layers[0].mlp.down_proj.in_features == 512
+
+
+def test_replicated_entries_of_transformers_plans_stay_whole():
+    """Qwen3's plan marks q_norm / k_norm "replicated_with_grad_allreduce": those stay as they are, the
+    projections around them are sharded."""
+    cfg = transformers.Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=4, head_dim=64, vocab_size=512)
+    torch.manual_seed(0)
+    model = quantize_model(transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval())
+    norm = model.model.layers[0].self_attn.q_norm.weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no plan entry goes unused
+        styles = shard_model(model, rank=0, world_size=2)
+    assert "model.layers.0.self_attn.q_norm" not in styles and styles["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert model.model.layers[0].self_attn.q_norm.weight is norm
+    assert model.model.layers[0].self_attn.q_proj.out_features == 128
+
