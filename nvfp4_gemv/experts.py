@@ -47,7 +47,7 @@ import re
 import torch
 
 from .convert import name_matches, run_with_pre_hooks
-from .linear import MODES, _X_DTYPES
+from .linear import MODES, _X_DTYPES, _scalar
 from .quant import (BLOCK, E2M1_MAX, E4M3_MAX, _block_view, _e2m1_codes, _e4m3_bytes, _pack, dequantize, e2m1_decode,
                     quantize_weight)
 
@@ -485,9 +485,14 @@ def quantize_experts(model, mode, skip, scales):
                     missing = f"{name}.{j}.gate_proj" if g is None and u is None else f"{name}.{j}.down_proj"
                     raise ValueError(f"quantize_model: mode {mode!r} with input scales for '{name}' needs one for each "
                                      f"expert; 'input_scales' lacks '{missing}' (calibrate_expert_input_scales makes them)")
-                g, u = (torch.as_tensor(v, dtype=torch.float32).reshape(()).to(dev) if v is not None else None for v in (g, u))
+                try:  # linear._scalar's checks: a float > 0 or a one-element floating tensor
+                    g, u = (_scalar(v, f"input_scales['{k}']", dev) if v is not None else None
+                            for v, k in zip((g, u), _scale_keys(name, j)))
+                    d = _scalar(d, f"input_scales['{_scale_keys(name, j)[2]}']", dev)
+                except (TypeError, ValueError) as err:
+                    raise type(err)(f"quantize_model: module '{name}': {err}") from err
                 gu.append(torch.maximum(g, u) if g is not None and u is not None else (g if g is not None else u))
-                dn.append(torch.as_tensor(d, dtype=torch.float32).reshape(()).to(dev))
+                dn.append(d)
             input_scales = (torch.stack(gu), torch.stack(dn))
         try:
             out.append((name, NVFP4Experts.from_experts(m, mode, input_scales)))

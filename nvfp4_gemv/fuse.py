@@ -151,6 +151,10 @@ class Siblings:
                 self._x = self._outs = None
                 self._seen = 0
             return outs[i]
+        if not self.active:  # dissolved while torch.compile traced: the parts' paths are chosen now
+            for p in self.parts:
+                p._choose()
+            return None
         why = self._why_not_now(part, x, x2)
         if why is not None:
             self.dissolve(why)

@@ -524,6 +524,11 @@ def save_modelopt(model, path, max_shard_bytes=None, overwrite=False):
         raise ValueError("save_modelopt: 'model' has no NVFP4Linear (quantize_model(model) first)")
     with_scale = [m.input_scale is not None for _, m in quantized]
     algo = "NVFP4" if all(with_scale) else "W4A16_NVFP4"
+    if algo != "NVFP4" and any(getattr(m, "pre_quant_scale", None) is not None for _, m in quantized):
+        # NVFP4_AWQ is ModelOpt's W4A4 format: its readers (ours, vLLM) expect an input_scale for every layer
+        missing = next(n for n, m in quantized if m.input_scale is None)
+        raise ValueError(f"save_modelopt: 'model' has AWQ layers (pre_quant_scale) but '{missing}' has no "
+                         "input_scale: ModelOpt's NVFP4_AWQ export carries one for every layer")
     exclude = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     modules = dict(model.named_modules(remove_duplicate=False))
     state, seen, written = {}, set(), set()

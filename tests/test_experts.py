@@ -531,6 +531,18 @@ def test_w4a4_quantize_model_needs_every_experts_input_scales_and_leaves_the_mod
     assert not experts_of(model) and state_bytes(model).keys() == before.keys()
 
 
+@pytest.mark.parametrize("bad, exc", [(0.0, ValueError), (True, TypeError), (torch.ones(2), ValueError)])
+def test_an_experts_input_scale_that_is_not_a_positive_scalar_is_named(bad, exc):
+    model = tiny("qwen3")
+    loop = lambda m: m(PROMPT)  # noqa: E731
+    scales = {**calibrate_input_scales(model, loop), **calibrate_expert_input_scales(model, loop)}
+    scales["model.layers.1.mlp.experts.5.down_proj"] = bad  # 0 would make x_scale inf: w4a4 silently wrong
+    with pytest.raises(exc, match=r"module 'model.layers.1.mlp.experts'.*'input_scales\['model.layers.1.mlp"
+                                  r".experts.5.down_proj'\]'"):
+        quantize_model(model, mode="w4a4", input_scales=scales)
+    assert not experts_of(model)
+
+
 def test_bad_arguments_are_named():
     mod = random_experts(torch.Generator().manual_seed(4), 4, 32, 16, "w4a16", torch.bfloat16)
     x, idx, w = torch.randn(2, 32).bfloat16(), torch.randint(0, 4, (2, 2)), torch.rand(2, 2)

@@ -187,6 +187,14 @@ def test_awq_pre_quant_scale_folded_or_in_the_layer_gives_the_references_bits(ex
     assert all(m._siblings is None for n, m in model.named_modules() if n in pre)  # never fused
 
 
+def test_save_modelopt_refuses_awq_layers_without_input_scales(exports, tmp_path):
+    path = ckpts.with_awq(exports["w4a16"], tmp_path / "awq", awq_scales())
+    model = from_pretrained(path, mode="w4a16", device="cpu", _fold=False)  # a W4A16 export: no input scales
+    with pytest.raises(ValueError, match="save_modelopt: .*AWQ layers.*has no input_scale"):
+        save_modelopt(model, str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out") or not os.listdir(tmp_path / "out")
+
+
 def test_load_modelopt_refuses_awq_pointing_to_from_pretrained(exports, tmp_path):
     path = ckpts.with_awq(exports["w4a16"], tmp_path / "awq", awq_scales())
     with pytest.raises(CheckpointError, match="NVFP4_AWQ.*nvfp4_gemv.from_pretrained"):

@@ -406,6 +406,9 @@ def test_under_compile_a_pattern_that_does_not_fit_warns_and_is_right():
     with pytest.warns(UserWarning, match="no longer fused"):
         got = f(x, y)
     assert torch.equal(got, Twice(plain)(x, y))
+    # the group ended while traced; the first eager call gives each part its own GEMV, as the warning says
+    assert torch.equal(Twice(fused)(x, y), Twice(plain)(x, y))
+    assert {m._run.__name__ for m in (fused.q_proj, fused.k_proj, fused.v_proj)} == {"_run_alone"}
 
 
 def test_a_fused_llama_saves_loads_and_fuses_again(tmp_path):
