@@ -24,6 +24,8 @@ import tempfile
 import torch
 
 INDEX = "model.safetensors.index.json"
+QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's quantization config beside the weights
+KV_SCALES = ("k_scale", "v_scale")  # ModelOpt's FP8 KV-cache scales of an attention module
 
 # safetensors dtype names (its format's documentation) -> torch
 DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,

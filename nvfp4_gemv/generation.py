@@ -31,22 +31,16 @@ no longer uses. ``release(model)`` frees what is kept.
 """
 
 import inspect
-import warnings
 import weakref
 
 import torch
 
+from .launch import warn_once
+
 __all__ = ["generate", "release"]
 
-_warned = set()
 # model -> _Kept: the model's latest captured decode step. Weak: the graph and cache go with the model.
 _kept = weakref.WeakKeyDictionary()
-
-
-def _warn_once(key, msg):
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(msg, UserWarning, stacklevel=3)
 
 
 def _fail(exc, arg, expected, got):
@@ -293,7 +287,7 @@ def generate(model, input_ids, max_new_tokens, *, do_sample=False, temperature=1
                     dec.step(model)
             except Exception as e:  # noqa: BLE001 - the step is correct eagerly; only its capture failed
                 graph = None
-                _warn_once(("capture", type(model)), f"generate: the decode step of {type(model).__name__} could "
+                warn_once(("generate capture", type(model)), f"generate: the decode step of {type(model).__name__} could "
                            f"not be captured in a CUDA graph ({type(e).__name__}: {str(e)[:200]}); it runs "
                            "eagerly, with the model's host time exposed each token")
                 torch.cuda.synchronize(device)

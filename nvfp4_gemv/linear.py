@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .fuse import FUSED_BUFFERS
+from .fuse import _PART_BUFFERS, FUSED_BUFFERS
 from .op import gemv, gemv_packed
 from .packed import pack_weight, packed_takes, unpack_weight
 from .reference import check_args
@@ -491,7 +491,6 @@ class NVFP4Linear(torch.nn.Module):
 
 # What forward runs, chosen once by NVFP4Linear._choose: plain functions of (module, ...), so that a traced
 # forward is guarded on which function a module holds, not on the attributes it was chosen from.
-_PART_BUFFERS = ("weight", "weight_scale", "bias", "weight_scale_2", "input_scale")
 
 
 def _rows(x):

@@ -25,24 +25,21 @@ The folder's safetensors are read and checked by ``checkpoint.py``.
 import fnmatch
 import json
 import os
-import shutil
-import tempfile
 import warnings
 
 import torch
 
-from .checkpoint import INDEX, Checkpoint, CheckpointError, check_folder, read_json
+from .checkpoint import KV_SCALES as _KV_SCALES
+from .checkpoint import INDEX, QUANT_CONFIG, Checkpoint, CheckpointError, check_folder, read_json
 from .experts import NVFP4Experts, plan_experts
 from .convert import name_matches
 from .linear import NVFP4Linear
 
 QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4", "NVFP4_AWQ")
 GROUP_SIZE = 16
-QUANT_CONFIG = "hf_quant_config.json"
 # a model's fused linear -> the checkpoint's separate parts, in the order the fused output stacks them
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _QUANT_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "bias")
-_KV_SCALES = ("k_scale", "v_scale")
 
 
 def _fail(msg, who="load_modelopt"):

@@ -25,11 +25,10 @@ import warnings
 
 import torch
 
-from .checkpoint import Checkpoint, CheckpointError, check_folder, fail, read_json
+from .checkpoint import KV_SCALES as _KV_SCALES
+from .checkpoint import QUANT_CONFIG, Checkpoint, CheckpointError, check_folder, fail, read_json
 
 WHO = "from_pretrained"
-QUANT_CONFIG = "hf_quant_config.json"
-_KV_SCALES = ("k_scale", "v_scale")
 _MODELOPT_FIELDS = ("weight", "weight_scale", "weight_scale_2", "input_scale", "bias", "pre_quant_scale")
 
 

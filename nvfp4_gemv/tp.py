@@ -53,6 +53,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .convert import _set_submodule
 from .linear import NVFP4Linear, kernel_takes
 from .packed import packed_takes, unpack_weight
 from .quant import BLOCK
@@ -178,11 +179,6 @@ class _AllReduce:
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y
-
-
-def _set_submodule(model, name, new):
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
 def shard_model(model, rank=None, world_size=None, plan=None, group=None):
