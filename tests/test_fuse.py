@@ -529,6 +529,8 @@ def test_under_compile_a_change_after_compiling_ends_the_group_and_is_used(how):
         plain.k_proj.mode = "w4a4"
     else:
         plain.load_state_dict(sd)
+        # the end re-chose every part's path at once (what generate's kept capture and dynamo's guards read)
+        assert {m._run.__name__ for m in (fused.q_proj, fused.k_proj, fused.v_proj)} == {"_run_alone"}
     assert torch.equal(f(x), plain(x))
 
 
