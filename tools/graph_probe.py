@@ -29,6 +29,10 @@ def main():
     p.add_argument("--bf16-only", action="store_true", help="time bf16's generations only")
     p.add_argument("--launch", choices=("tvm-ffi", "dsl"), default=None)
     p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--decoder", action="store_true",
+                   help="before ours' generations, bench_model's compiled Decoder: warm-up, 8 steps, dynamo reset")
+    p.add_argument("--ours-between", action="store_true",
+                   help="nvfp4_gemv.generate(compile=True) between ours' model.generate calls")
     args = p.parse_args()
     if args.launch:
         os.environ["NVFP4_GEMV_LAUNCH"] = args.launch
@@ -75,10 +79,11 @@ def main():
         return [int(t.data_ptr()) for t in (getattr(layers[0], "keys", None), getattr(layers[0], "values", None),
                                               getattr(layers[0], "cumulative_length", None)) if t is not None] if layers else []
 
-    def calls(label, n):
+    def calls(label, n, between=None):
         for i in range(n):
             stats.clear()
             skips0 = counters["inductor"]["cudagraph_skips"]
+            captured0 = counters["stats"]["calls_captured"]
             before = cache_ptrs()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -91,10 +96,13 @@ def main():
             row = {"variant": label, "call": i, "ms_a_token": round(ms / args.tokens, 3),
                    "cache_ptrs_kept": before == after if before else None,
                    "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips0,
+                   "compiled_in_call": counters["stats"]["calls_captured"] - captured0,
                    "launch": os.environ.get("NVFP4_GEMV_LAUNCH", "default"),
                    "tokens_sum": int(out.sum())}
             row.update({k: (round(v, 4) if isinstance(v, float) else v) for k, v in sorted(stats.items())})
             print(json.dumps(row), flush=True)
+            if between is not None:
+                between()
 
     if args.before_bf16 or args.bf16_only:
         calls("bf16", 2 if not args.bf16_only else args.calls)
@@ -102,7 +110,29 @@ def main():
         return
     scales = calibrate_input_scales(model, lambda m: m(input_ids=prompt))
     quantize_model(model, mode="w4a16", input_scales=scales, fuse=True, pack=True)
-    calls("w4a16 fused packed", args.calls)
+    if args.decoder:
+        from bench_model import Decoder
+
+        dec = Decoder(model, 1, 16, 16 + 4 * args.tokens + 8, "compile", torch.device("cuda"))
+        t0 = time.perf_counter()
+        dec.warm_up()
+        for _ in range(8):
+            dec.step()
+        torch.cuda.synchronize()
+        print(json.dumps({"decoder_s": round(time.perf_counter() - t0, 2), "fullgraph": dec.fullgraph}), flush=True)
+        del dec
+        torch._dynamo.reset()
+    between = None
+    if args.ours_between:
+        from nvfp4_gemv import generate
+
+        def between():
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                generate(model, prompt, args.tokens, eos_token_id=[], compile=True)
+            torch.cuda.synchronize()
+            print(json.dumps({"ours_generate_compiled_s": round(time.perf_counter() - t0, 3)}), flush=True)
+    calls("w4a16 fused packed", args.calls, between)
     print("counters:", json.dumps({k: dict(v) for k, v in counters.items() if k in ("inductor", "stats")}), flush=True)
 
 
