@@ -482,6 +482,12 @@ def generate_timings(model, batch, prompt_len, tokens, device, which):
             "ours_generate_ms": lambda: generate(model, prompt, tokens, eos_token_id=[]),
             "ours_generate_compiled_ms": lambda: generate(model, prompt, tokens, eos_token_id=[], compile=True)}
     out, toks = {}, {}
+    graphs = None
+    if device.type == "cuda":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from graph_probe import install_counters
+
+        graphs = install_counters()
     for key, fn in runs.items():
         if key not in which:
             continue
@@ -491,7 +497,12 @@ def generate_timings(model, batch, prompt_len, tokens, device, which):
                 # the first call compiles and captures (its seconds reported beside); the timed one reuses
                 out[key.replace("_ms", "_first_s")] = wall_ms(lambda: first.append(fn()), device) / 1e3
                 toks[key] = first[0]
+                if graphs is not None:
+                    graphs.clear()
                 out[key] = wall_ms(fn, device) / tokens
+                if graphs is not None:  # what torch.compile's graph trees did in the timed call
+                    out[key.replace("_ms", "_graph_trees")] = {
+                        k: graphs[k] for k in ("record_function", "run_eager", "execute_node", "run")}
         except Exception as e:  # noqa: BLE001 - reported in the table
             out[key + "_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     if "generate_ms" in toks:
@@ -566,7 +577,7 @@ def bench_hf(args, device):
                 for k in ("events_ms", "sync_ms", "host_ms", "generate_ms", "ours_generate_ms",
                           "ours_generate_compiled_ms", "generate_first_s", "ours_generate_first_s",
                           "ours_generate_compiled_first_s", "error", "generate_ms_error", "ours_generate_ms_error",
-                          "ours_generate_compiled_ms_error", "peer_rel_err") if k in row), flush=True)
+                          "ours_generate_compiled_ms_error", "peer_rel_err", "generate_graph_trees") if k in row), flush=True)
             if device.type == "cuda":
                 torch._dynamo.reset()
                 torch.cuda.empty_cache()

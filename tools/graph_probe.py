@@ -21,6 +21,41 @@ import sys
 import time
 
 
+GRAPH_TREE_METHODS = ("run", "record_function", "run_eager", "execute_node",
+                      "apply_checkpoint_execution_state_in_allocator", "try_end_curr_execution")
+_STATS = None
+
+
+def install_counters():
+    """Wraps the CUDA-graph tree manager's methods (once a process) to count their calls and seconds in the
+    Counter returned (``record_function``: recordings, ``run_eager``: warm-ups, ``execute_node``: replays; ``run``
+    minus those three: calls left to the compiled code without a graph). Clear it before what you count."""
+    global _STATS
+    if _STATS is not None:
+        return _STATS
+    from torch._inductor import cudagraph_trees as ct
+
+    stats = collections.Counter()
+
+    def counted(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                stats[name] += 1
+                stats[name + "_s"] += time.perf_counter() - t0
+        return wrapper
+
+    M = ct.CUDAGraphTreeManager
+    for name in GRAPH_TREE_METHODS:
+        if hasattr(M, name):
+            setattr(M, name, counted(name, getattr(M, name)))
+    _STATS = stats
+    return stats
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8)
@@ -38,7 +73,6 @@ def main():
         os.environ["NVFP4_GEMV_LAUNCH"] = args.launch
 
     import torch
-    from torch._inductor import cudagraph_trees as ct
     from torch._dynamo.utils import counters
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -47,24 +81,7 @@ def main():
 
     from nvfp4_gemv import calibrate_input_scales, quantize_model
 
-    stats = collections.Counter()
-
-    def counted(name, fn):
-        @functools.wraps(fn)
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                stats[name] += 1
-                stats[name + "_s"] += time.perf_counter() - t0
-        return wrapper
-
-    M = ct.CUDAGraphTreeManager
-    for name in ("run", "record_function", "run_eager", "execute_node", "apply_checkpoint_execution_state_in_allocator",
-                 "try_end_curr_execution"):
-        if hasattr(M, name):
-            setattr(M, name, counted(name, getattr(M, name)))
+    stats = install_counters()
 
     cfg = llama_config(False)
     cfg.num_hidden_layers = args.layers
