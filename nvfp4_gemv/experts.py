@@ -33,8 +33,10 @@ for a given T: capturable in a CUDA graph, no graph break under ``torch.compile(
 
 Cost of this fallback (the kernel's job is to remove it): below E slots ("slot path", decode), each slot
 gathers its expert's NVFP4 bytes and dequantizes them, so an expert hit by n slots is read and dequantized n
-times (fp32 temporaries of S x rows x K); from E slots on ("grouped path", prefill, x bf16), every expert is
-dequantized once and the slots, sorted by expert on the device, go through ``torch._grouped_mm``.
+times (temporaries of 6 bytes a weight, in chunks of slots of at most ``SLOT_PATH_BYTES``); from E slots on
+("grouped path", prefill, x bf16), every expert is dequantized once and the slots, sorted by expert on the
+device, go through ``torch._grouped_mm``. fp16 x always takes the slot path (``torch._grouped_mm`` takes
+bf16): an fp16 prefill dequantizes each slot's expert, T*k times the grouped path's work.
 
 Error bound (each product, against float64): |y - Y| <= ulp(y)/2 + K * 2^-24 * sum_k |x_k W_k| with Y the
 exact product with the rounded weights W (fp32 accumulation in any order), and |W - w| <= 2^-8 |w|
@@ -47,6 +49,7 @@ import re
 import torch
 
 from .convert import name_matches, run_with_pre_hooks
+from .launch import warn_once
 from .linear import MODES, _X_DTYPES, _scalar
 from .quant import (BLOCK, E2M1_MAX, E4M3_MAX, _block_view, _e2m1_codes, _e4m3_bytes, _pack, dequantize, e2m1_decode,
                     quantize_weight)
@@ -89,12 +92,21 @@ def _weights(w, ws, alpha, dtype):
     return (v.reshape(p, n, 2 * half) * alpha.reshape(p, 1, 1)).to(dtype)
 
 
+SLOT_PATH_BYTES = 1 << 28  # the slot path's temporaries a chunk of slots (fp32 and x's dtype), at most
+
+
 def _products(xs, ids, route, w, ws, alpha, x_scale):
     """Each slot's row of xs times its expert's weight: [S, K] -> [S, N] in xs' dtype."""
     if x_scale is not None:  # mode w4a4: x on the NVFP4 grid of its expert's input scale
         xs = quantize_dequantized_rows(xs, x_scale[ids])
-    if route is None:  # slot path: each slot's expert gathered and dequantized
-        return torch.bmm(_weights(w[ids], ws[ids], alpha[ids], xs.dtype), xs.unsqueeze(-1)).squeeze(-1)
+    if route is None:  # slot path: each slot's expert gathered and dequantized, in chunks of slots
+        # (6 bytes a weight: its fp32 value and its rounding; an fp16 prefill of 4096 slots would otherwise
+        # hold tens of GB at once). The chunk count follows from shapes only: no sync, the same graph.
+        s, n, k = xs.shape[0], w.shape[1], 2 * w.shape[2]
+        step = max(1, SLOT_PATH_BYTES // (6 * n * k))
+        parts = [torch.bmm(_weights(w[c], ws[c], alpha[c], xs.dtype), xs[i:i + step].unsqueeze(-1)).squeeze(-1)
+                 for i in range(0, s, step) for c in (ids[i:i + step],)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
     order, offs, inverse = route  # grouped path: every expert once, slots sorted by expert
     y = torch._grouped_mm(xs[order], _weights(w, ws, alpha, xs.dtype).transpose(1, 2), offs=offs)
     return y[inverse]
@@ -413,6 +425,11 @@ class NVFP4Experts(torch.nn.Module):
     def forward(self, hidden_states, top_k_index, top_k_weights):
         if not torch.compiler.is_compiling():
             self._check(hidden_states, top_k_index, top_k_weights)
+            if hidden_states.is_cuda:
+                warn_once("experts-fallback", "NVFP4Experts: no grouped GPU kernel yet; the experts run "
+                          "through dequantize + bmm (decode: each slot's expert dequantized again) or "
+                          "torch._grouped_mm (bf16 prefill), several times the NVFP4 bytes' read time "
+                          "(nvfp4_gemv/experts.py, 'Cost of this fallback')")
         if self._mode == "w4a4" and self.gate_up_input_scale is None:
             raise ValueError("NVFP4Experts: mode 'w4a4' needs input scales (None here): load or quantize with "
                              "them, or use mode 'w4a16'")

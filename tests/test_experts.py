@@ -7,6 +7,7 @@ round trips (ModelOpt's per-expert names, bit for bit), calibration, and bad inp
 import copy
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import nvfp4_gemv  # noqa: E402
 from nvfp4_gemv import (CheckpointError, NVFP4Experts, NVFP4Linear, calibrate_expert_input_scales,  # noqa: E402
                         calibrate_input_scales, dequantize, from_pretrained, load_modelopt, quantize_model,
                         save_modelopt)
+from nvfp4_gemv import experts as experts_mod  # noqa: E402
 from nvfp4_gemv.experts import _products, grouped_forward, quantize_dequantized_rows  # noqa: E402
 from nvfp4_gemv.quant import quantize_dequantized  # noqa: E402
 
@@ -207,6 +209,41 @@ def test_fuzz_each_stage_within_its_bound_of_float64(chunk):
         assert torch.equal(out, cf.reshape(t, k, h).sum(1).to(x.dtype)), what
         if case == 0:
             assert torch.equal(mod(x, idx, wts), out), what
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_slot_path_works_in_chunks_of_bounded_temporaries(monkeypatch, dtype):
+    """The slot path dequantizes in chunks of slots whose temporaries (6 bytes a weight) stay under
+    SLOT_PATH_BYTES: an fp16 prefill would otherwise hold [slots, N, K] fp32 at once. Chunked, the result is
+    the one-chunk result bit for bit."""
+    mod = random_experts(torch.Generator().manual_seed(5), 4, 64, 32, "w4a16", dtype)
+    x = torch.randn(24, 64, generator=torch.Generator().manual_seed(6)).to(dtype)
+    idx = torch.randint(0, 4, (24, 3), generator=torch.Generator().manual_seed(7))
+    wts = torch.rand(24, 3, generator=torch.Generator().manual_seed(8))
+    gu = (mod.gate_up_weight, mod.gate_up_weight_scale, mod._gate_up_alpha, mod._gate_up_x_scale)
+    dn = (mod.down_weight, mod.down_weight_scale, mod._down_alpha, mod._down_x_scale)
+    ids = idx.reshape(-1)
+    xs = x.unsqueeze(1).expand(24, 3, 64).reshape(-1, 64)
+    whole = experts_mod._products(xs, ids, None, *gu)
+    sizes = []
+    real = experts_mod._weights
+    monkeypatch.setattr(experts_mod, "_weights", lambda w, *a: sizes.append(w.shape[0]) or real(w, *a))
+    n, k = 2 * 32, 64  # gate_up rows, K
+    monkeypatch.setattr(experts_mod, "SLOT_PATH_BYTES", 6 * n * k * 5)  # five slots a chunk
+    assert torch.equal(experts_mod._products(xs, ids, None, *gu), whole)
+    assert sizes == [5] * 14 + [2], sizes  # 72 slots
+    assert max(sizes) * 6 * n * k <= experts_mod.SLOT_PATH_BYTES
+    monkeypatch.setattr(experts_mod, "SLOT_PATH_BYTES", 1)  # a budget below one slot: one slot a chunk
+    sizes.clear()
+    assert torch.equal(experts_mod._products(xs, ids, None, *gu), whole)
+    assert sizes == [1] * 72
+    if dtype == torch.float16:  # fp16 never takes the grouped path, however many slots: bounded chunks
+        weights = []
+        monkeypatch.setattr(experts_mod, "_weights", lambda w, *a: weights.append(w.numel() * 2) or real(w, *a))
+        monkeypatch.setattr(experts_mod, "SLOT_PATH_BYTES", 6 * n * k * 8)
+        out = grouped_forward(x, idx, wts, gu, dn, mod.act_fn)
+        assert out.dtype == torch.float16 and len(weights) > 2
+        assert max(weights) * 6 <= experts_mod.SLOT_PATH_BYTES, weights
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
@@ -600,3 +637,17 @@ def test_gpu_forward_is_sync_free_capturable_and_the_cpu_bits(mode):
         assert torch.equal(captured, gpu(xc, ic, wc))
         # the same formula on the GPU: within the stages' bound of the CPU result (sums in another order)
         torch.testing.assert_close(out.cpu(), want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_gpu_forward_warns_once_that_it_is_the_dequantizing_fallback():
+    from nvfp4_gemv import launch
+
+    launch._warned.discard("experts-fallback")
+    mod = random_experts(torch.Generator().manual_seed(7), 4, 64, 32, "w4a16", torch.bfloat16).cuda()
+    x, idx, w = torch.randn(2, 64).bfloat16().cuda(), torch.randint(0, 4, (2, 2)).cuda(), torch.rand(2, 2).cuda()
+    with pytest.warns(RuntimeWarning, match="no grouped GPU kernel yet"):
+        mod(x, idx, w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mod(x, idx, w)
