@@ -51,8 +51,7 @@ import torch
 from .convert import name_matches, run_with_pre_hooks
 from .launch import warn_once
 from .linear import MODES, _X_DTYPES, _scalar
-from .quant import (BLOCK, E2M1_MAX, E4M3_MAX, _block_view, _e2m1_codes, _e4m3_bytes, _pack, dequantize, e2m1_decode,
-                    quantize_weight)
+from .quant import BLOCK, E2M1_MAX, E4M3_MAX, _quantize_rows, dequantize, e2m1_decode, quantize_weight
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 ALIASES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's checkpoint names
@@ -70,16 +69,8 @@ _FORMAT_BUFFERS = tuple(f"{p}_{f}" for p in ("gate_up", "down") for f in FIELDS)
 def quantize_dequantized_rows(x, global_scale):
     """``quantize_dequantized(x[r:r+1], global_scale[r])`` for every row r at once (``nvfp4_gemv.quant``'s
     steps with a per-row global scale): x [R, K] bf16/fp16, global_scale fp32 [R] -> [R, K] in x's dtype."""
-    r, k = x.shape
-    xf = x.to(torch.float32)
-    gs = global_scale.to(torch.float32).reshape(r, 1, 1)
-    six = torch.full((), E2M1_MAX, dtype=torch.float32, device=x.device)
-    scale = _e4m3_bytes((_block_view(xf).abs().amax(dim=-1, keepdim=True) * gs) / six)
-    sd = scale.view(torch.float8_e4m3fn).to(torch.float32)
-    q = (_block_view(xf) * gs) / sd
-    q = torch.where(sd == 0, torch.zeros((), dtype=q.dtype, device=q.device), q).reshape(r, k)
-    return dequantize(_pack(_e2m1_codes(q, torch.signbit(x))), scale.reshape(r, k // BLOCK)
-                      .view(torch.float8_e4m3fn)).to(x.dtype)
+    q, scale = _quantize_rows(x, global_scale.to(torch.float32).reshape(-1, 1))
+    return dequantize(q, scale).to(x.dtype)
 
 
 def _weights(w, ws, alpha, dtype):

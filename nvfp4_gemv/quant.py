@@ -113,7 +113,12 @@ def quantize_reference(x, global_scale):
     """The exact result of ``quantize`` (the module docstring's steps), on x's device, in about 15 torch
     kernels. :return: ``(uint8 [R, K/2], float8_e4m3fn [R, K/16])``."""
     check_quantize_args(x, global_scale, "quantize_reference")
-    gs = global_scale.reshape(())
+    return _quantize_rows(x, global_scale.reshape(()))
+
+
+def _quantize_rows(x, gs):
+    """``quantize_reference``'s steps with ``gs`` an fp32 global scale of shape () or one a row, [R, 1]
+    (the experts' input scales); unchecked."""
     xf = x.to(torch.float32)  # exact
     amax = _block_view(xf).abs().amax(dim=-1)  # exact; NaN propagates
     six = torch.full((), E2M1_MAX, dtype=torch.float32, device=x.device)
