@@ -63,6 +63,13 @@ class PreScaledNVFP4Linear(NVFP4Linear):
     def extra_repr(self):
         return super().extra_repr() + ", pre_quant_scale=yes"
 
+    def _why_not_packable(self):
+        # plain() hands its ModelOpt tensors to the norm's fold, and the packed layout would replace them
+        return "an AWQ layer (pre_quant_scale) stays in ModelOpt's layout"
+
+    def _why_not_fusable(self):
+        return "an AWQ layer scales its own x (pre_quant_scale): each part would scale x its own way"
+
 
 def fold_pre_quant_scales(model):
     """Moves each shared ``pre_quant_scale`` into the norm before it, where ``FOLD_RULES`` knows the model's

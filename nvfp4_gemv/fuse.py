@@ -213,8 +213,7 @@ def _groups(model, groups):
     for pname, parent in model.named_modules():
         kids = dict(parent.named_children())
         for names in groups:
-            if not all(isinstance(kids.get(n), NVFP4Linear) and getattr(kids[n], "pre_quant_scale", None) is None
-                       for n in names):  # (an AWQ part scales its own x: awq.py)
+            if not all(isinstance(kids.get(n), NVFP4Linear) and kids[n]._why_not_fusable() is None for n in names):
                 continue
             order = [n for n in kids if n in names]  # the owner is the first registered (it moves first)
             parts = [(n, kids[n]) for n in order]

@@ -394,6 +394,9 @@ class NVFP4Linear(torch.nn.Module):
 
     # -- packed storage ------------------------------------------------------------------------------
 
+    def _why_not_fusable(self):  # (fuse_linears asks each part; awq.PreScaledNVFP4Linear says why not)
+        return None
+
     def _why_not_packable(self):
         if self.mode != "w4a16":
             return f"the packed layout runs mode 'w4a16' only (this layer's mode is {self.mode!r})"

@@ -266,7 +266,7 @@ def materialize(model, ckpt, plan_, device, dtype, pack, who=WHO):
             fields = plan_.layers[prefix]
             if len(got) == len(fields):
                 new = build_layer(prefix, fields, pending.pop(prefix), plan_, dtype, who)
-                if pack and not hasattr(new, "pre_quant_scale") and new._why_not_packable() is None:
+                if pack and new._why_not_packable() is None:
                     new.pack()
                 _set(model, prefix, new)
             return
@@ -327,7 +327,7 @@ def _computed_buffers(model, device, who=WHO):
 
 def finish(model, plan_, device, fuse, pack, fold=True, who=WHO):
     """After the tensors are placed: AWQ folding, KV-scale warning, the meta check, fusing and packing."""
-    from .awq import PreScaledNVFP4Linear, fold_pre_quant_scales
+    from .awq import fold_pre_quant_scales
 
     if fold:
         fold_pre_quant_scales(model)
@@ -342,8 +342,7 @@ def finish(model, plan_, device, fuse, pack, fold=True, who=WHO):
                   + (f" (and {len(left) - 1} more)" if len(left) > 1 else "") + ": nothing loaded or computed it")
     if pack:
         for m in model.modules():
-            if not isinstance(m, PreScaledNVFP4Linear) and getattr(m, "packed", True) is False \
-                    and m._why_not_packable() is None:
+            if getattr(m, "packed", True) is False and m._why_not_packable() is None:
                 m.pack()
     if fuse:
         from .fuse import fuse_linears

@@ -185,6 +185,10 @@ def test_awq_pre_quant_scale_folded_or_in_the_layer_gives_the_references_bits(ex
     assert torch.equal(norm, want * scales["model.layers.1.mlp.up_proj"].to(want.dtype) if fold else want)
     assert torch.equal(logits(model), logits(awq_reference(exports[mode], mode, scales)))
     assert all(m._siblings is None for n, m in model.named_modules() if n in pre)  # never fused
+    some = model.get_submodule(sorted(pre)[0])
+    with pytest.raises(ValueError, match="pack: an AWQ layer"):  # never packed: its fold needs ModelOpt's layout
+        some.pack()
+    assert not some.packed
 
 
 def test_save_modelopt_refuses_awq_layers_without_input_scales(exports, tmp_path):
