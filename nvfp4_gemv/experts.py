@@ -580,7 +580,6 @@ def plan_experts(modules, keys, entries, fmt, mode, who):
     ``fmt``: a ModelOpt ``QuantConfig`` or a loader's format object (``pretrained.ModelOptFormat``,
     ``compressed_tensors.CompressedTensorsConfig``). Raises ``CheckpointError`` naming the tensor."""
     from .checkpoint import fail
-    from .hf_quantizer import WHO as HF_WHO
 
     if not hasattr(fmt, "layer_keys"):
         from .pretrained import ModelOptFormat
@@ -595,9 +594,6 @@ def plan_experts(modules, keys, entries, fmt, mode, who):
     quantized = fmt.quantized_prefixes(keys, entries)
     for name, found in sorted(prefixes.items()):
         mod = modules[name]
-        if who == HF_WHO:
-            fail(who, f"module '{name}': MoE experts load with nvfp4_gemv.from_pretrained (transformers' door does "
-                      "not take them yet)")
         dims = (mod.num_experts, mod.hidden_dim, mod.intermediate_dim) if isinstance(mod, NVFP4Experts) else \
             (mod.gate_up_proj.shape[0], mod.gate_up_proj.shape[2], mod.gate_up_proj.shape[1] // 2)
         fields = {}

@@ -54,6 +54,7 @@ def _define():
     from transformers.utils.quantization_config import QuantizationConfigMixin
 
     from .checkpoint import Checkpoint, CheckpointError
+    from .experts import ExpertFields
     from .pretrained import _device, _set, build_layer, detect_format, finish, plan
 
     class NVFP4GemvModelOptConfig(QuantizationConfigMixin):
@@ -90,6 +91,10 @@ def _define():
                 raise CheckpointError(f"{WHO}: {path} is a {fmt.kind} checkpoint: use nvfp4_gemv.from_pretrained")
             ckpt = Checkpoint(path, WHO)
             self.plan = plan(model, ckpt, fmt, OPTIONS["mode"], WHO)
+            moe = sorted(n for n, fields in self.plan.layers.items() if isinstance(fields, ExpertFields))
+            if moe:  # (checked on the plan: nothing read, nothing replaced yet)
+                raise CheckpointError(f"{WHO}: module '{moe[0]}': MoE experts load with nvfp4_gemv.from_pretrained "
+                                      "(transformers' door does not take them yet)")
             for prefix, fields in self.plan.layers.items():
                 _set(model, prefix, _Pending({f: ckpt.entries[k].meta() for f, (k, _) in fields.items()}))
             ignore = model._keys_to_ignore_on_load_unexpected or set()
