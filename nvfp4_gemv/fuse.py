@@ -180,7 +180,7 @@ class Siblings:
         if not self._intact(part):
             return f"a buffer of '{self.name}' was replaced (fuse_linears again to fuse it)"
         owner = self.owner
-        if any(p.mode != owner.mode for p in self.parts):
+        if any(p._kernel is not owner._kernel for p in self.parts):  # (chosen once from mode and layout)
             return "its modules' modes differ"
         if owner._fused_weight.device != x2.device:
             return f"its concatenation is on {owner._fused_weight.device}, the input on {x2.device}"

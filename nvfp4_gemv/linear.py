@@ -513,11 +513,7 @@ def _run_alone(mod, x):
 
 
 def _run_alone_bias(mod, x):
-    x2 = _rows(x)
-    if not x2.shape[0]:
-        return x2.new_empty((0, mod.weight.shape[0])).reshape(*x.shape[:-1], mod.weight.shape[0])
-    out = mod._kernel(mod, x2, False)
-    out = out + mod.bias.to(out.dtype)
+    out = mod._product(_rows(x))
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
