@@ -221,6 +221,43 @@ def test_transformers_from_pretrained_loads_the_same_model_after_import_nvfp4_ge
     assert torch.equal(logits(model), logits(from_pretrained(exports[src], device="cpu")))
 
 
+def _fresh_python(code):
+    """Runs ``code`` in a new interpreter (nothing imported yet); returns its stdout's last line."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=600,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_transformers_imported_after_nvfp4_gemv_gets_the_quantizer_through_the_import_hook():
+    got = _fresh_python(
+        "import sys\n"
+        "import nvfp4_gemv\n"
+        "from nvfp4_gemv import hf_quantizer as h\n"
+        "before = (h.TARGET in sys.modules, h.registered(), any(isinstance(f, h._Hook) for f in sys.meta_path))\n"
+        "import transformers.quantizers.auto as auto\n"
+        "after = (h.registered(), any(isinstance(f, h._Hook) for f in sys.meta_path),\n"
+        "         auto.AUTO_QUANTIZER_MAPPING['modelopt'].__name__)\n"
+        "print(before, after)")
+    assert got == "(False, False, True) (True, False, 'NVFP4GemvModelOptQuantizer')"
+
+
+def test_a_modelopt_quantizer_of_transformers_own_is_kept():
+    got = _fresh_python(
+        "import transformers.quantizers.auto as auto\n"
+        "class Own: pass\n"
+        "auto.AUTO_QUANTIZER_MAPPING['modelopt'] = Own\n"
+        "auto.AUTO_QUANTIZATION_CONFIG_MAPPING['modelopt'] = Own\n"
+        "import nvfp4_gemv\n"
+        "from nvfp4_gemv import hf_quantizer as h\n"
+        "print(h.registered(), auto.AUTO_QUANTIZER_MAPPING['modelopt'] is Own)")
+    assert got == "False True"
+
+
 def test_transformers_door_refuses_a_bad_checkpoint_before_reading(exports, tmp_path):
     path = copy(exports["w4a16"], tmp_path / "bad")
     state = load_file(os.path.join(path, "model.safetensors"))
