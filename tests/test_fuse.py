@@ -171,6 +171,26 @@ def test_siblings_one_gemv_cannot_compute_stay_unfused(why, edit):
     assert fuse_linears(m) == ["{gate_proj,up_proj}"], why
 
 
+def test_a_group_of_more_parts_than_part_paths_stays_unfused():
+    """A part's path is one of ``linear._PART_RUNS`` (16): a 17-part group stays unfused, a 16-part one fuses
+    and gives its parts' results."""
+    from nvfp4_gemv.linear import _PART_RUNS
+
+    names = tuple(f"p{i}" for i in range(len(_PART_RUNS) + 1))
+    base = torch.nn.Module()
+    torch.manual_seed(0)
+    for n in names:
+        setattr(base, n, torch.nn.Linear(128, 128, bias=False, dtype=torch.bfloat16))
+    m = one_global_scale(quantize_model(base, skip=()))
+    x = x_of(3)
+    want = [getattr(m, n)(x) for n in names]
+    over = copy.deepcopy(m)
+    assert fuse_linears(over, groups=[names]) == []
+    assert all(getattr(over, n)._siblings is None for n in names)
+    assert fuse_linears(m, groups=[names[:-1]]) == ["{" + ",".join(names[:-1]) + "}"]
+    assert all(torch.equal(getattr(m, n)(x), w) for n, w in zip(names[:-1], want))
+
+
 def test_different_global_scales_or_input_scales_leave_a_group_unfused():
     base = Block()
     m = quantize_model(copy.deepcopy(base), skip=())  # each linear its own weight_scale_2
