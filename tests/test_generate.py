@@ -334,3 +334,28 @@ def test_gpu_compiled_step_in_the_graph_gives_the_same_tokens():
     ids = prompt(2, 5, "cuda")
     assert torch.equal(generate(m, ids, 10, compile=True), hf(m, ids, 10))
 
+
+
+@gpu
+def test_gpu_a_step_that_cannot_be_captured_runs_eagerly_warns_once_and_keeps_nothing():
+    from nvfp4_gemv import launch
+
+    m = variant("w4a16-fused-packed", "cuda")
+    ids = prompt(2, 5, "cuda")
+    want = hf(m, ids, 10)
+
+    def refuse(mod, args):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("not capturable (test)")
+    hook = m.model.layers[0].register_forward_pre_hook(refuse)
+    launch._warned.discard(("generate capture", type(m)))
+    try:
+        with pytest.warns(RuntimeWarning, match="could not be captured.*not capturable"):
+            got = generate(m, ids, 10)
+        assert m not in _kept
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once a process for the model's type
+            again = generate(m, ids, 10)
+    finally:
+        hook.remove()
+    assert torch.equal(got, want) and torch.equal(again, want)
