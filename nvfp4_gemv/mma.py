@@ -44,7 +44,7 @@ from .ptx import (
     stg_as,
     sts_f32x4,
 )
-from .tokens import OpLaunch, compile_op
+from .op_kernel import OpLaunch, compile_op
 
 TWO_POW_28 = 268435456.0
 MAX_GROUPS = 8  # accumulators and loads in flight of a thread grow with it (registers)

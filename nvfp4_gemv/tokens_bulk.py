@@ -33,7 +33,7 @@ from .ptx import (
     stg_as,
     sts_f32,
 )
-from .tokens import OpLaunch, compile_op
+from .op_kernel import OpLaunch, compile_op
 
 
 def scatter_sum(vals, lane):

@@ -76,7 +76,7 @@ from .ptx import (
     lds_stage_u16, lds_stage_v4, lds_v4_if, mbar_arrive, mbar_arrive_expect_tx, mbar_init, mbar_init_fence,
     mbar_wait, mma_16816, mul_bf16x2, pair_halves, stg_as, sts_f32x4, sts_v4,
 )
-from .tokens import OpLaunch, compile_op
+from .op_kernel import OpLaunch, compile_op
 
 MAX_TOKENS = 32  # tokens a launch takes: two A tiles of 16
 MAX_GROUPS = 8
