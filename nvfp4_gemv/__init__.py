@@ -21,7 +21,8 @@ transformers' ``AutoModelForCausalLM.from_pretrained`` does the same for ModelOp
 from . import hf_quantizer as _hf_quantizer
 from .awq import PreScaledNVFP4Linear
 from .checkpoint import CheckpointError
-from .experts import NVFP4Experts, calibrate_expert_input_scales
+from .experts import NVFP4Experts
+from .experts_convert import calibrate_expert_input_scales
 from .fuse import fuse_linears
 from .generation import generate
 from .leaderboard import check_inputs, custom_kernel

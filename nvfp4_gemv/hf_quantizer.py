@@ -54,7 +54,7 @@ def _define():
     from transformers.utils.quantization_config import QuantizationConfigMixin
 
     from .checkpoint import Checkpoint, CheckpointError
-    from .experts import ExpertFields
+    from .experts_convert import ExpertFields
     from .pretrained import _device, _set, build_layer, detect_format, finish, plan
 
     class NVFP4GemvModelOptConfig(QuantizationConfigMixin):

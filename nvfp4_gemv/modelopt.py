@@ -31,7 +31,8 @@ import torch
 
 from .checkpoint import KV_SCALES as _KV_SCALES
 from .checkpoint import INDEX, QUANT_CONFIG, Checkpoint, CheckpointError, check_folder, read_json
-from .experts import NVFP4Experts, plan_experts
+from .experts import NVFP4Experts
+from .experts_convert import plan_experts
 from .convert import name_matches
 from .linear import NVFP4Linear
 

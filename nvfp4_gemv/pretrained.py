@@ -139,7 +139,7 @@ def plan(model, ckpt, fmt, mode, who=WHO):
         fail(who, f"tensor '{p.kv[0]}': a KV-cache scale, but {fmt.source} sets no KV-cache quantization")
     keys -= set(p.kv)
     modules = dict(model.named_modules(remove_duplicate=False))
-    from .experts import plan_experts
+    from .experts_convert import plan_experts
     p.layers.update(plan_experts(modules, keys, entries, fmt, mode, who))  # MoE experts: ExpertFields a module
     claimed = {k for fields in p.layers.values() for k, _ in fields.values()}
     keys -= claimed
@@ -220,7 +220,7 @@ def build_layer(prefix, fields, tensors, plan_, dtype, who=WHO):
     from .awq import PreScaledNVFP4Linear
     from .linear import NVFP4Linear
 
-    if hasattr(fields, "build"):  # MoE experts (experts.ExpertFields)
+    if hasattr(fields, "build"):  # MoE experts (experts_convert.ExpertFields)
         return fields.build(prefix, tensors, plan_.mode, who)
     parts = {}
     for f, (k, inv) in fields.items():
