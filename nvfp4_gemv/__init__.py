@@ -9,32 +9,32 @@ repository's ``submission.py`` is that module and the ones it imports, stitched 
 leaderboard by tools/gen_submission.py).
 
 For models: ``quantize`` (NVFP4 activations, ``nvfp4_gemv.quant``), ``NVFP4Linear`` and ``quantize_model``
-(``nvfp4_gemv.linear``), ``NVFP4Experts`` (a MoE layer's routed experts, ``nvfp4_gemv.experts``), ``fuse_linears`` (one GEMV for q/k/v and for gate/up, ``nvfp4_gemv.fuse``), ``save_modelopt`` / ``load_modelopt`` (NVIDIA ModelOpt NVFP4 checkpoints in the
-Hugging Face layout, ``nvfp4_gemv.modelopt``; needs the ``hf`` extra: safetensors, transformers), ``generate``
-(decoding with the whole step in one CUDA graph, ``nvfp4_gemv.generation``).
+(``nvfp4_gemv.model.linear``), ``NVFP4Experts`` (a MoE layer's routed experts, ``nvfp4_gemv.model.experts``), ``fuse_linears`` (one GEMV for q/k/v and for gate/up, ``nvfp4_gemv.model.fuse``), ``save_modelopt`` / ``load_modelopt`` (NVIDIA ModelOpt NVFP4 checkpoints in the
+Hugging Face layout, ``nvfp4_gemv.model.modelopt``; needs the ``hf`` extra: safetensors, transformers), ``generate``
+(decoding with the whole step in one CUDA graph, ``nvfp4_gemv.model.generation``).
 ``from_pretrained`` builds the model of an NVFP4 checkpoint folder (ModelOpt or compressed-tensors) on the
-meta device and reads each tensor once onto the device (``nvfp4_gemv.pretrained``); after this import,
+meta device and reads each tensor once onto the device (``nvfp4_gemv.model.pretrained``); after this import,
 transformers' ``AutoModelForCausalLM.from_pretrained`` does the same for ModelOpt checkpoints
-(``nvfp4_gemv.hf_quantizer``). ``CheckpointError``: what a checkpoint that cannot load raises.
+(``nvfp4_gemv.model.hf_quantizer``). ``CheckpointError``: what a checkpoint that cannot load raises.
 """
 
-from . import hf_quantizer as _hf_quantizer
-from .awq import PreScaledNVFP4Linear
-from .checkpoint import CheckpointError
-from .experts import NVFP4Experts
-from .experts_convert import calibrate_expert_input_scales
-from .fuse import fuse_linears
-from .generation import generate
 from .leaderboard import check_inputs, custom_kernel
-from .convert import calibrate_input_scales, quantize_model
-from .linear import NVFP4Linear, input_scale_from
-from .modelopt import load_modelopt, save_modelopt
-from .pretrained import from_pretrained
 from .op import gemv, gemv_packed
-from .tp import shard_model
 from .packed import pack_weight, unpack_weight
 from .quant import dequantize, quantize, quantize_reference, quantize_weight
 from .reference import gemv_reference, swizzled_scale_shape
+from .model import hf_quantizer as _hf_quantizer
+from .model.awq import PreScaledNVFP4Linear
+from .model.checkpoint import CheckpointError
+from .model.convert import calibrate_input_scales, quantize_model
+from .model.experts import NVFP4Experts
+from .model.experts_convert import calibrate_expert_input_scales
+from .model.fuse import fuse_linears
+from .model.generation import generate
+from .model.linear import NVFP4Linear, input_scale_from
+from .model.modelopt import load_modelopt, save_modelopt
+from .model.pretrained import from_pretrained
+from .model.tp import shard_model
 
 __all__ = ["CheckpointError", "NVFP4Experts", "NVFP4Linear", "PreScaledNVFP4Linear", "calibrate_expert_input_scales", "calibrate_input_scales", "check_inputs",
            "custom_kernel", "dequantize", "from_pretrained", "fuse_linears", "gemv", "gemv_packed", "gemv_reference", "generate",
@@ -42,3 +42,20 @@ __all__ = ["CheckpointError", "NVFP4Experts", "NVFP4Linear", "PreScaledNVFP4Line
            "quantize_weight", "save_modelopt", "shard_model", "swizzled_scale_shape", "unpack_weight"]
 
 _hf_quantizer.install()  # transformers' "modelopt" quant_method, when transformers' quantizers are imported
+
+
+def _alias_model_modules():
+    """``nvfp4_gemv.model.linear`` and the model side's other flat module names from before ``nvfp4_gemv.model``
+    (imports, and modules pickled under those names) name the same module objects."""
+    import importlib
+    import sys
+
+    from .model import MODULES
+
+    for name in MODULES:
+        mod = importlib.import_module(f"{__name__}.model.{name}")
+        sys.modules.setdefault(f"{__name__}.{name}", mod)
+        globals().setdefault(name, mod)
+
+
+_alias_model_modules()

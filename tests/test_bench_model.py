@@ -71,7 +71,7 @@ def test_hf_pack_runs_packed_layers_and_refuses_w4a4(capsys):
 
 
 def test_w4a4_via_w4a16_sets_the_route_threshold_for_the_run(monkeypatch):
-    import nvfp4_gemv.linear as lin
+    import nvfp4_gemv.model.linear as lin
 
     monkeypatch.setattr(lin, "W4A4_VIA_W4A16_FROM", None)
     r = bench_model.main(["--device", "cpu", "--tiny", "--step", "--layers", "1", "--n", "20", "--reps", "1",

@@ -15,7 +15,7 @@ pytest.importorskip("safetensors")
 import nvfp4_checkpoints as ckpts  # noqa: E402
 import test_modelopt as tm  # noqa: E402
 from nvfp4_gemv import CheckpointError, NVFP4Linear, from_pretrained, load_modelopt  # noqa: E402
-from nvfp4_gemv.compressed_tensors import matches  # noqa: E402
+from nvfp4_gemv.model.compressed_tensors import matches  # noqa: E402
 
 PROMPT = tm.PROMPT
 ATTN0 = r"re:.*layers\.0\.self_attn\..*"

@@ -1,4 +1,4 @@
-"""``NVFP4Experts`` (nvfp4_gemv/experts.py) on the CPU: the forward against float64 (a fuzz of 300 random
+"""``NVFP4Experts`` (nvfp4_gemv/model/experts.py) on the CPU: the forward against float64 (a fuzz of 300 random
 cases, stage by stage, within experts.py's bound), against transformers' own experts module holding the
 dequantized weights, whole tiny Qwen3-MoE / Mixtral / Qwen2-MoE models (logits, greedy generate),
 torch.compile without a graph break, quantize_model / save_modelopt / load_modelopt / from_pretrained
@@ -21,7 +21,7 @@ from nvfp4_gemv import (CheckpointError, NVFP4Experts, NVFP4Linear, calibrate_ex
                         calibrate_input_scales, dequantize, from_pretrained, load_modelopt, quantize_model,
                         save_modelopt)
 from nvfp4_gemv import experts as experts_mod  # noqa: E402
-from nvfp4_gemv.experts import _products, grouped_forward, quantize_dequantized_rows  # noqa: E402
+from nvfp4_gemv.model.experts import _products, grouped_forward, quantize_dequantized_rows  # noqa: E402
 from nvfp4_gemv.quant import quantize_dequantized  # noqa: E402
 
 PROMPT = torch.tensor([[5, 17, 99, 3, 250, 42], [7, 7, 1, 200, 13, 64]])

@@ -19,7 +19,7 @@ import nvfp4_checkpoints as ckpts  # noqa: E402
 import test_modelopt as tm  # noqa: E402
 from nvfp4_gemv import (CheckpointError, NVFP4Linear, PreScaledNVFP4Linear, from_pretrained, load_modelopt,  # noqa: E402
                         save_modelopt)
-from nvfp4_gemv.checkpoint import Checkpoint  # noqa: E402
+from nvfp4_gemv.model.checkpoint import Checkpoint  # noqa: E402
 
 PROMPT = tm.PROMPT
 GEN = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import nvfp4_gemv  # noqa: E402
 from nvfp4_gemv import generate, quantize_model  # noqa: E402
-from nvfp4_gemv.generation import _kept, _state, release  # noqa: E402
+from nvfp4_gemv.model.generation import _kept, _state, release  # noqa: E402
 
 VOCAB = 512
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -115,7 +115,7 @@ def test_sampling_that_leaves_one_token_is_greedy(kw):
 
 
 def test_top_k_and_top_p_keep_the_tokens_generate_keeps():
-    from nvfp4_gemv.generation import _select
+    from nvfp4_gemv.model.generation import _select
 
     torch.manual_seed(0)
     logits = torch.randn(4, 64)
@@ -172,7 +172,7 @@ def test_compiled_step_gives_the_same_tokens():
 
 def test_it_is_exported():
     assert nvfp4_gemv.generate is generate and "generate" in nvfp4_gemv.__all__
-    assert nvfp4_gemv.generation.release is release
+    assert nvfp4_gemv.model.generation.release is release
 
 
 def test_a_longer_cache_gives_generates_tokens():
@@ -184,7 +184,7 @@ def test_a_longer_cache_gives_generates_tokens():
 def test_a_restarted_decoder_has_no_tokens_and_keeps_its_addresses():
     """A kept capture reads the decoder's buffers by address: ``restart`` empties them in place (a stale ``done``
     would pad every row of the next call, a stale ``col`` write its tokens after the last call's)."""
-    from nvfp4_gemv.generation import _Decoder
+    from nvfp4_gemv.model.generation import _Decoder
 
     m = variant("bf16")
     dec = _Decoder(m, 2, 12, torch.device("cpu"), [7], 3, lambda logits: logits.argmax(-1))

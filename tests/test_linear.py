@@ -7,8 +7,8 @@ import torch
 
 from nvfp4_gemv import (NVFP4Linear, calibrate_input_scales, dequantize, gemv_reference, input_scale_from,
                         quantize_model, quantize_reference, quantize_weight)
-from nvfp4_gemv.convert import name_matches
-from nvfp4_gemv.linear import kernel_takes
+from nvfp4_gemv.model.convert import name_matches
+from nvfp4_gemv.model.linear import kernel_takes
 from nvfp4_gemv.reference import round_to
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -166,7 +166,7 @@ def test_w4a4_forward_quantizes_x_with_the_inverse_input_scale(dtype, bias, lead
 @pytest.fixture
 def w4a4_via_w4a16(monkeypatch):
     """Mode "w4a4" from 17 tokens through quantize_dequantized and the W4A16 op; records which quantizer ran."""
-    import nvfp4_gemv.linear as lin
+    import nvfp4_gemv.model.linear as lin
 
     calls = []
     monkeypatch.setattr(lin, "W4A4_VIA_W4A16_FROM", 17)
@@ -563,7 +563,7 @@ def test_gpu_w4a4_via_w4a16_is_within_the_bound_of_the_exact_w4a4_value(w4a4_via
     the sum of |terms| of the exact W4A4 value (float64, from the reference's dequantized x); no syncs; a
     graph replays it. No bias: a bias added after the rounding can turn a one-ulp difference of the product
     near a midpoint into several ulps of the sum, which no bound on the product excludes."""
-    import nvfp4_gemv.linear as lin
+    import nvfp4_gemv.model.linear as lin
     from nvfp4_gemv.quant import quantize_dequantized_reference
     from w4a16_inputs import w4a16_exact, w4a16_violations
 

@@ -15,7 +15,7 @@ pytest.importorskip("safetensors")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from nvfp4_gemv import NVFP4Linear, calibrate_input_scales, dequantize, load_modelopt, quantize_model, save_modelopt  # noqa: E402
-from nvfp4_gemv.modelopt import CheckpointError, parse_quant_config, read_quant_config  # noqa: E402
+from nvfp4_gemv.model.modelopt import CheckpointError, parse_quant_config, read_quant_config  # noqa: E402
 from nvfp4_gemv.quant import quantize_reference  # noqa: E402
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

@@ -77,8 +77,9 @@ def test_wheel_installs_only_the_package(tmp_path):
         (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         metadata = z.read(meta).decode()
     assert {t for t in tops if not t.endswith(".dist-info")} == {"nvfp4_gemv"}, tops
-    package = {f"nvfp4_gemv/{f}" for f in os.listdir(os.path.join(ROOT, "nvfp4_gemv")) if f.endswith(".py")}
-    assert "nvfp4_gemv/leaderboard.py" in package and package <= names, package - names
+    package = {os.path.relpath(os.path.join(d, f), ROOT).replace(os.sep, "/")
+               for d, _, fs in os.walk(os.path.join(ROOT, "nvfp4_gemv")) for f in fs if f.endswith(".py")}
+    assert {"nvfp4_gemv/leaderboard.py", "nvfp4_gemv/model/linear.py"} <= package and package <= names, package - names
     # the description is the README, and the licence is stated and shipped
     assert "License-Expression: MIT" in metadata and "Description-Content-Type: text/markdown" in metadata
     assert metadata.split("\n\n", 1)[1].startswith("# nvfp4-gemv")
@@ -111,3 +112,21 @@ def test_the_stitcher_refuses_what_one_namespace_would_change(tmp_path, monkeypa
         entry(body)
         with pytest.raises(SystemExit, match=why):
             gen_submission.render()
+
+
+def test_the_model_side_modules_keep_their_flat_names_for_imports_and_pickles():
+    """``nvfp4_gemv.model`` holds the model side; ``nvfp4_gemv.linear`` and the others (imports and modules
+    pickled before the sub-package) name the same module objects."""
+    import importlib
+    import pickle
+
+    import nvfp4_gemv
+    from nvfp4_gemv.model import MODULES
+
+    for name in MODULES:
+        assert importlib.import_module(f"nvfp4_gemv.{name}") is importlib.import_module(f"nvfp4_gemv.model.{name}")
+        assert getattr(nvfp4_gemv, name) is importlib.import_module(f"nvfp4_gemv.model.{name}")
+    assert pickle.loads(b"cnvfp4_gemv.linear\nNVFP4Linear\n.") is nvfp4_gemv.NVFP4Linear
+    assert pickle.loads(b"cnvfp4_gemv.fuse\nSiblings\n.") is nvfp4_gemv.model.fuse.Siblings
+    listed = {f[:-3] for f in os.listdir(os.path.join(ROOT, "nvfp4_gemv", "model")) if f.endswith(".py")}
+    assert listed - {"__init__"} == set(MODULES)

@@ -1,4 +1,4 @@
-"""shard_model (nvfp4_gemv.tp): tensor parallelism over gloo processes on the CPU (the ops' exact paths).
+"""shard_model (nvfp4_gemv.model.tp): tensor parallelism over gloo processes on the CPU (the ops' exact paths).
 
 Each rank builds the same tiny Llama, quantizes it, keeps an unsharded copy and shards the other. Every
 row-wise layer's output must be the fp32 sum of the ranks' partials rounded once (bit for bit) and within

@@ -713,7 +713,7 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=None, help="--hf decode tokens timed (default 64, --quick 16)")
     p.add_argument("--w4a4-via-w4a16", type=int, default=None, metavar="N",
                    help="mode w4a4 from N tokens through quantize_dequantized and the W4A16 op "
-                   "(nvfp4_gemv.linear.W4A4_VIA_W4A16_FROM; default: as the package sets it)")
+                   "(nvfp4_gemv.model.linear.W4A4_VIA_W4A16_FROM; default: as the package sets it)")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)
     if not a.step and not a.hf:
@@ -728,9 +728,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.w4a4_via_w4a16 is not None:
-        import nvfp4_gemv.linear
+        import nvfp4_gemv.model.linear
 
-        nvfp4_gemv.linear.W4A4_VIA_W4A16_FROM = args.w4a4_via_w4a16
+        nvfp4_gemv.model.linear.W4A4_VIA_W4A16_FROM = args.w4a4_via_w4a16
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device (use --device cpu --tiny for a smoke test)")

@@ -12,7 +12,7 @@ Qwen3-30B-A3B's block: hidden 2048, 128 experts, top 8, expert intermediate 768 
 be (else timed eagerly, said in the table) and timed as the leaderboard times (``bench.time_leaderboard``:
 L2 flushed, CUDA events, median); the read floor is ``tools/read_floor.py``'s fastest plain read of the
 same bytes. On the CPU: wall-clock medians, no floor. Until the grouped kernel exists NVFP4Experts runs its
-dequantize fallback (nvfp4_gemv/experts.py), so expect it far from the floor.
+dequantize fallback (nvfp4_gemv/model/experts.py), so expect it far from the floor.
 """
 
 import argparse

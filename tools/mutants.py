@@ -42,11 +42,11 @@ W4A16_ROUTE = "nvfp4_gemv/w4a16_route.py"
 W4A16_PLAN = "nvfp4_gemv/w4a16_plan.py"
 QUANT = "nvfp4_gemv/quant.py"
 QKERN = "nvfp4_gemv/quant_kernel.py"
-LINEAR = "nvfp4_gemv/linear.py"
-CONVERT = "nvfp4_gemv/convert.py"
-MODELOPT = "nvfp4_gemv/modelopt.py"
-FUSE = "nvfp4_gemv/fuse.py"
-CHECKPOINT = "nvfp4_gemv/checkpoint.py"
+LINEAR = "nvfp4_gemv/model/linear.py"
+CONVERT = "nvfp4_gemv/model/convert.py"
+MODELOPT = "nvfp4_gemv/model/modelopt.py"
+FUSE = "nvfp4_gemv/model/fuse.py"
+CHECKPOINT = "nvfp4_gemv/model/checkpoint.py"
 PACKED = "nvfp4_gemv/packed.py"
 
 # (name, file, old, new, tests, gpu)
@@ -142,8 +142,8 @@ MUTANTS = [
      ["tests/test_compile.py::test_kernel_compiles_without_gpu[sm_100a-7168-False]"], False),  # sm_100a has it
     ("packaging: submission.py stale", LAUNCH, "MAX_K = 32768", "MAX_K = 32768  # edited, not regenerated",
      ["tests/test_packaging.py::test_submission_is_generated_from_the_package"], False),
-    ("packaging: generic modules installed", "pyproject.toml", 'packages = ["nvfp4_gemv"]',
-     'packages = ["nvfp4_gemv"]\npy-modules = ["task", "utils"]', ["tests/test_packaging.py"], False),
+    ("packaging: generic modules installed", "pyproject.toml", 'packages = ["nvfp4_gemv", "nvfp4_gemv.model"]',
+     'packages = ["nvfp4_gemv", "nvfp4_gemv.model"]\npy-modules = ["task", "utils"]', ["tests/test_packaging.py"], False),
     ("harness: 'needs CUDA' for every case", "eval.py", "                return EXIT_FAIL\n            rows.append",
      "            rows.append", ["tests/test_eval_harness.py::test_cuda_only_submission_on_cpu_says_a_gpu_is_needed"],
      False),

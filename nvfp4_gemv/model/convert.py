@@ -10,7 +10,7 @@ import warnings
 import torch
 
 from .linear import MODES, NVFP4Linear, _scalar, kernel_takes
-from .quant import E2M1_MAX, E4M3_MAX, quantize_weight
+from ..quant import E2M1_MAX, E4M3_MAX, quantize_weight
 
 
 def name_matches(name, patterns):
@@ -50,7 +50,7 @@ def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None, fu
         ``weight_scale_2`` (the group's amax, as ModelOpt exports the groups that serving fuses) instead of
         one a linear; groups whose input_scales differ are quantized and left unfused.
     MoE experts modules (transformers 5's 3-d ``gate_up_proj`` / ``down_proj``) become ``NVFP4Experts``
-    (``nvfp4_gemv.experts_convert.quantize_experts``; their ``input_scales`` under ModelOpt's per-expert names,
+    (``nvfp4_gemv.model.experts_convert.quantize_experts``; their ``input_scales`` under ModelOpt's per-expert names,
     ``"{module}.{e}.gate_proj"`` etc., from ``calibrate_expert_input_scales``).
     :param pack: also store each quantized weight whose shape allows it (in_features % 128 == 0) in the W4A16
         kernel's packed layout (``NVFP4Linear.pack``: 5-9% faster a GEMV; the state_dict is the same). Mode

@@ -22,10 +22,10 @@ import math
 import torch
 
 from .fuse import _PART_BUFFERS, FUSED_BUFFERS
-from .op import gemv, gemv_packed
-from .packed import pack_weight, packed_takes, unpack_weight
-from .reference import check_args
-from .quant import BLOCK, E2M1_MAX, E4M3_MAX, quantize, quantize_dequantized, quantize_weight
+from ..op import gemv, gemv_packed
+from ..packed import pack_weight, packed_takes, unpack_weight
+from ..reference import check_args
+from ..quant import BLOCK, E2M1_MAX, E4M3_MAX, quantize, quantize_dequantized, quantize_weight
 
 MODES = ("w4a16", "w4a4")
 # Mode "w4a4" from this many tokens a call: quantize_dequantized + the W4A16 op instead of quantize + the W4A4
@@ -139,7 +139,7 @@ class NVFP4Linear(torch.nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None)
         self.register_buffer("_alpha", None, persistent=False)
         self.register_buffer("_inv_input_scale", None, persistent=False)
-        self._siblings, self._sibling_index = None, 0  # set by fuse_linears (nvfp4_gemv.fuse)
+        self._siblings, self._sibling_index = None, 0  # set by fuse_linears (nvfp4_gemv.model.fuse)
         self.packed = False  # pack(): weight holds packed.py's layout, weight_scale is None
         self._refresh()
 
@@ -519,7 +519,7 @@ def _run_alone_bias(mod, x):
 
 def _part_run(i):
     def run(mod, x):
-        """A fused group's ``i``-th part (``nvfp4_gemv.fuse``): its columns of the group's one GEMV."""
+        """A fused group's ``i``-th part (``nvfp4_gemv.model.fuse``): its columns of the group's one GEMV."""
         x2 = _rows(x)
         out = mod._siblings.take(mod, x, x2, i) if x2.shape[0] else None
         if out is None:  # the group ended (its path is re-chosen), or no rows

@@ -35,7 +35,7 @@ import weakref
 
 import torch
 
-from .launch import warn_once
+from ..launch import warn_once
 
 __all__ = ["generate", "release"]
 

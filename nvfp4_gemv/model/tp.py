@@ -55,8 +55,8 @@ import torch.distributed as dist
 
 from .convert import _set_submodule
 from .linear import NVFP4Linear, kernel_takes
-from .packed import packed_takes, unpack_weight
-from .quant import BLOCK
+from ..packed import packed_takes, unpack_weight
+from ..quant import BLOCK
 
 STYLES = ("colwise", "rowwise")
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads")
@@ -168,7 +168,7 @@ class _AllReduce:
 
     def __call__(self, mod, args, out):
         if not dist.is_initialized():
-            raise RuntimeError("nvfp4_gemv.tp: a row-wise shard's forward needs torch.distributed initialized "
+            raise RuntimeError("nvfp4_gemv.model.tp: a row-wise shard's forward needs torch.distributed initialized "
                                "(its output is a partial sum to all-reduce)")
         total = out.to(torch.float32)  # (a copy even for fp32 outputs: the hook does not write `out`)
         if total is out:

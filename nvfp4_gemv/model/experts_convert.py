@@ -1,7 +1,7 @@
 """MoE experts in whole models: ``quantize_model``'s part (``quantize_experts``), ModelOpt's max calibration
 of the experts' input scales (``calibrate_expert_input_scales``), and the loaders' plan of an experts module's
 per-expert checkpoint tensors (``ExpertFields``, ``plan_experts``). The module and its forward are
-``nvfp4_gemv.experts``.
+``nvfp4_gemv.model.experts``.
 """
 
 import torch
@@ -9,7 +9,7 @@ import torch
 from .convert import name_matches, run_with_pre_hooks
 from .experts import _KEY, ALIASES, FIELDS, PROJS, NVFP4Experts, is_experts_module
 from .linear import _scalar
-from .quant import E2M1_MAX, E4M3_MAX
+from ..quant import E2M1_MAX, E4M3_MAX
 
 def _scale_keys(name, j):
     return [f"{name}.{j}.{p}" for p in PROJS]

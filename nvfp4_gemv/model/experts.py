@@ -4,7 +4,7 @@ experts modules (``Qwen3MoeExperts``, ``Qwen2MoeExperts``, ``MixtralExperts``, `
 ``quantize_model``, ``save_modelopt``, ``load_modelopt`` and ``from_pretrained`` need to handle them.
 
 The module and its forward live here; ``quantize_model``'s part, the experts' calibration and the
-loaders' plan are ``nvfp4_gemv.experts_convert``.
+loaders' plan are ``nvfp4_gemv.model.experts_convert``.
 
 The contract is transformers': ``forward(hidden_states [T, H], top_k_index [T, k] integer, top_k_weights
 [T, k] floating) -> [T, H]`` in hidden_states' dtype, the routing weights multiplied inside (the router
@@ -51,9 +51,9 @@ import re
 
 import torch
 
-from .launch import warn_once
+from ..launch import warn_once
 from .linear import MODES, _X_DTYPES
-from .quant import BLOCK, _quantize_rows, dequantize, e2m1_decode, quantize_weight
+from ..quant import BLOCK, _quantize_rows, dequantize, e2m1_decode, quantize_weight
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 ALIASES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's checkpoint names
@@ -422,7 +422,7 @@ class NVFP4Experts(torch.nn.Module):
                 warn_once("experts-fallback", "NVFP4Experts: no grouped GPU kernel yet; the experts run "
                           "through dequantize + bmm (decode: each slot's expert dequantized again) or "
                           "torch._grouped_mm (bf16 prefill), several times the NVFP4 bytes' read time "
-                          "(nvfp4_gemv/experts.py, 'Cost of this fallback')")
+                          "(nvfp4_gemv/model/experts.py, 'Cost of this fallback')")
         if self._mode == "w4a4" and self.gate_up_input_scale is None:
             raise ValueError("NVFP4Experts: mode 'w4a4' needs input scales (None here): load or quantize with "
                              "them, or use mode 'w4a16'")
