@@ -183,7 +183,7 @@ def scaled_chunk_dot(acc, x, s16, w, sb0, sb1, tbl):
     scales / 4). Each block's term is exact in fp32 (an int below 2^12 times a product of two e4m3
     scales), so a row's only roundings are those of its fp64 sum, each at most 2^-53 of the running sum:
     rows whose blocks cancel keep their small remainder (an fp32 Kahan sum did not:
-    tests/test_gpu_accuracy.py)."""
+    tests/leaderboard/test_accuracy.py)."""
     sa0, sa1 = e4m3x2_to_f32x2(s16)
     d0 = fp4x16_dot_i8(x[0], x[1], w[0], w[1], w[2], w[3], tbl)
     d1 = fp4x16_dot_i8(x[2], x[3], w[4], w[5], w[6], w[7], tbl)

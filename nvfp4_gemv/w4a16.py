@@ -587,7 +587,7 @@ class Nvfp4GemvW4A16(OpLaunch):
                     sts_f32x4(s_red + (((wid * U + u) * AT + a) * 32 + lane) * 16, part)
             cute.arch.sync_threads()
             # read here, not before the main loop: one value fewer live across it (the two-CTA one-token build
-            # without dec/xpair, at 128 registers, spilled more before; tests/test_compile.py)
+            # without dec/xpair, at 128 registers, spilled more before; tests/leaderboard/test_compile.py)
             scale = cutlass.Float32(self.sum_scale)
             if cutlass.const_expr(self.has_alpha):
                 scale = scale * ldg_f32(alpha_ptr)

@@ -1,8 +1,8 @@
 """Tiny NVFP4 checkpoints in each producer's layout, written from a ``save_modelopt`` export by renaming (no
-producer installed), for tests/test_from_pretrained.py and tests/test_compressed_tensors.py; and the
+producer installed), for tests/model/test_from_pretrained.py and tests/model/test_compressed_tensors.py; and the
 references they are checked against.
 
-* ``modelopt_export``: ``save_modelopt`` of the tiny Llama of test_modelopt.py (weight_scale_2 = 2^-15 and
+* ``modelopt_export``: ``save_modelopt`` of the tiny Llama of model/test_modelopt.py (weight_scale_2 = 2^-15 and
   power-of-two input scales, so every reciprocal below is exact and each layout must give the same bits);
 * ``to_compressed_tensors``: the same tensors as llm-compressor's ``nvfp4-pack-quantized`` layout
   (``weight_packed``, ``weight_global_scale = 1 / weight_scale_2`` and ``input_global_scale = 1 /
@@ -28,6 +28,10 @@ NVFP4_INPUT = dict(NVFP4_ARGS, dynamic="local")
 def modelopt_export(path, mode="w4a16", arch="llama", tie=False, shard=None, skip=None):
     """A tiny Llama (or ``arch``) quantized in ``mode`` and saved in ``path``; ``skip``: quantize_model's skip
     (mode "w4a16")."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "model"))  # tests/model/
     import test_modelopt as tm
 
     if tie or skip:

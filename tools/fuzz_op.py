@@ -17,11 +17,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "op"))
 import torch  # noqa: E402
 
 import inputs  # noqa: E402
 from nvfp4_gemv import gemv  # noqa: E402
-from test_gpu_op import assert_exact, blocked  # noqa: E402
+from test_gemv_accuracy import assert_exact, blocked  # noqa: E402
 from w4a16_inputs import w4a16_exact, w4a16_inputs, w4a16_violations  # noqa: E402
 
 KS = (64, 256, 2048 + 320, 7168)  # few K values: each (K, N, layout) compiles once

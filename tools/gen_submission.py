@@ -8,7 +8,7 @@ a package import that is not ``from .module import name`` at a module's top leve
 module does not define, and a top-level name that two of the modules define. The modules import only torch,
 cutlass, cuda (the bindings), apache-tvm-ffi (where installed, inside a function) and the standard library.
 
-``--check`` exits 1 where the file on disk differs (CI runs it through tests/test_packaging.py).
+``--check`` exits 1 where the file on disk differs (CI runs it through tests/tools/test_packaging.py).
 
 Usage: python tools/gen_submission.py [--check]
 """

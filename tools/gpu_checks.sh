@@ -31,9 +31,9 @@ git log --oneline -1 > "$LOG/commit.txt" 2>/dev/null
 nvidia-smi -L >> "$LOG/commit.txt" 2>/dev/null
 python -c "import importlib.metadata as m; print('nvidia-cutlass-dsl', m.version('nvidia-cutlass-dsl'))" >> "$LOG/commit.txt"
 # the test that reads the device's free memory runs alone: other processes' allocations would show there
-ALONE=tests/test_gpu_contexts.py::test_ten_thousand_calls_grow_nothing
+ALONE=tests/leaderboard/test_contexts.py::test_ten_thousand_calls_grow_nothing
 pytest_shards() {  # the suite split by file over $SHARDS processes (default 4; compiles are CPU-bound)
-    local -a all=($(ls -S tests/test_*.py)) files=() shard
+    local -a all=($(ls -S tests/*/test_*.py)) files=() shard
     local part=${PART:-1/1} j
     for ((j = 0; j < ${#all[@]}; j++)); do  # PART=k/m: every m-th file from the k-th (the suite over m calls)
         (( j % ${part#*/} == ${part%/*} - 1 )) && files+=("${all[j]}")

@@ -23,7 +23,7 @@ tools/fixtures_common.py, imported by both); this tool makes the venvs and runs 
     python3 tools/make_fixtures.py --producers llmcompressor --only ct-nvfp4
     python3 tools/make_fixtures.py --no-install                     # reuse the venvs as they are
 
-then ``.venv/bin/python -m pytest -q tests/test_fixtures.py``. A rerun rewrites each fixture folder whole;
+then ``.venv/bin/python -m pytest -q tests/model/test_fixtures.py``. A rerun rewrites each fixture folder whole;
 with the same producer versions the checkpoints come out byte-identical. Takes ~5 minutes with empty venvs
 (installs), ~1 minute without.
 """

@@ -44,7 +44,7 @@ bf16): an fp16 prefill dequantizes each slot's expert, T*k times the grouped pat
 Error bound (each product, against float64): |y - Y| <= ulp(y)/2 + K * 2^-24 * sum_k |x_k W_k| with Y the
 exact product with the rounded weights W (fp32 accumulation in any order), and |W - w| <= 2^-8 |w|
 (bf16; 2^-11 fp16) against the unrounded dequantized weight w; the combine within ulp/2 + k * 2^-24 *
-sum_j |d_j w_j|. tests/test_experts.py checks each stage against float64 on random cases.
+sum_j |d_j w_j|. tests/model/test_experts.py checks each stage against float64 on random cases.
 """
 
 import re

@@ -1,4 +1,4 @@
-"""The launch path's choices, on the CPU (the paths themselves run in tests/test_gpu_correctness.py)."""
+"""The launch path's choices, on the CPU (the paths themselves run in tests/leaderboard/test_correctness.py)."""
 
 import pytest
 

@@ -300,7 +300,7 @@ def test_from_nine_tokens_the_tiles_take_as_many_groups_as_the_registers_hold(n,
     if n > 16 and k == 2048:  # x in shared memory (test above)
         threads, groups = 512, max(2, w4a16_route.pick_groups(n, m, 132, cap=4))
     assert (tune["threads"], tune["groups"], tune["across"]) == (threads, groups, 1), tune
-    # what 16 warps of 128 registers hold without a stack (sm_90a, tests/test_compile.py)
+    # what 16 warps of 128 registers hold without a stack (sm_90a, tests/leaderboard/test_compile.py)
     assert tune["groups"] <= (4 if tune["threads"] == 512 else w4a16.MAX_GROUPS)
 
 

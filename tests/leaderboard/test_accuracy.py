@@ -1,5 +1,5 @@
 """Every kernel keeps a row exact when its blocks cancel: on ``inputs.cancelling_inputs`` a plain fp32
-sum misses most rows (tests/test_reference.py shows it), and so did the fp32 Kahan sums these kernels had
+sum misses most rows (tests/leaderboard/test_reference.py shows it), and so did the fp32 Kahan sums these kernels had
 before their fp64 sums."""
 
 import pytest
@@ -27,7 +27,7 @@ CASES = [pytest.param(name, plain, id=f"{name}-{'plain' if plain else 'permuted'
 @pytest.mark.parametrize("make", [inputs.cancelling_inputs, inputs.random_inputs], ids=["cancelling", "random"])
 def test_results_are_the_float64_value_rounded_to_fp16(kernel, plain, make):
     """Within half an fp16 ulp of the exact value (plus the fp64 sum's and the double rounding's few
-    2^-24): the README's claim, which one fp16 step off fails (tests/test_reference.py)."""
+    2^-24): the README's claim, which one fp16 step off fails (tests/leaderboard/test_reference.py)."""
     k, tuning = KERNELS[kernel]
     m, l = 256, 2
     data = make(m, k, l, seed=k + plain)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from nvfp4_gemv import NVFP4Linear, PreScaledNVFP4Linear, from_pretrained  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "checkpoints")
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "checkpoints")
 NAMES = sorted(n for n in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, n))) if os.path.isdir(ROOT) else []
 pytestmark = pytest.mark.skipif(not NAMES, reason="no fixtures (tools/make_fixtures.py)")
 

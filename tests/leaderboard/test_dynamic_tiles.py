@@ -119,7 +119,7 @@ def test_a_counter_left_past_the_claims_makes_the_launch_fail_loudly():
     """A counter found past all of a launch's claims (only another launch sharing it could leave one so)
     would never be reset, and every later launch on the stream would skip its claimed tiles: the kernel
     traps and the caller gets a CUDA error. In a child process: a trap ends the CUDA context."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = textwrap.dedent(f"""
         import sys
         sys.path[:0] = [{os.path.dirname(here)!r}, {here!r}]

@@ -344,7 +344,7 @@ def test_nested_tensors_never_reach_a_guard():
     import subprocess
     import sys
 
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here)]))
     proc = subprocess.run([sys.executable, "-c", NESTED_CALLS], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"))
 import bench_load  # noqa: E402
 
 

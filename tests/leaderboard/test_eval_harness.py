@@ -8,7 +8,7 @@ import pytest
 
 import eval as harness
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SUBS = os.path.join(ROOT, "tests", "submissions")
 
 

@@ -58,7 +58,7 @@ from safetensors.torch import load_file  # noqa: E402
 import nvfp4_gemv  # noqa: E402
 from nvfp4_gemv import NVFP4Linear, PreScaledNVFP4Linear, from_pretrained  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.join(HERE, "fixtures", "checkpoints")
 W4A4 = [n for n in ("modelopt-nvfp4", "modelopt-nvfp4-awq", "modelopt-nvfp4-fp8kv", "modelopt-nvfp4-sharded",
                     "ct-nvfp4") if os.path.isdir(os.path.join(ROOT, n))]

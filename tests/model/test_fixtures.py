@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 from safetensors.torch import load_file  # noqa: E402
 
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "checkpoints")
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "checkpoints")
 # name: (format, scheme, W4A4)
 FIXTURES = {
     "modelopt-nvfp4": ("modelopt", "NVFP4", True),

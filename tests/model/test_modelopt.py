@@ -507,7 +507,7 @@ def test_the_readmes_example_runs(export):
     import re
 
     mode, path, _, _ = export
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")) as f:
         code = re.search(r"## Use in a model.*?```python\n(.*?)```", f.read(), re.S).group(1)
     code = code.replace(".cuda()", "").replace('mode="w4a16"', f'mode="{mode}"')
     ns = {"path": path, "prompt_ids": PROMPT}

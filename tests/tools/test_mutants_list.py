@@ -4,7 +4,7 @@ themselves run in CI through .ci/run, and on the GPU machine with --gpu)."""
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"))
 
 import mutants  # noqa: E402
 
