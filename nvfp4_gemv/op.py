@@ -3,15 +3,13 @@
 ``out[n, m] = alpha * sum_k x[n, k] * x_scale[n, k // 16] * w[m, k] * w_scale[m, k // 16]``, the product
 ``(dequant(x) @ dequant(w).T) * alpha`` of an NVFP4 checkpoint's linear layer (alpha: the product of the
 two per-tensor scales). With bf16/fp16 ``x`` and ``x_scale=None`` it is the weight-only (W4A16) product
-``(x @ dequant(w).T) * alpha``, which ``nvfp4_gemv.w4a16`` computes on CUDA. For NVFP4 ``x``, on a CUDA GPU (Hopper or Blackwell) one of three CuTe DSL kernels runs: up to 3
-tokens (4 at K = 16384) where ``w``'s scales are plain with 16-byte aligned rows and ``K % 1024 == 0``,
-``2048 <= K <= 16384`` for one token, ``K <= 16384`` for more (``use_bulk``),
+``(x @ dequant(w).T) * alpha``, which ``nvfp4_gemv.w4a16`` computes on CUDA. For NVFP4 ``x``, on a CUDA GPU
+(Hopper or Blackwell) one of three CuTe DSL kernels runs, chosen by ``nvfp4_gemv.op_route``:
 ``nvfp4_gemv.tokens_bulk`` (bulk copies of ``w`` rows into shared memory, dp4a on int8 copies of x held in
-registers); else up to 4 tokens, or for weights of fewer than 8 x SMs rows, ``nvfp4_gemv.tokens`` (dp4a on
-int8 copies of x in shared memory; ``w`` read once for each group of tokens that fits, all of them up to 25
-tokens at K = 7168, 11 at K = 16384: ``token_group``); from 5 tokens on (``use_mma``), ``nvfp4_gemv.mma``
-(``mma.sync`` on exact f16 operands, 16 tokens a pass over ``w``). Elsewhere a float64 implementation runs (exact
-products, float64 sums, one rounding to the output dtype: ``reference.gemv_reference``).
+registers: 1-3 tokens, 4 at K = 16384), ``nvfp4_gemv.tokens`` (dp4a on int8 copies of x in shared memory,
+``w`` read once for each group of tokens that fits) or ``nvfp4_gemv.mma`` (``mma.sync`` on exact f16 operands,
+16 tokens a pass over ``w``, from 5 tokens on). Elsewhere a float64 implementation runs (exact products,
+float64 sums, one rounding to the output dtype: ``reference.gemv_reference``).
 
 The op is ``torch.ops.nvfp4.gemv`` (and ``torch.ops.nvfp4.gemv_out`` for ``out=``), with fake
 implementations for tracing, so ``torch.compile(fullgraph=True)`` and CUDA graphs take it. Eager calls of
@@ -25,10 +23,11 @@ import torch
 from . import launch
 from . import packed
 from . import w4a16_plan
-from .mma import compile_mma, pick_groups
+from .mma import compile_mma
+from .op_route import route
 from .reference import OUT_DTYPES, check_args, fail_gemv, gemv_reference, unswizzle_scales
-from .tokens import Nvfp4GemvTokens, compile_tokens
-from .tokens_bulk import Nvfp4GemvTokensBulk, compile_tokens_bulk
+from .tokens import compile_tokens
+from .tokens_bulk import compile_tokens_bulk
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # other subclasses (fake, functional) go through torch.ops
 
@@ -44,46 +43,6 @@ _recent = launch.RecentPlans()
 
 
 _sm_count = launch.sm_count  # a module name, so that tests can stand in another SM count
-
-
-def token_group(n, k):
-    """Tokens a launch takes: all ``n`` where their decoded copies fit shared memory, else equal groups."""
-    cap = max(1, Nvfp4GemvTokens.max_tokens(k))
-    launches = -(-n // cap)
-    return -(-n // launches)
-
-
-MMA_TOKENS = 16  # tokens a launch of the tensor-core kernel takes
-
-
-def use_mma(n, m, sms):
-    """The tensor-core kernel (``nvfp4_gemv.mma``) from 5 tokens on where its 8-row groups fill the GPU; the
-    dp4a kernel (``nvfp4_gemv.tokens``) below and for short weights. On H200 the dp4a kernel was faster at
-    N = 3 and (on one of two shapes) 4, the tensor-core kernel far faster at N = 8; N = 5..7 were not measured,
-    so the cut at 5 is interpolated (docs/results.md)."""
-    return n >= 5 and m // 8 >= sms
-
-
-def bulk_tuning(n, m, k):
-    """CTAs a SM and rows a thread for the bulk-copy kernel, as measured fastest on H200 (docs/results.md). At
-    K = 16384, 3-4 tokens: one CTA a SM, each thread on 4 rows of a stage (faster than two CTAs of one row a
-    thread, and than the dp4a kernel). Else two CTAs, except at 3 tokens on short weights (M < 2048), where one
-    was faster."""
-    if n >= 3 and k == 16384:
-        return {"ctas": 1, "rt": 4}
-    return {"ctas": 2 if n <= 2 or m >= 2048 else 1}
-
-
-def use_bulk(n, m, k):
-    """The bulk-copy dp4a kernel (``nvfp4_gemv.tokens_bulk``) for 1-3 tokens, and 4 at K = 16384, where its
-    rows split into whole warps (K % 1024 == 0), K <= 16384 (the range measured; above it the two-CTA builds
-    spill on DSL 4.3.5 from K = 19456) and K >= 2048 for one token. On H200 it beat the dp4a kernel at N = 1..4
-    on 7168x16384 and on most of 15 shapes from 256x16384 to 14336x4096 at N <= 3; it lost at N = 1 with
-    K = 1024, on a few shapes at N = 2 and 3, and at N = 4 on 4096x7168 while it won there on 2048x7168: 4
-    tokens elsewhere stay on dp4a (docs/results.md)."""
-    if k % 1024 or k > 16384 or n > 4 or (n == 1 and k < 2048) or (n == 4 and k != 16384):
-        return False
-    return Nvfp4GemvTokensBulk.suits(k, n, **bulk_tuning(n, m, k))
 
 
 _kernels = launch.KernelCache(lambda key: {"mma": compile_mma, "tokens": compile_tokens,
@@ -123,33 +82,10 @@ class _TokensPlan:
                 fail_gemv(ValueError, "out", "unit stride along M", f"strides {out.stride()}")
             out_rs = out.stride(0)
         sms = _sm_count(self.dev)
-        tuning = dict(tuning)
-        forced, mma = tuning.pop("bulk", None), tuning.pop("mma", None)
-        if forced and mma:
-            raise ValueError("nvfp4_gemv: a tuning names one kernel: bulk=1 (bulk copies) or mma=1 (tensor cores)")
-        # other keys tune one kernel: without "bulk" or "mma" they are the dp4a kernel's (the routed kernels
-        # get none but the tensor-core kernel's "groups"); a w_scale address off 16 bytes is handled per call
-        named = forced or bool(set(tuning) - {"groups"})
-        mma = bool(mma) if mma is not None else not named and use_mma(n, m, sms)
-        copyable = not wb and w_scale.stride(0) % 16 == 0
-        auto = not named and use_bulk(n, m, k) and copyable
-        bulk = not mma and bool(auto if forced is None else forced)
-        forced = forced is not None and bulk
-        groups = tuning.pop("groups", None) or pick_groups(m, sms)
-        if mma:
-            g = -(-n // -(-n // MMA_TOKENS))
-        elif bulk:
-            g = -(-n // -(-n // Nvfp4GemvTokensBulk.MAX_TOKENS))
-            tuning = {**bulk_tuning(g, m, k), **tuning}
-            if not copyable or not Nvfp4GemvTokensBulk.suits(k, g, **tuning):
-                raise ValueError("nvfp4_gemv: the bulk-copy kernel needs plain w scales with 16-byte aligned "
-                                 f"rows and K split into whole warps (K % 1024 == 0; K={k}, {g} tokens a "
-                                 f"launch, {tuning})")
-        else:
-            g = token_group(n, k)
-        tuning = tuple(sorted(tuning.items()))
-        self.ws_mask = 15 if bulk else 1  # bulk copies read 16-byte aligned rows of w_scale
-        self.args = (tuple(t for t in tuning if t[0] not in ("ctas", "rt")), mma, forced)
+        r = route(n, m, k, sms, not wb and w_scale.stride(0) % 16 == 0, tuning)  # (nvfp4_gemv.op_route)
+        mma, g, groups, tuning = r.kernel == "mma", r.tokens, r.groups, r.tuning
+        self.ws_mask = r.ws_mask
+        self.args = (tuple(t for t in tuning if t[0] not in ("ctas", "rt")), mma, r.forced)
         self.fallback = None
         # blocked x scales: the kernel indexes tokens within one launch; rows below 32 of a tile are 16
         # bytes apart, so a later group starts 16 * t0 bytes in; beyond that the plan unswizzles on the host
@@ -170,7 +106,7 @@ class _TokensPlan:
                          w.stride(0) == k // 2, not wb and w_scale.stride(0) == k // 16)
                 key = ("mma", self.dev, *shape, tuning)
             else:
-                key = ("bulk" if bulk else "tokens", self.dev, k, nt, wb, xb, alpha is not None,
+                key = (r.kernel, self.dev, k, nt, wb, xb, alpha is not None,
                        out_dtype == torch.bfloat16, tuning)
             kern = _get_kernel(self.dev, key)
             offsets = (t0 * x.stride(0), 16 * t0 if xb else t0 * xs_rs, t0 * out_rs * 2)

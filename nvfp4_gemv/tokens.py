@@ -8,7 +8,7 @@ positive and negative byte lookups (from three tokens on, into signed int8); eac
 (four) ``dp4a`` a block against its int8 copy, one scaling and an fp32 fused multiply-add (the op's
 accuracy contract allows fp32 sums: ``_chunk_dot_tokens``). ``N`` is a compile-time constant. Where ``N``
 tokens' decoded copies do not fit in shared memory the op launches the kernel once per group of tokens
-(``op.token_group``). The decode helpers it shares with ``tokens_bulk`` are in ``nvfp4_gemv.decode``.
+(``op_route.token_group``). The decode helpers it shares with ``tokens_bulk`` are in ``nvfp4_gemv.decode``.
 
 Layouts: ``w`` [M, K/2] and ``x`` [N, K/2] K-contiguous with 16-byte aligned rows; each scale tensor plain
 ([rows, K/16], K-contiguous) or the 128x4 blocked layout of ``to_blocked`` (``w_blocked``/``x_blocked``);

@@ -1,4 +1,4 @@
-"""The op's bulk-copy kernel for a few tokens (``op.use_bulk``: up to 3, and 4 at K = 16384; more as a tuning).
+"""The op's bulk-copy kernel for a few tokens (``op_route.use_bulk``: up to 3, and 4 at K = 16384; more as a tuning).
 
 ``Nvfp4GemvBulk``'s pipeline with ``N`` token rows: a producer warp keeps ``stages`` tiles of ``rows`` rows
 of ``w`` and their plain scales in flight with one ``cp.async.bulk`` a row (counted on the stage's ``full``
@@ -110,7 +110,9 @@ class Nvfp4GemvTokensBulk(OpLaunch):
         self.min_blocks = self.ctas
 
     @classmethod
-    def suits(cls, k, n_tok, **tuning):
+    def can_implement(cls, k, n_tok, **tuning):
+        """Whether this kernel builds for K = ``k`` and ``n_tok`` tokens a launch with ``tuning`` (its own
+        checks: shared memory, whole warps, at most 32 registers' worth of x a thread; plain w scales)."""
         try:
             cls(k, n_tok, False, False, False, True, **tuning)
             return True

@@ -33,6 +33,7 @@ TUNING = "nvfp4_gemv/tuning.py"
 LAUNCH = "nvfp4_gemv/launch.py"
 ENTRY = "nvfp4_gemv/leaderboard.py"
 OP = "nvfp4_gemv/op.py"
+OP_ROUTE = "nvfp4_gemv/op_route.py"
 REF = "nvfp4_gemv/reference.py"
 TOK = "nvfp4_gemv/tokens.py"
 MMA = "nvfp4_gemv/mma.py"
@@ -235,11 +236,11 @@ MUTANTS = [
      "row0 = tile * (GR * 8)", ["tests/op/test_each_kernel.py"], True),
     ("mma: tokens 8..15 dropped", MMA, "a1 = xa[1][2 * s] if XH == 2 else zero", "a1 = zero",
      ["tests/op/test_each_kernel.py"], True),
-    ("op: tensor-core kernel never chosen", OP, "    return n >= 5 and m // 8 >= sms", "    return False",
-     ["tests/op/test_gemv_accuracy.py::test_kernel_choice"], True),
-    ("op: bulk-copy kernel never chosen", OP, "    return Nvfp4GemvTokensBulk.suits(k, n, **bulk_tuning(n, m, k))\n",
+    ("op: tensor-core kernel never chosen", OP_ROUTE, "    return n >= 5 and m // 8 >= sms", "    return False",
+     ["tests/op/test_routing.py"], False),  # (on a GPU also tests/op/test_gemv_accuracy.py::test_kernel_choice)
+    ("op: bulk-copy kernel never chosen", OP_ROUTE, "    return Nvfp4GemvTokensBulk.can_implement(k, n, **bulk_tuning(n, m, k))\n",
      "    return False\n", ["tests/op/test_routing.py"], False),
-    ("op: 4 rows a thread never chosen", OP, '        return {"ctas": 1, "rt": 4}\n', '        return {"ctas": 1}\n',
+    ("op: 4 rows a thread never chosen", OP_ROUTE, '        return {"ctas": 1, "rt": 4}\n', '        return {"ctas": 1}\n',
      ["tests/op/test_routing.py"], False),
     ("op bulk: a thread's rows write one row's partials", TOK_BULK,
      "                    p = p + (vi // NT) * (4 * self.parts * NT) - 4 * (vi // NT) * NT\n",

@@ -99,7 +99,7 @@ def test_op_tensor_core_kernel_compiles_without_gpu(arch, k, tokens, groups, ext
                                                         ("sm_90a", 16384, 3, "ctas=1,rt=4", False),
                                                         ("sm_100a", 16384, 4, "ctas=1,rt=4", True)])
 def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, tune, blocked, tmp_path):
-    """The bulk-copy dp4a kernel as the op configures it (``op.bulk_tuning``; 4 tokens at K = 7168 only as a
+    """The bulk-copy dp4a kernel as the op configures it (``op_route.bulk_tuning``; 4 tokens at K = 7168 only as a
     tuning); ``--blocked`` blocks x's scales (w's stay plain)."""
     assert_op_build(compile_check(arch, k, tmp_path, "--tokens", str(tokens), "--tune", f"bulk=1,{tune}",
                                   *(["--blocked"] if blocked else [])))

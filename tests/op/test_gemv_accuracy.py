@@ -182,9 +182,9 @@ def test_operands_on_different_devices_raise():
                                             (5, 4096, 256, "Nvfp4GemvMma"), (16, 2048, 256, "Nvfp4GemvMma"),
                                             (16, 256, 256, "Nvfp4GemvTokens")])
 def test_kernel_choice(n, m, k, expected):
-    """The bulk-copy dp4a kernel up to 3 tokens, 4 at K = 16384 (op.use_bulk: K % 1024 == 0, K <= 16384,
+    """The bulk-copy dp4a kernel up to 3 tokens, 4 at K = 16384 (op_route.use_bulk: K % 1024 == 0, K <= 16384,
     K >= 2048 for one token), the tensor-core kernel from 5 tokens on where its 8-row groups fill the GPU
-    (op.use_mma), else the dp4a kernel."""
+    (op_route.use_mma), else the dp4a kernel."""
     x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=n)
     plan = op._TokensPlan(x, xs, w, ws, a, None, torch.bfloat16)
     assert {type(kern.op).__name__ for kern, _, _ in plan.launches} == {expected}

@@ -1,11 +1,42 @@
 """The op's routing and the tensor-core kernel's tiling, without a GPU: which kernel a call takes
-(``op.use_mma``, ``op.use_bulk``), the bulk-copy kernel's CTAs a SM and rows a thread (``op.bulk_tuning``) and how many 8-row
-groups a CTA owns (``mma.pick_groups``)."""
+(``op_route.route`` and its rules ``use_mma``, ``use_bulk``), the bulk-copy kernel's CTAs a SM and rows a
+thread (``bulk_tuning``) and how many 8-row groups a CTA owns (``mma.pick_groups``)."""
 
 import pytest
 
-from nvfp4_gemv import op
+import dataclasses
+
+from nvfp4_gemv import op_route as op
 from nvfp4_gemv.mma import MAX_GROUPS, pick_groups
+from nvfp4_gemv.op_route import OpRoute, route
+
+
+@pytest.mark.parametrize("n,m,k,copyable,tuning,want", [
+    (1, 4096, 7168, True, (), ("bulk", 1, (("ctas", 2),), False)),
+    (3, 4096, 16384, True, (), ("bulk", 3, (("ctas", 1), ("rt", 4)), False)),
+    (1, 4096, 7168, False, (), ("tokens", 1, (), False)),  # scales off 16-byte rows: no bulk copies
+    (4, 4096, 7168, True, (), ("tokens", 4, (), False)),
+    (8, 4096, 7168, True, (), ("mma", 8, (), False)),
+    (40, 4096, 7168, True, (), ("mma", 14, (), False)),  # three launches of equal groups, at most 16 each
+    (8, 1024, 7168, True, (), ("tokens", 8, (), False)),  # 128 row groups do not fill 132 SMs
+    (30, 1024, 16384, True, (), ("tokens", 10, (), False)),  # 11 tokens' copies fit: three groups of 10
+    (2, 4096, 7168, True, (("bulk", 1),), ("bulk", 2, (("ctas", 2),), True)),
+    (8, 4096, 7168, True, (("mma", 0),), ("tokens", 8, (), False)),
+    (2, 4096, 7168, True, (("batch", 2),), ("tokens", 2, (("batch", 2),), False)),  # a dp4a knob: dp4a
+])
+def test_route_names_the_kernel_tokens_a_launch_and_its_build(n, m, k, copyable, tuning, want):
+    r = route(n, m, k, 132, copyable, tuning)
+    assert isinstance(r, OpRoute) and (r.kernel, r.tokens, r.tuning, r.forced) == want
+    assert r.groups == pick_groups(m, 132) and r.ws_mask == (15 if r.kernel == "bulk" else 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.kernel = "tokens"
+
+
+@pytest.mark.parametrize("tuning, match", [((("bulk", 1), ("mma", 1)), "names one kernel"),
+                                           ((("bulk", 1),), "bulk-copy kernel needs plain w scales")])
+def test_route_refuses_a_tuning_no_kernel_takes(tuning, match):
+    with pytest.raises(ValueError, match=match):
+        route(2, 4096, 7168, 132, False, tuning)
 
 
 @pytest.mark.parametrize("n,m,sms,mma", [(1, 7168, 132, False), (4, 7168, 132, False), (5, 7168, 132, True),
