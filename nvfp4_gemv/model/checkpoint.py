@@ -161,10 +161,12 @@ class Checkpoint:
     def nbytes(self):
         return sum(e.nbytes for e in self.entries.values())
 
-    def read(self, keys, device, each=None):
+    def read(self, keys, device, each=None, slices=None):
         """{name: tensor} of ``keys`` on ``device``, each file opened once (in ``files`` order, each file's keys
         in its own order). ``each(name, tensor)``, where given, is called as each tensor arrives and the tensor
-        is not kept (the caller places it: a load then holds at most what the caller keeps)."""
+        is not kept (the caller places it: a load then holds at most what the caller keeps). ``slices``:
+        ``{name: index}`` (a tuple of slices, as ``tensor[index]`` takes it) for tensors of which only that
+        part is read from the file (a tensor-parallel rank's shard)."""
         from safetensors import SafetensorError, safe_open
 
         wanted = {}
@@ -177,7 +179,8 @@ class Checkpoint:
             try:
                 with safe_open(os.path.join(self.path, f), framework="pt", device=str(device)) as h:
                     for k in wanted[f]:
-                        t = h.get_tensor(k)
+                        index = slices.get(k) if slices else None
+                        t = h.get_tensor(k) if index is None else h.get_slice(k)[index].contiguous()
                         if each is None:
                             out[k] = t
                         else:

@@ -249,16 +249,22 @@ def _set(model, name, value):
         mod._buffers[leaf] = value
 
 
-def materialize(model, ckpt, plan_, device, dtype, pack, who=WHO):
+def materialize(model, ckpt, plan_, device, dtype, pack, who=WHO, sharded=None):
     """Reads every planned tensor once onto ``device`` and puts it in ``model`` (see the module's docstring).
-    ``pack``: pack each plain layer as it is built (mode "w4a16", shapes that allow it)."""
-    pending, owner_of, placed = {}, {}, {}
+    ``pack``: pack each plain layer as it is built (mode "w4a16", shapes that allow it). ``sharded``: a
+    ``tp.ShardedLoad``: only this rank's parts of the sharded layers' tensors are read. :return: the row-wise
+    shards' biases ({layer: tensor}, read whole; empty without ``sharded``)."""
+    pending, owner_of, placed, tails = {}, {}, {}, {}
+    tail_of = sharded.tails if sharded is not None else {}
     for prefix, fields in plan_.layers.items():
         for k, _ in fields.values():
             owner_of[k] = prefix
     dense_of = {k: names for names, present in plan_.dense for k in present}
 
     def take(k, t):
+        if k in tail_of:
+            tails[tail_of[k]] = t if t.dtype == dtype else t.to(dtype)
+            return
         if k in owner_of:
             prefix = owner_of[k]
             got = pending.setdefault(prefix, {})
@@ -292,9 +298,10 @@ def materialize(model, ckpt, plan_, device, dtype, pack, who=WHO):
                 mod._buffers[leaf] = t
         placed[id(names)] = t
 
-    ckpt.read(plan_.keys(), device, each=take)
+    ckpt.read(plan_.keys() + sorted(tail_of), device, each=take, slices=sharded.slices if sharded else None)
     if pending:  # (the plan counted every layer's tensors: cannot happen short of a file changing under us)
         fail(who, f"layer '{sorted(pending)[0]}': not all of its tensors were read")
+    return tails
 
 
 def _computed_buffers(model, device, who=WHO):
@@ -378,7 +385,8 @@ def _device(device):
     return dev
 
 
-def from_pretrained(path, mode="w4a16", device="cuda", fuse=True, pack=None, dtype=torch.bfloat16, _fold=True):
+def from_pretrained(path, mode="w4a16", device="cuda", fuse=True, pack=None, dtype=torch.bfloat16, tp_plan=None,
+                    tp_group=None, _fold=True):
     """The transformers model of NVFP4 checkpoint folder ``path`` (its config.json), with each quantized
     linear an ``NVFP4Linear`` (mode ``"w4a16"`` or ``"w4a4"``), on ``device``; returns it in eval mode.
 
@@ -394,6 +402,13 @@ def from_pretrained(path, mode="w4a16", device="cuda", fuse=True, pack=None, dty
     :param fuse: one GEMV for q/k/v and for gate/up (``fuse_linears``).
     :param pack: the W4A16 kernel's packed layout (``NVFP4Linear.pack``); None: in mode "w4a16".
     :param dtype: the activations' dtype (bfloat16 or float16): the model's dense tensors are cast to it.
+    :param tp_plan: tensor parallelism (``nvfp4_gemv.model.tp``): ``"auto"`` (the model's
+        ``base_model_tp_plan``) or ``{module pattern: "colwise" | "rowwise"}``; with ``torch.distributed``
+        initialized, each rank (of ``tp_group``, default the default group) reads only its shards of the
+        layers named (rows of a column-wise layer's ``weight`` / ``weight_scale``; a row-wise layer's bytes
+        and scale groups of its K slice) and gets the model ``shard_model`` would make of the whole one. Checked
+        on the files' headers before any data is read. Quantized layers only; experts and unquantized modules
+        in the plan raise ``NotImplementedError``. ``model.config`` keeps the full model's head counts.
     """
     from .linear import MODES
 
@@ -419,9 +434,18 @@ def from_pretrained(path, mode="w4a16", device="cuda", fuse=True, pack=None, dty
         model = cls.from_config(config, dtype=dtype) if cls is transformers.AutoModelForCausalLM \
             else cls._from_config(config, dtype=dtype)
     p = plan(model, ckpt, fmt, mode)
-    materialize(model, ckpt, p, dev, dtype, pack)
+    sharded = None
+    if tp_plan is not None:
+        from .tp import plan_load
+
+        sharded = plan_load(model, p, ckpt, tp_plan, tp_group, fuse, WHO)
+    tails = materialize(model, ckpt, p, dev, dtype, pack, sharded=sharded)
     _computed_buffers(model, dev)
     finish(model, p, dev, fuse, pack, fold=_fold)
+    if sharded is not None and sharded.styles:
+        from .tp import finish_load
+
+        finish_load(model, sharded, tails)
     if os.path.exists(os.path.join(path, "generation_config.json")) and getattr(model, "can_generate", lambda: False)():
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
     return model.eval()

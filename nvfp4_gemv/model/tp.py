@@ -43,8 +43,15 @@ and leaves ``config`` alone under TP, as this does; attention modules' own ``num
 ``model.config`` keeps the full model's counts: a cache sized from them (eager ``StaticCache``
 initialization) must divide the KV heads by W.
 
+Loading a rank's shards only: ``from_pretrained(path, tp_plan=...)`` plans the checkpoint on the full model
+(meta device), checks the plan here (``plan_load``, from the files' shapes, before any data is read) and
+reads each sharded tensor's slice (``Checkpoint.read(slices=...)``: rows of a column-wise layer's
+``weight`` / ``weight_scale`` / ``bias``; a row-wise layer's bytes, scale groups and AWQ ``pre_quant_scale``
+of its K slice, its bias whole as ``tp_bias``); the shards then get the same attributes and hooks
+(``finish_load``): the model equals ``shard_model`` of the whole one.
+
 Not covered here: ``torch.compile`` of the all-reduce hook (plain ``dist.all_reduce``), saving a sharded
-model's state_dict as one checkpoint, loading shards directly (``from_pretrained(tp_plan=...)``).
+model's state_dict as one checkpoint, experts, unquantized modules in a loading plan.
 """
 
 import fnmatch
@@ -94,11 +101,15 @@ def _nvfp4_tensors(mod):
 
 def _check_nvfp4(name, mod, style, world):
     """Why ``mod`` cannot be sharded ``style`` over ``world`` ranks (a sentence naming it), or None."""
-    out_f, in_f = mod.out_features, mod.in_features
+    return _check_dims(name, mod.out_features, mod.in_features, mod.mode, mod.packed, style, world)
+
+
+def _check_dims(name, out_f, in_f, mode, packed, style, world):
+    """``_check_nvfp4`` of an [out_f, in_f] NVFP4 layer in ``mode``, ``packed`` or not."""
     if style == "colwise":
         if out_f % world:
             return f"module '{name}': colwise: out_features={out_f} is not divisible by world_size={world}"
-        if not kernel_takes(in_f, out_f // world, mod.mode):
+        if not kernel_takes(in_f, out_f // world, mode):
             return (f"module '{name}': colwise: a shard of {out_f // world}x{in_f} (out x in) that the kernels do "
                     f"not take (out_features % 128 == 0 a shard)")
         return None
@@ -108,10 +119,10 @@ def _check_nvfp4(name, mod, style, world):
     if k % BLOCK:
         return (f"module '{name}': rowwise: a shard of in_features={k} would cut a {BLOCK}-value scale group "
                 f"(in_features / world_size must be a multiple of {BLOCK})")
-    if not kernel_takes(k, out_f, mod.mode):
+    if not kernel_takes(k, out_f, mode):
         return (f"module '{name}': rowwise: a shard of {out_f}x{k} (out x in) that the kernels do not take "
                 f"(in_features % 64 == 0 a shard, in_features <= 32768)")
-    if mod.packed and not packed_takes(k, out_f):
+    if packed and not packed_takes(k, out_f):
         return (f"module '{name}': rowwise: packed, but a shard of in_features={k} cannot be packed "
                 f"(in_features % 128 == 0 a shard); shard the unpacked model, or pack after sharding")
     return None
@@ -158,6 +169,40 @@ def _shard_linear(mod, style, rank, world):
         if bias is not None:
             new.bias.copy_(bias)
     return new, tail_bias
+
+
+def _check_heads(model, styles, world):
+    """Attention heads: q/k/v sharded by rows must keep whole heads, as many on every rank (sentences)."""
+    if not any(style == "colwise" and name.rpartition(".")[2] in ("q_proj", "k_proj", "v_proj")
+               for name, style in styles):
+        return []
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    return [f"config.{label}={n} is not divisible by world_size={world} (q/k/v are sharded by whole heads)"
+            for label, n in (("num_attention_heads", heads), ("num_key_value_heads", kv))
+            if n is not None and n % world]
+
+
+def _divide_heads(model, names_styles, world):
+    """Attention modules' own head-count attributes divided by ``world`` where q/k/v are sharded by rows."""
+    attn = {name.rpartition(".")[0] for name, style in names_styles
+            if style == "colwise" and name.rpartition(".")[2] in ("q_proj", "k_proj", "v_proj")}
+    for pname in attn:
+        parent = model.get_submodule(pname)
+        for a in _HEAD_ATTRS:
+            v = getattr(parent, a, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                setattr(parent, a, v // world)
+
+
+def _mark(new, style, rank, world, tail_bias, group):
+    """A shard's attributes; a row-wise one gets its bias (``tp_bias``) and the all-reduce hook."""
+    new.tp_rank, new.tp_world, new.tp_style = rank, world, style
+    if style == "rowwise":
+        new.register_buffer("tp_bias", tail_bias, persistent=False)
+        new._tp_hook = new.register_forward_hook(_AllReduce(group))
 
 
 class _AllReduce:
@@ -246,17 +291,7 @@ def shard_model(model, rank=None, world_size=None, plan=None, group=None):
                 f"by world_size={world_size}"
         if why:
             errors.append(why)
-    # attention heads: q/k/v sharded by rows must keep whole heads, as many on every rank
-    if any(style == "colwise" and name.rpartition(".")[2] in ("q_proj", "k_proj", "v_proj")
-           for name, _, style in targets):
-        cfg = getattr(model, "config", None)
-        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        heads = getattr(cfg, "num_attention_heads", None)
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        for label, n in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
-            if n is not None and n % world_size:
-                errors.append(f"config.{label}={n} is not divisible by world_size={world_size} (q/k/v are "
-                              "sharded by whole heads)")
+    errors += _check_heads(model, [(name, style) for name, _, style in targets], world_size)
     # fused groups: every part sharded alike, then fused again from the shards
     by_id = {id(m): n for n, m, _ in targets}
     style_of = {id(m): s for _, m, s in targets}
@@ -285,21 +320,113 @@ def shard_model(model, rank=None, world_size=None, plan=None, group=None):
             raise type(e)(f"shard_model: module '{name}': {e}") from e
         shards.append((name, new, style, tail_bias))
     for name, new, style, tail_bias in shards:
-        new.tp_rank, new.tp_world, new.tp_style = rank, world_size, style
-        if style == "rowwise":
-            new.register_buffer("tp_bias", tail_bias, persistent=False)
-            new._tp_hook = new.register_forward_hook(_AllReduce(group))
+        _mark(new, style, rank, world_size, tail_bias, group)
         _set_submodule(model, name, new)
-    attn = {name.rpartition(".")[0] for name, _, style in targets
-            if style == "colwise" and name.rpartition(".")[2] in ("q_proj", "k_proj", "v_proj")}
-    for pname in attn:
-        parent = model.get_submodule(pname)
-        for a in _HEAD_ATTRS:
-            v = getattr(parent, a, None)
-            if isinstance(v, int) and not isinstance(v, bool):
-                setattr(parent, a, v // world_size)
+    _divide_heads(model, [(name, style) for name, _, style in targets], world_size)
     for parent, kids in groups:
         if not fuse_linears(model.get_submodule(parent) if parent else model, groups=(kids,)):
             warnings.warn(f"shard_model: the shards of '{parent}.{{{','.join(kids)}}}' could not be fused again",
                           UserWarning, stacklevel=2)
     return {n: s for n, _, s in targets}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading a rank's shards only: from_pretrained(..., tp_plan=...)
+# ----------------------------------------------------------------------------------------------------
+
+
+class ShardedLoad:
+    """What ``from_pretrained(tp_plan=...)`` reads for one rank: ``styles`` ({layer: "colwise" | "rowwise"}),
+    ``slices`` ({checkpoint key: index} of the parts of tensors this rank reads), ``tails`` ({checkpoint
+    key of a row-wise layer's bias: layer}: read whole, added once after the all-reduce), and ``rank``,
+    ``world``, ``group``."""
+
+    def __init__(self, rank, world, group):
+        self.rank, self.world, self.group = rank, world, group
+        self.styles, self.slices, self.tails = {}, {}, {}
+
+
+def plan_load(model, plan_, ckpt, tp_plan, group, fuse, who):
+    """The ``ShardedLoad`` of the checkpoint ``plan_`` (``pretrained.Plan``, made on the full model on the
+    meta device) for this process's rank of ``group``: the quantized layers ``tp_plan`` names ("auto":
+    ``default_plan(model)``) are checked as ``shard_model`` checks them, from the checkpoint's shapes, before
+    anything is read; what cannot be sharded raises ``ValueError`` (``NotImplementedError`` for experts,
+    unquantized modules and other styles) naming the module. Removes row-wise layers' biases from
+    ``plan_.layers`` (they become ``tails``)."""
+    from .fuse import FUSE_GROUPS
+
+    if not dist.is_initialized():
+        raise ValueError(f"{who}: 'tp_plan' needs torch.distributed initialized (each rank loads its own shards)")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    load = ShardedLoad(rank, world, group)
+    if tp_plan == "auto":
+        tp_plan = default_plan(model)
+    if not isinstance(tp_plan, dict):
+        raise TypeError(f"{who}: 'tp_plan': expected 'auto' or a dict of module patterns -> styles, got "
+                        f"{type(tp_plan).__name__}")
+    errors, used = [], set()
+    for name, mod in model.named_modules():
+        style = _style_of(name, tp_plan)
+        if style is None:
+            continue
+        used |= {p for p in tp_plan if name == p or fnmatch.fnmatchcase(name, p)}
+        if isinstance(style, str) and style.startswith("replicated"):
+            continue
+        if style not in STYLES:
+            raise NotImplementedError(f"{who}: module '{name}': style {style!r} is not supported (only {STYLES}); "
+                                      "leave it out of 'tp_plan' to keep the module replicated")
+        fields = plan_.layers.get(name)
+        if fields is None:
+            raise NotImplementedError(f"{who}: module '{name}': 'tp_plan' shards it, but the checkpoint stores it "
+                                      "unquantized; loading shards NVFP4 layers only (load without tp_plan and call "
+                                      "shard_model, or leave it out of the plan)")
+        if hasattr(fields, "build"):
+            raise NotImplementedError(f"{who}: module '{name}': NVFP4Experts under tensor parallelism is not "
+                                      "implemented")
+        out_f, half = ckpt.entries[fields["weight"][0]].shape
+        why = _check_dims(name, out_f, 2 * half, plan_.mode, False, style, world)
+        if why:
+            errors.append(why)
+        load.styles[name] = style
+    unused = sorted(set(tp_plan) - used)
+    if unused:
+        warnings.warn(f"{who}: tp_plan entries {unused} match no module (ignored)", UserWarning, stacklevel=3)
+    errors += _check_heads(model, list(load.styles.items()), world)
+    for pname, parent in model.named_modules() if fuse else ():  # a fused group's parts sharded alike
+        for group_names in FUSE_GROUPS:
+            names = [f"{pname + '.' if pname else ''}{n}" for n in group_names if hasattr(parent, n)]
+            if len(names) == len(group_names) and len({load.styles.get(n) for n in names}) > 1:
+                errors.append(f"the group '{pname}.{{{','.join(group_names)}}}' is sharded partly or differently "
+                              "(fuse=True needs its parts alike)")
+    if errors:
+        raise ValueError(f"{who}: cannot load shards for world_size={world}: " + "; ".join(errors))
+    if world == 1:
+        load.styles = {}
+        return load
+    for name, style in load.styles.items():
+        fields = plan_.layers[name]
+        out_f, half = ckpt.entries[fields["weight"][0]].shape
+        k = 2 * half
+        if style == "colwise":
+            n = out_f // world
+            rows = slice(rank * n, (rank + 1) * n)
+            index = {"weight": (rows, slice(None)), "weight_scale": (rows, slice(None)), "bias": (rows,)}
+        else:
+            c = k // world
+            index = {"weight": (slice(None), slice(rank * c // 2, (rank + 1) * c // 2)),
+                     "weight_scale": (slice(None), slice(rank * c // BLOCK, (rank + 1) * c // BLOCK)),
+                     "pre_quant_scale": (slice(rank * c, (rank + 1) * c),)}
+            if "bias" in fields:
+                load.tails[fields.pop("bias")[0]] = name
+        for f, (key, _) in fields.items():
+            if f in index:
+                load.slices[key] = index[f]
+    return load
+
+
+def finish_load(model, load, tails):
+    """After the shards are built: each gets ``shard_model``'s attributes, a row-wise one its bias
+    (``tails``: {layer: tensor}) and all-reduce hook; attention modules' head counts are divided."""
+    for name, style in load.styles.items():
+        _mark(model.get_submodule(name), style, load.rank, load.world, tails.get(name), load.group)
+    _divide_heads(model, list(load.styles.items()), load.world)

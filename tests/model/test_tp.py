@@ -7,6 +7,7 @@ must be the unsharded layer's columns bit for bit; logits must agree within what
 give. Plans the model cannot take are refused by name at sharding time.
 """
 
+import copy
 import os
 import warnings
 
@@ -230,3 +231,122 @@ def test_replicated_entries_of_transformers_plans_stay_whole():
     assert model.model.layers[0].self_attn.q_norm.weight is norm
     assert model.model.layers[0].self_attn.q_proj.out_features == 128
 
+
+
+# -- from_pretrained(tp_plan=...): each rank reads its shards only --------------------------------------
+
+
+def _load_worker(rank, world, init, path, cases, errfile):
+    from nvfp4_gemv import from_pretrained
+    from nvfp4_gemv.model import checkpoint
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    read = {}
+    real = checkpoint.Checkpoint.read
+
+    def counting(self, keys, device, each=None, slices=None):  # bytes each tensor arrives with
+        def count(k, t):
+            read[k] = t.numel() * t.element_size()
+            return each(k, t)
+        return real(self, keys, device, each=count, slices=slices)
+    checkpoint.Checkpoint.read = counting
+    try:
+        for mode, fuse, pack in cases:
+            read.clear()
+            model = from_pretrained(path, mode=mode, device="cpu", fuse=fuse, pack=pack, tp_plan="auto")
+            ours = dict(read)
+            read.clear()
+            whole = from_pretrained(path, mode=mode, device="cpu", fuse=fuse, pack=pack)
+            full = dict(read)
+            # the quantized weights' bytes this rank read: its shard of each, 1/world of the whole
+            wkeys = [k for k in full if k.endswith(".weight") and ".layers." in k and "norm" not in k]
+            assert wkeys and all(ours[k] * world == full[k] for k in wkeys), "a rank read more than its shards"
+            ref = copy.deepcopy(whole)
+            shard_model(whole)  # the same shards made from the whole model
+            attn = model.model.layers[0].self_attn
+            assert attn.q_proj.tp_style == "colwise" and attn.o_proj.tp_style == "rowwise"
+            assert attn.q_proj.out_features == 1024 // world and attn.o_proj.in_features == 1024 // world
+            if fuse:
+                assert attn.q_proj._siblings is not None and attn.q_proj._siblings.active
+            if pack:
+                assert attn.q_proj.packed and attn.o_proj.packed
+            stats = {"colwise": 0, "rowwise": 0, "rowwise_equal": 0}
+            hooks = _checks(model, ref, world, rank, stats)
+            ids = _ids()
+            with torch.no_grad():
+                logits = model(ids).logits
+                for h in hooks:
+                    h.remove()
+                assert torch.equal(logits, whole(ids).logits), "loaded shards differ from shard_model's"
+            assert stats["rowwise"] == 2 * DIMS["num_hidden_layers"], stats
+    except BaseException as e:  # noqa: BLE001 (reported to the parent with its rank)
+        import traceback
+
+        with open(f"{errfile}.{rank}", "w") as f:
+            f.write(f"rank {rank}: {e!r}\n{traceback.format_exc()}")
+        raise
+    finally:
+        checkpoint.Checkpoint.read = real
+        dist.destroy_process_group()
+
+
+def _export(tmp_path, mode):
+    from nvfp4_gemv import save_modelopt
+
+    model = _model()
+    scales = calibrate_input_scales(model, lambda m: m(_ids(seed=7))) if mode == "w4a4" else None
+    quantize_model(model, mode=mode, input_scales=scales, fuse=True)  # q/k/v and gate/up share weight_scale_2
+    path = str(tmp_path / f"export-{mode}")
+    save_modelopt(model, path)
+    model.config.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("world, export, cases", [(2, "w4a16", [("w4a16", False, False), ("w4a16", True, True)]),
+                                                  (2, "w4a4", [("w4a4", True, False)]),
+                                                  (4, "w4a16", [("w4a16", True, False)])])
+def test_from_pretrained_tp_reads_only_its_shards_and_equals_shard_model(tmp_path, world, export, cases):
+    path = _export(tmp_path, export)
+    for attempt in range(2):
+        init = f"file://{tmp_path / f'rendezvous{attempt}'}"
+        errfile = str(tmp_path / f"error{attempt}")
+        try:
+            mp.spawn(_load_worker, args=(world, init, path, cases, errfile), nprocs=world, join=True)
+            return
+        except Exception as e:  # noqa: BLE001
+            msgs = [open(f"{errfile}.{r}").read() for r in range(world) if os.path.exists(f"{errfile}.{r}")]
+            if msgs or attempt:
+                pytest.fail("\n".join(msgs) or f"a rank failed: {type(e).__name__}: {e}")
+
+
+def _fake_world(monkeypatch, world):
+    """torch.distributed as a rank of ``world`` sees it, without processes (the checks communicate nothing)."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+
+
+@pytest.mark.parametrize("world, plan, exc, match", [
+    (64, {"model.layers.*.mlp.down_proj": "rowwise"}, ValueError, r"down_proj'.*cut a 16-value scale group"),
+    (3, "auto", ValueError, r"in_features=512 is not divisible by world_size=3"),
+    (2, {"lm_head": "colwise"}, NotImplementedError, r"'lm_head'.*stores it unquantized"),
+    (2, {"model.layers.*.self_attn.q_proj": "colwise"}, ValueError, r"sharded partly or differently"),
+    (2, {"model.layers.*.mlp.down_proj": "colwise_gather_output"}, NotImplementedError, r"not supported"),
+])
+def test_from_pretrained_tp_refuses_by_name_before_reading(tmp_path, monkeypatch, world, plan, exc, match):
+    from nvfp4_gemv import from_pretrained
+    from nvfp4_gemv.model import checkpoint
+
+    path = _export(tmp_path, "w4a16")
+    _fake_world(monkeypatch, world)
+    monkeypatch.setattr(checkpoint.Checkpoint, "read", lambda *a, **k: pytest.fail("read before the checks"))
+    with pytest.raises(exc, match=match):
+        from_pretrained(path, device="cpu", tp_plan=plan)
+
+
+def test_from_pretrained_tp_needs_torch_distributed(tmp_path):
+    from nvfp4_gemv import from_pretrained
+
+    with pytest.raises(ValueError, match="'tp_plan' needs torch.distributed initialized"):
+        from_pretrained(_export(tmp_path, "w4a16"), device="cpu", tp_plan="auto")
