@@ -10,8 +10,8 @@ mean something, and rows ``8i .. 8j`` of a packed weight are the packed rows ``8
 fused group's row slices stay valid). ``unpack_weight`` inverts it exactly.
 
 Why: the W4A16 kernel's warp reads, for each group and slice, 16 bytes of ``w`` a lane from 8 rows and 2 scale
-bytes a lane from 8 more places; packed, that is one piece of 576 bytes. Measured on H200 (docs/results.md,
-"Fourteenth session"): 5-9% faster at one token on every bench shape, 2-9% at 2..32 tokens.
+bytes a lane from 8 more places; packed, that is one piece of 576 bytes, measured faster at every bench
+shape and token count on H200 (docs/results.md, "W4A16").
 
 Constraints: M % 128 == 0 (the op's), K % 128 == 0 (whole slices; the op takes K % 64 == 0 unpacked),
 K <= 32768.

@@ -139,7 +139,7 @@ class Nvfp4GemvW4A16(OpLaunch):
         self.late = bool(late)
         if self.late:
             self.x_row_bytes = 2 * k + (32 if k % 128 == 0 else 128)
-        # bulk (measuring build, not routed: slower, docs/results.md, "Tenth session"; x in shared memory, plain
+        # bulk (measuring build, not routed: slower, docs/results.md, "History"; x in shared memory, plain
         # scales with 16-byte aligned rows): the CTA's warps take a "round" of W slices at a time (warp i slice
         # i of it, as without); warp 0 keeps ``bulk`` stages of ``span`` rounds of the tile's rows in flight in
         # shared memory, one cp.async.bulk a row for w (span x W x 64 bytes) and one for its scales (span x W x
@@ -188,10 +188,9 @@ class Nvfp4GemvW4A16(OpLaunch):
         if self.across and self.depth > 1 and self.n_slices < self.depth * self.warps:
             raise ValueError(f"nvfp4_gemv: across at depth {self.depth} needs K > {128 * (self.depth * self.warps - 1)} "
                              f"(depth x warps slices), not {k}")
-        # xbatch (x in shared memory): copies of 16 bytes a thread has in flight while x is copied. The copy
-        # was a loop of one copy at a time, each store waiting for its load; unrolled, 7168 x 16384 at one
-        # token 29.33 -> 26.51 us with xbatch 1 (ptxas hoists loads over stores by itself), 26.30 with 8
-        # (seventh session, docs/results.md)
+        # xbatch (x in shared memory): copies of 16 bytes a thread has in flight while x is copied; unrolled,
+        # not one copy at a time each store waiting for its load (faster even at 1: ptxas hoists loads over
+        # stores by itself; docs/results.md, "History")
         self.xbatch = XBATCH if xbatch is None else int(xbatch)
         if self.xbatch < 1:
             raise ValueError(f"nvfp4_gemv: xbatch={xbatch}: expected at least 1")

@@ -1,7 +1,7 @@
 """Which build of the W4A16 kernel (``w4a16.Nvfp4GemvW4A16``) a shape takes: ``default_tuning(n_tok, m, sms,
 k)`` returns its tuning keywords (threads, CTAs a SM, groups, where x lives, which decode), ``pick_groups``
 the groups of 8 rows a CTA owns. Each rule was measured on H200 (DSL 4.3.5); the timings behind them are in
-docs/results.md ("W4A16" and its sessions), the why in docs/design.md ("W4A16"). Host-only: no kernel code.
+docs/results.md ("Measurements behind the tuning rules"), the why in docs/design.md ("W4A16"). Host-only.
 """
 
 from .ptx import SMEM_A_SM
@@ -56,10 +56,7 @@ def default_tuning(n_tok, m, sms, k):
         if FOUR_WARPS_K[0] <= k <= FOUR_WARPS_K[1] and m // 16 >= FOUR_WARPS_TILES * sms:
             # CTAs of 4 warps, 8 a SM (the same 32 warps), as many as take the tiles in even rounds: a warp takes 8
             # slices a tile instead of 4 before the partials meet, 4 warps meet instead of 8, and no CTA has a
-            # tile more than another (H200, twelfth session: 28672 x 4096 27.68 -> 25.34 us, 896 CTAs of 2
-            # tiles; 14336 x 4096 17.55 -> 15.65, 12288 x 4096 15.47 -> 14.54; 28672 x 2048 / 3072 / 6144 and
-            # 14336 x 5120 2.6-5.1% faster; 1-2% slower at 20480 x 4096, level at K = 8192 (10240 and 57344 rows);
-            # slower on 8192 and 8704 rows at K = 4096: 11.52 -> 12.61, 512 tiles, too few warps a SM).
+            # tile more than another (slower where the tiles leave too few warps a SM, level from K = 8192).
             # Eight such CTAs take at most 124 KB of a SM's shared memory (K = 6144; a test checks the fit)
             return {"threads": 128, "ctas": 8, "even": 1, "groups": 2, "late": 1, "dec": 1, "xpair": 1, "across": 1,
                     **w_a}
@@ -77,32 +74,26 @@ def default_tuning(n_tok, m, sms, k):
     if 2 <= n_tok <= SHARED_X_TOKENS and SHARED_X_MIN_K <= k and n_tok * k <= SHARED_X_VALUES and m // 32 > sms:
         # 2..4 tokens on many rows: the one-token route's 4 CTAs of 2 groups with x in shared memory, without
         # late (which would take N MMAs a k-step: measured slower). Where the four copies of x take more of a
-        # SM's shared memory (N x K above 16384: K = 8192 from 3 tokens, 4096 from 5) it was slower than x in
-        # registers, likely because the 2-byte scale loads lose the L1 they share it with (not profiled;
-        # seventh session, docs/results.md).
+        # SM's shared memory (N x K above 16384) it was slower than x in registers, likely because the 2-byte
+        # scale loads lose the L1 they share it with (not profiled).
         return {"threads": 256, "ctas": 4, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, **w_a}
     if (n_tok <= SHARED_X_TOKENS and k >= FEW_ROWS_MIN_K and m // 32 <= sms and m // 16 >= sms - sms // 8
             and _ctas_fit(2, k, n_tok, 2, threads=512)):
         # 1..4 tokens on fewer rows (1920..4224 on 132 SMs; measured at 2048..4096): the 2-group tiles are about
-        # one or two a SM, so 16 warps a CTA (two CTAs a SM: 32 warps) with x in shared memory, late at one token
-        # (H200, eighth session: 4096 x 14336 20.66 -> 15.84 us at N = 1, 20.74 -> 16.21 at N = 2; at N = 4 and K = 14336,
-        # where one CTA fits a SM, 21.18 -> 22.30, so two must fit; docs/results.md, "Eighth session")
+        # one or two a SM, so 16 warps a CTA (two CTAs a SM: 32 warps) with x in shared memory, late at one token;
+        # slower where only one such CTA fits a SM, so two must fit
         late = {"late": 1} if n_tok == 1 else {}
         return {"threads": 512, "ctas": 2, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, **late, "across": 1,
                 **w_a}
     if n_tok == 2 and SHARED_X_VALUES < n_tok * k <= LONG_K_PAIR_VALUES and m // 32 > sms and _ctas_fit(2, k, n_tok, 4):
         # 2 tokens on many rows past SHARED_X_VALUES (K 8256..16384): two CTAs of 4 groups with x in shared
-        # memory (7168 x 16384 34.98 -> 29.36 us; at 3 tokens 34.72 -> 42.62 and 4 tokens 34.45 -> 41.87, and
-        # K = 28672, where one fits, 58.02 -> 69.62: not taken; eighth session). The fit holds at every such K
+        # memory (slower at 3 and 4 tokens, and where only one fits: not taken). The fit holds at every such K
         # (two such CTAs take at most 146 of a SM's 228 KiB); it is a guard should LONG_K_PAIR_VALUES grow
         return {"threads": 256, "ctas": 2, "groups": 4, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, **w_a}
     if (SHARED_X_TOKENS < n_tok <= W_A_TOKENS and k >= FEW_ROWS_MIN_K and sms - sms // 8 <= m // 16
             and _ctas_fit(2, k, n_tok, 2, 512)):
         # 5..8 tokens from 1920 rows (on 132 SMs) where two 16-warp CTAs' x fit a SM (N x K up to about 53000):
-        # the 16-warp build of fewer rows, without late (ninth session, docs/results.md: 28672 x 4096 at N = 8
-        # 38.67 -> 29.04 us, at N = 6 40.22 -> 30.22; 4096 x 4096 N = 8 10.45 -> 9.38; 4096 x 7168 N = 6
-        # 13.60 -> 13.17, N = 8 (one CTA fits) 13.97 -> 16.29: not taken; 6144 x 4096 level:
-        # 12.86 / 12.90 at N = 6, 12.30 / 12.35 at N = 8)
+        # the 16-warp build of fewer rows, without late (slower where one CTA fits a SM: not taken)
         return {"threads": 512, "ctas": 2, "groups": 2, "x_smem": 1, "dec": 1, "xpair": 1, "across": 1, **w_a}
     if n_tok <= W_A_TOKENS:
         # 2..8 tokens (and one on fewer rows): x in registers; with across from 2 tokens (level to 6% faster; any K:
@@ -117,15 +108,9 @@ def default_tuning(n_tok, m, sms, k):
     if n_tok * k <= MANY_TOKENS_X_VALUES and (k == ONE_SLICE_K or (n_tok <= 16 and k >= FEW_ROWS_MIN_K)):
         # 9..16 tokens on the many rows past that from K = 4096, up to the measured N x K (x and the partials 160 KB
         # of the SM's shared memory at 16 x 4096, one CTA): x read once a CTA from shared memory instead of once a
-        # tile, 16 warps of 4 groups (ninth session, docs/results.md: 28672 x 4096 N = 16 46.98 -> 39.36 us,
-        # 14336 x 4096 26.46 -> 25.17). At K = 2048 (a slice a warp) the same for 9..16 tokens on many rows
-        # (eleventh session: 28672 x 2048 N = 16 28.02 -> 26.08, 16384 x 2048 18.72 -> 17.66) and 17..32 tokens on
-        # any rows (28672 x 2048 N = 32 39.39 -> 28.58, N = 17 34.90 -> 27.74; at K = 2048 N x K is always within
-        # the bound), of as many groups as fill the SMs, 2 to 4 (the best of 2, 3 and 4 at 24 and 32 tokens on
-        # 2048, 3072, 16384 and 28672 rows: 2048 x 2048 N = 32 10.61 -> 8.96 with 2; one group not measured).
-        # Not past it: at 17..24 tokens K = 2688 was slower (16384 x 2688 N = 24 28.06 -> 33.04: 21 slices on 16
-        # warps, and 4 groups keep bytes on the stack there), K = 3840 level on many rows (28672 x 3840 N = 17
-        # 55.50 / 55.81) and 7% faster on few (1152 x 3840: 10.51 -> 9.78): not taken, one rule for K = 2048
+        # tile, 16 warps of 4 groups. At K = 2048 (a slice a warp) the same for 9..16 tokens on many rows and
+        # 17..32 tokens on any rows (at K = 2048 N x K is always within the bound), of as many groups as fill
+        # the SMs, 2 to 4. Not past K = 2048 for 17..32 tokens (slower or level there: one rule for K = 2048)
         return {"threads": 512, "x_smem": 1, "across": 1,
                 "groups": 4 if n_tok <= 16 else max(2, pick_groups(n_tok, m, sms, cap=4))}
     return {"threads": 256, "x_smem": 0, "across": 1, "groups": pick_groups(n_tok, m, sms, cap=MAX_GROUPS)}
