@@ -13,7 +13,9 @@
     in bf16, 32 layers), greedy decode with a static cache, the decode step under
     ``torch.compile(mode="reduce-overhead")`` (or a hand-captured CUDA graph: ``--hf-capture graph``),
     batch 1, 4, 16: bf16 against ours (W4A16, W4A4 via ``quantize_model``): ms a token, tokens/s, the
-    weights' memory.
+    weights' memory. ``--arch qwen3-moe``: Qwen3-30B-A3B's config instead (48 layers, 128 experts, top 8;
+    61 GB in bf16), its routed experts as ``NVFP4Experts`` (their input scales calibrated too); the int4
+    peer keeps the experts in bf16.
 
 A markdown table goes to stdout, everything to ``--json PATH``. ``--quick`` keeps one GPU call short
 (N / batch 1 and 16, fewer repetitions, fewer decode tokens). ``--device cpu --tiny`` runs the same code
@@ -21,6 +23,7 @@ on small shapes on the CPU (eager only: the smoke test of this script).
 
     python tools/bench_model.py --step --json docs/bench-model-step-h200.json
     python tools/bench_model.py --hf --batches 1 --json docs/bench-model-hf-b1-h200.json
+    python tools/bench_model.py --hf --arch qwen3-moe --batches 1,4,16 --hf-fuse --hf-no-step
 """
 
 import argparse
@@ -34,7 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
-from nvfp4_gemv import NVFP4Linear, calibrate_input_scales, quantize_model  # noqa: E402
+from nvfp4_gemv import (NVFP4Experts, NVFP4Linear, calibrate_expert_input_scales, calibrate_input_scales,  # noqa: E402
+                        quantize_model)
 
 LLAMA3_8B = dict(hidden=4096, qkv=6144, intermediate=14336)
 TINY = dict(hidden=256, qkv=384, intermediate=512)
@@ -275,15 +279,37 @@ def llama_config(tiny):
                        pad_token_id=0)
 
 
-def build_llama(tiny, device):
-    from transformers import LlamaForCausalLM
+def qwen3_moe_config(tiny):
+    from transformers import Qwen3MoeConfig
 
+    if tiny:
+        return Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
+                              num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=64, vocab_size=512, max_position_embeddings=256, bos_token_id=None,
+                              eos_token_id=None, pad_token_id=0)
+    # Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B): facts, typed here (every layer sparse)
+    return Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                          rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, decoder_sparse_step=1,
+                          mlp_only_layers=[], bos_token_id=None, eos_token_id=None, pad_token_id=0)
+
+
+ARCHS = {"llama3-8b": ("LlamaForCausalLM", llama_config), "qwen3-moe": ("Qwen3MoeForCausalLM", qwen3_moe_config)}
+
+
+def build_llama(tiny, device, arch="llama3-8b"):
+    """The ``--hf`` model: Llama-3-8B's config, or Qwen3-30B-A3B's (``arch="qwen3-moe"``), random weights built
+    in bf16 on ``device``."""
+    import transformers
+
+    cls, config = ARCHS[arch]
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(llama_config(tiny))
+            model = getattr(transformers, cls)(config(tiny))
     finally:
         torch.set_default_dtype(prev)
     return model.to(torch.bfloat16).eval()
@@ -513,7 +539,7 @@ def generate_timings(model, batch, prompt_len, tokens, device, which):
 
 
 def bench_hf(args, device):
-    model = build_llama(args.tiny, device)
+    model = build_llama(args.tiny, device, args.arch)
     prompt_len = 16
     tokens = args.tokens
     max_len = prompt_len + 4 * tokens + 8
@@ -530,11 +556,12 @@ def bench_hf(args, device):
         elif variant != "bf16" and not any(isinstance(m, NVFP4Linear) for m in model.modules()):
             sample = torch.randint(1, model.config.vocab_size, (1, prompt_len), device=device)
             scales = calibrate_input_scales(model, lambda m: m(input_ids=sample))
+            scales.update(calibrate_expert_input_scales(model, lambda m: m(input_ids=sample)))  # MoE experts
             quantize_model(model, mode="w4a16", input_scales=scales, fuse=args.hf_fuse,  # lm_head stays bf16
                            pack=args.hf_pack)
         if variant in ("w4a16", "w4a4"):  # one quantized model, both modes (its layers keep the input scales)
             for m in model.modules():
-                if isinstance(m, NVFP4Linear):
+                if isinstance(m, (NVFP4Linear, NVFP4Experts)):
                     m.mode = variant
         mem = weight_bytes(model)
         for b in args.batches:
@@ -594,7 +621,7 @@ def bench_hf(args, device):
                 if k in r:
                     r[k.replace("_ms", "_vs_bf16_generate")] = b["generate_ms"] / r[k]
     cfg = model.config
-    meta = {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
+    meta = {"arch": args.arch, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
             "prompt_len": prompt_len, "decode_tokens": tokens, "capture": args.hf_capture, "fuse": bool(args.hf_fuse),
             "pack": bool(args.hf_pack),
             "note": "random weights; greedy; static cache; lm_head and embeddings bf16; generate timings include "
@@ -640,8 +667,11 @@ def label(row):
 
 def hf_table(result):
     m = result["meta"]
-    name = "Llama-3-8B's config" if m["hidden"] == 4096 else "a tiny config"
-    lines = [f"LlamaForCausalLM, {name} ({m['layers']} layers, random weights), static cache, decode "
+    arch = m.get("arch", "llama3-8b")
+    cls = ARCHS[arch][0]
+    full = {"llama3-8b": "Llama-3-8B's config", "qwen3-moe": "Qwen3-30B-A3B's config (int4: experts stay bf16)"}[arch]
+    name = full if m["hidden"] in (4096, 2048) and m["layers"] >= 32 else "a tiny config"
+    lines = [f"{cls}, {name} ({m['layers']} layers, random weights), static cache, decode "
              f"of {m['decode_tokens']} tokens after a {m['prompt_len']}-token prompt; ms a token "
              f"(x: bf16's model.generate over this)", "",
              "| variant | batch | model.generate | nvfp4_gemv.generate | same, compiled step | loop, sync each token "
@@ -684,6 +714,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--step", action="store_true", help="(a) the 8-layer-shaped step (the default without --hf)")
     p.add_argument("--hf", action="store_true", help="(b) transformers LlamaForCausalLM decode")
+    p.add_argument("--arch", choices=tuple(ARCHS), default="llama3-8b",
+                   help="--hf model: Llama-3-8B's config, or Qwen3-30B-A3B's (MoE: experts as NVFP4Experts; the "
+                        "int4 peer keeps them bf16)")
     p.add_argument("--quick", action="store_true", help="N / batch 1 and 16, 20 reps, 16 decode tokens")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="small shapes (for --device cpu smoke tests)")

@@ -78,3 +78,30 @@ def test_w4a4_via_w4a16_sets_the_route_threshold_for_the_run(monkeypatch):
                           "--variants", "w4a4", "--modes", "eager", "--w4a4-via-w4a16", "17"])
     assert lin.W4A4_VIA_W4A16_FROM == 17 and r["args"]["w4a4_via_w4a16"] == 17
     assert r["step"]["rows"][0]["eager"] > 0
+
+
+def test_hf_qwen3_moe_runs_its_experts_as_nvfp4_experts(capsys):
+    """``--arch qwen3-moe``: Qwen3-MoE's model with its routed experts as NVFP4Experts in both modes (the
+    experts' input scales calibrated too), the table naming the class."""
+    import torch
+
+    from nvfp4_gemv import NVFP4Experts
+
+    seen = []
+    real = NVFP4Experts.forward
+
+    def forward(self, *a, **k):
+        seen.append(self.mode)
+        return real(self, *a, **k)
+    NVFP4Experts.forward = forward
+    try:
+        r = bench_model.bench_hf(bench_model.parse_args(["--hf", "--arch", "qwen3-moe", "--device", "cpu", "--tiny",
+                                                          "--batches", "1", "--tokens", "1", "--hf-no-step",
+                                                          "--hf-variants", "bf16,w4a16,w4a4",
+                                                          "--hf-generate", "generate_ms"]), torch.device("cpu"))
+    finally:
+        NVFP4Experts.forward = real
+    assert r["meta"]["arch"] == "qwen3-moe" and {"w4a16", "w4a4"} <= set(seen)
+    assert [row["variant"] for row in r["rows"]] == ["bf16", "w4a16", "w4a4"]
+    assert all("generate_ms" in row for row in r["rows"]), r["rows"]
+    assert bench_model.hf_table(r).startswith("Qwen3MoeForCausalLM, a tiny config")
