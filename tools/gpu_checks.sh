@@ -5,7 +5,10 @@
 # `tools/gpu_checks.sh $OUT fuzz,fuzzop,fuzzw4a16`. Measured 2026-12-01 on one H200: the suite as 4 shards
 # 566 s (its largest shard 545 s), as 8 shards 422 s; GPU mutants 100 s with 4 jobs, memcheck + racecheck 170 s and
 # synccheck 26 s, the W4A16 fuzz 91 s as six processes.
-# STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop,fuzzw4a16 (default all). Prints each step's last lines.
+# STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop,fuzzw4a16 (default all) and the measurements bench
+# (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1), moe (the MoE block and
+# Qwen3-30B-A3B's decode), load (from_pretrained of a Llama-3-8B-shaped export onto the GPU), each one call
+# under 10 minutes. Prints each step's last lines.
 # SHARDS=N runs the suite as N concurrent pytest processes, one set of files each (logs pytest-shardI.txt;
 # at most one shard a test file), then the device-memory test alone. PART=k/m (with SHARDS) runs the k-th of
 # m parts of the files: on one H100 (16 cores) the whole suite as 8 shards passes 570 s (2026-12-06), so
@@ -66,3 +69,11 @@ step sanitize 300 tools/sanitize.sh
 step fuzz 70 python tools/fuzz.py --cases 500 --max-values 3e7
 step fuzzop 200 python tools/fuzz_op.py --cases 300 --jobs 6
 step fuzzw4a16 200 python tools/fuzz_op.py --cases 300 --w4a16 --jobs 6
+# measurements (not in the default STEPS; each names its raw output in $LOG)
+step bench 300 python bench.py --peers-only bulk --reps 50 --out "$LOG/bench"
+step model 560 python tools/bench_model.py --hf --batches 1 --tokens 64 --hf-fuse --hf-pack \
+    --hf-variants bf16,int4,w4a16 --json "$LOG/model-hf-b1.json"
+step moe 560 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --out '$LOG/moe-block' && python tools/bench_model.py \
+    --hf --arch qwen3-moe --batches 1 --tokens 32 --hf-fuse --hf-no-step --hf-variants bf16,w4a16 --json '$LOG/moe-hf.json'"
+step load 560 python tools/bench_load.py --device cuda --loader from_pretrained --fuse --pack --layers 32 --hidden 4096 \
+    --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256 --json "$LOG/load-8b.json"
