@@ -13,7 +13,8 @@ float64 sums, one rounding to the output dtype: ``reference.gemv_reference``).
 
 The op is ``torch.ops.nvfp4.gemv`` (and ``torch.ops.nvfp4.gemv_out`` for ``out=``), with fake
 implementations for tracing, so ``torch.compile(fullgraph=True)`` and CUDA graphs take it. Eager calls of
-``gemv`` skip the dispatcher and launch directly (a cached launch plan per tensor metadata).
+``gemv`` on plain tensors skip the dispatcher (``nvfp4_gemv.library``): a cached launch plan per tensor
+metadata on CUDA, the exact reference elsewhere; each call validates its arguments once.
 """
 
 from typing import Optional
@@ -25,11 +26,11 @@ from . import packed
 from . import w4a16_plan
 from .mma import compile_mma
 from .op_route import route
-from .reference import OUT_DTYPES, check_args, fail_gemv, gemv_reference, unswizzle_scales
+from .library import eager, through_library
+from .reference import OUT_DTYPES, check_args, fail_gemv, reference_product, unswizzle_scales
 from .tokens import compile_tokens
 from .tokens_bulk import compile_tokens_bulk
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # other subclasses (fake, functional) go through torch.ops
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -222,12 +223,16 @@ def _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype, key=None):
     return plan(x, x_scale, w, w_scale, alpha, out, out_dtype)
 
 
-def _run(x, x_scale, w, w_scale, alpha, out, out_dtype):
+def _run(x, x_scale, w, w_scale, alpha, out, out_dtype, dims=None):
+    """The product on w's device: a cached plan on CUDA (validated when the plan is made), the exact reference
+    elsewhere (validated here unless the caller passes ``check_args``' ``dims``)."""
     if w.is_cuda and x_scale is None:
         return w4a16_plan.run_cuda(x, w, w_scale, alpha, out, out_dtype, check_args)
     if w.is_cuda:
         return _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype)
-    res = gemv_reference(x, x_scale, w, w_scale, alpha, out_dtype)
+    if dims is None:
+        dims = check_args(x, x_scale, w, w_scale, alpha, out_dtype, out)
+    res = reference_product(dims, x, x_scale, w, w_scale, alpha, out_dtype)
     if out is None:
         return res
     out.copy_(res)
@@ -254,8 +259,8 @@ def _gemv_fake(x, x_scale, w, w_scale, alpha, out_dtype):
 @torch.library.custom_op("nvfp4::gemv_out", mutates_args=("out",))
 def _gemv_out_op(x: torch.Tensor, x_scale: Optional[torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
                  alpha: Optional[torch.Tensor], out: torch.Tensor) -> None:
-    check_args(x, x_scale, w, w_scale, alpha, out.dtype, out)
-    _run(x, x_scale, w, w_scale, alpha, out, out.dtype)
+    dims = check_args(x, x_scale, w, w_scale, alpha, out.dtype, out)
+    _run(x, x_scale, w, w_scale, alpha, out, out.dtype, dims)
 
 
 @_gemv_out_op.register_fake
@@ -287,10 +292,10 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
         (``xs`` = 1 for W4A16).
     :raises TypeError, ValueError: naming the argument, for inputs the op cannot take.
     """
-    # the eager fast path: plain tensors, no tracing and no torch dispatch mode (a FakeTensor has no data
-    # to launch on; modes such as flop counters must see the op), and a plan made for exactly this metadata
-    direct = (type(w) in _PLAIN and type(x) in _PLAIN and not torch.compiler.is_compiling()
-              and not torch._C._len_torch_dispatch_stack())
+    # the eager fast path (nvfp4_gemv.library): plain tensors, no tracing and no torch dispatch mode (a
+    # FakeTensor has no data to launch on; modes such as flop counters must see the op), and a plan made for
+    # exactly this metadata
+    direct = eager(w, x)
     if direct and x_scale is None and w.is_cuda:  # W4A16 (check_args names a missing x_scale for fp4 x)
         if out is not None and (not isinstance(out, torch.Tensor) or out.dtype not in OUT_DTYPES):
             fail_gemv(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor", getattr(out, "dtype", type(out).__name__))
@@ -316,13 +321,11 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
             fail_gemv(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor",
                       getattr(out, "dtype", type(out).__name__))
         out_dtype = out.dtype
-    if not direct or not w.is_cuda:
-        if not torch.compiler.is_compiling():
-            check_args(x, x_scale, w, w_scale, alpha, out_dtype, out)  # our errors, not the dispatcher's
-        if out is None:
-            return torch.ops.nvfp4.gemv(x, x_scale, w, w_scale, alpha, out_dtype)
-        torch.ops.nvfp4.gemv_out(x, x_scale, w, w_scale, alpha, out)
-        return out
+    if not direct:
+        return through_library(lambda: check_args(x, x_scale, w, w_scale, alpha, out_dtype, out), torch.ops.nvfp4.gemv,
+                               (x, x_scale, w, w_scale, alpha, out_dtype), torch.ops.nvfp4.gemv_out, out)
+    if not w.is_cuda:  # the exact reference, validated once
+        return _run(x, x_scale, w, w_scale, alpha, out, out_dtype)
     return _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype)
 
 
@@ -331,11 +334,13 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
 # ----------------------------------------------------------------------------------------------------
 
 
-def _run_packed(x, w_packed, alpha, out, out_dtype):
+def _run_packed(x, w_packed, alpha, out, out_dtype, dims=None):
+    """``_run`` for a packed weight (``dims``: ``packed.check_packed_args``' result, where the caller has it)."""
     if w_packed.is_cuda:
         return w4a16_plan.run_cuda_packed(x, w_packed, alpha, out, out_dtype, packed.check_packed_args)
+    n, m, k = dims if dims is not None else packed.check_packed_args(x, w_packed, alpha, out_dtype, out)
     w, ws = packed.unpack_weight(w_packed)
-    return _run(x, None, w, ws, alpha, out, out_dtype)  # the exact CPU reference
+    return _run(x, None, w, ws, alpha, out, out_dtype, (n, m, k, False, False))  # the exact CPU reference
 
 
 @torch.library.custom_op("nvfp4::gemv_packed", mutates_args=())
@@ -353,8 +358,8 @@ def _gemv_packed_fake(x, w_packed, alpha, out_dtype):
 @torch.library.custom_op("nvfp4::gemv_packed_out", mutates_args=("out",))
 def _gemv_packed_out_op(x: torch.Tensor, w_packed: torch.Tensor, alpha: Optional[torch.Tensor],
                         out: torch.Tensor) -> None:
-    packed.check_packed_args(x, w_packed, alpha, out.dtype, out)
-    _run_packed(x, w_packed, alpha, out, out.dtype)
+    dims = packed.check_packed_args(x, w_packed, alpha, out.dtype, out)
+    _run_packed(x, w_packed, alpha, out, out.dtype, dims)
 
 
 @_gemv_packed_out_op.register_fake
@@ -380,13 +385,8 @@ def gemv_packed(x, w_packed, alpha=None, out_dtype=torch.bfloat16, out=None):
         if not isinstance(out, torch.Tensor) or out.dtype not in OUT_DTYPES:
             fail_gemv(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor", getattr(out, "dtype", type(out).__name__))
         out_dtype = out.dtype
-    direct = (type(w_packed) in _PLAIN and type(x) in _PLAIN and not torch.compiler.is_compiling()
-              and not torch._C._len_torch_dispatch_stack())
-    if direct and w_packed.is_cuda:
-        return w4a16_plan.run_cuda_packed(x, w_packed, alpha, out, out_dtype, packed.check_packed_args)
-    if not torch.compiler.is_compiling():
-        packed.check_packed_args(x, w_packed, alpha, out_dtype, out)  # our errors, not the dispatcher's
-    if out is None:
-        return torch.ops.nvfp4.gemv_packed(x, w_packed, alpha, out_dtype)
-    torch.ops.nvfp4.gemv_packed_out(x, w_packed, alpha, out)
-    return out
+    if eager(w_packed, x):  # (nvfp4_gemv.library) validated once, by the plan or the reference path
+        return _run_packed(x, w_packed, alpha, out, out_dtype)
+    return through_library(lambda: packed.check_packed_args(x, w_packed, alpha, out_dtype, out),
+                           torch.ops.nvfp4.gemv_packed, (x, w_packed, alpha, out_dtype), torch.ops.nvfp4.gemv_packed_out,
+                           out)

@@ -32,6 +32,7 @@ weight fewer times than the W4A4 op would (``linear.W4A4_VIA_W4A16_FROM``).
 import torch
 
 from .launch import warn_once
+from .library import eager, through_library
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -208,9 +209,11 @@ def _cuda_kernel(dequantized=False):
     return quantize_dequantized_cuda if dequantized else quantize_cuda
 
 
-def _quantize_impl(x, global_scale):
+def _quantize_impl(x, global_scale, checked=False):
     """The one place that picks the implementation: the GPU kernel on CUDA where there is one, else the
-    exact reference (on x's device)."""
+    exact reference (on x's device). Validates unless ``checked`` (the caller has)."""
+    if not checked:
+        check_quantize_args(x, global_scale)
     if x.is_cuda:
         kernel = _cuda_kernel()
         if kernel is not None:
@@ -219,7 +222,7 @@ def _quantize_impl(x, global_scale):
             out_s = torch.empty((rows, k // BLOCK), dtype=torch.float8_e4m3fn, device=x.device)
             kernel(x, global_scale, out_q, out_s)
             return out_q, out_s
-    return quantize_reference(x, global_scale)
+    return _quantize_rows(x, global_scale.reshape(()))
 
 
 @torch.library.custom_op("nvfp4::quantize", mutates_args=())
@@ -244,19 +247,22 @@ def quantize(x, global_scale):
         ``float8_e4m3fn [R, K/16])``, the inputs ``gemv`` takes as ``x`` and ``x_scale``.
     :raises TypeError, ValueError: naming the argument.
     """
-    if not torch.compiler.is_compiling():
+    if eager(x, global_scale):  # (nvfp4_gemv.library) validated once
         check_quantize_args(x, global_scale)
-    return torch.ops.nvfp4.quantize(x, global_scale)
+        return _quantize_impl(x, global_scale, checked=True)
+    return through_library(lambda: check_quantize_args(x, global_scale), torch.ops.nvfp4.quantize, (x, global_scale))
 
 
-def _quantize_dequantized_impl(x, global_scale):
+def _quantize_dequantized_impl(x, global_scale, checked=False):
+    if not checked:
+        check_quantize_args(x, global_scale, "quantize_dequantized")
     if x.is_cuda:
         kernel = _cuda_kernel(dequantized=True)
         if kernel is not None:
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             kernel(x, global_scale, out)
             return out
-    return quantize_dequantized_reference(x, global_scale)
+    return dequantize(*_quantize_rows(x, global_scale.reshape(()))).to(x.dtype)
 
 
 @torch.library.custom_op("nvfp4::quantize_dequantized", mutates_args=())
@@ -280,6 +286,8 @@ def quantize_dequantized(x, global_scale):
     :return: [R, K] in x's dtype (dense).
     :raises TypeError, ValueError: naming the argument.
     """
-    if not torch.compiler.is_compiling():
+    if eager(x, global_scale):  # (nvfp4_gemv.library) validated once
         check_quantize_args(x, global_scale, "quantize_dequantized")
-    return torch.ops.nvfp4.quantize_dequantized(x, global_scale)
+        return _quantize_dequantized_impl(x, global_scale, checked=True)
+    return through_library(lambda: check_quantize_args(x, global_scale, "quantize_dequantized"),
+                           torch.ops.nvfp4.quantize_dequantized, (x, global_scale))

@@ -171,7 +171,13 @@ def gemv_reference(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16)
     """The result from float64 sums of the decoded, scaled values (each product is exact; a sum rounds
     at most by 2^-53 of its running value), times ``alpha``, rounded once to ``out_dtype``. For bf16/fp16
     ``x`` (W4A16, ``x_scale`` None) the values of ``x`` as they are."""
-    n, m, k, xb, wb = check_args(x, x_scale, w, w_scale, alpha, out_dtype)
+    return reference_product(check_args(x, x_scale, w, w_scale, alpha, out_dtype), x, x_scale, w, w_scale, alpha,
+                             out_dtype)
+
+
+def reference_product(dims, x, x_scale, w, w_scale, alpha, out_dtype):
+    """``gemv_reference`` of arguments ``check_args`` has passed (``dims``: what it returned)."""
+    n, m, k, xb, wb = dims
     wv = _decode(w) * _scales64(w_scale, m, k, wb)
     xv = x.to(torch.float64) if x_scale is None else _decode(x) * _scales64(x_scale, n, k, xb)
     res = xv @ wv.T

@@ -54,3 +54,47 @@ def test_compiles_fullgraph_with_the_same_result(with_out):
     eager = layer(x, xs, w, ws, a, bias)
     compiled = torch.compile(layer, fullgraph=True)(x, xs, w, ws, a, bias)
     assert torch.equal(compiled, eager)
+
+
+def _counting(monkeypatch, module, name):
+    calls = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("how", ["gemv", "gemv out=", "torch.ops gemv", "torch.ops gemv_out"])
+def test_a_call_validates_its_arguments_once(monkeypatch, how):
+    """Each eager call validates once (``nvfp4_gemv.library``): the function, or the op's implementation
+    where the op is called directly; the computation after it does not validate again."""
+    from nvfp4_gemv import op
+
+    x, xs, w, ws, a = u8_ops(2, 128, 128)
+    out = torch.empty(2, 128, dtype=torch.bfloat16)
+    calls = _counting(monkeypatch, op, "check_args")
+    {"gemv": lambda: gemv(x, xs, w, ws, a),
+     "gemv out=": lambda: gemv(x, xs, w, ws, a, out=out),
+     "torch.ops gemv": lambda: torch.ops.nvfp4.gemv(x, xs, w, ws, a, torch.bfloat16),
+     "torch.ops gemv_out": lambda: torch.ops.nvfp4.gemv_out(x, xs, w, ws, a, out)}[how]()
+    assert len(calls) == 1, how
+
+
+def test_packed_and_quantize_calls_validate_once(monkeypatch):
+    from nvfp4_gemv import op, packed, quant
+    from nvfp4_gemv import gemv_packed, pack_weight, quantize
+    from nvfp4_gemv.quant import quantize_dequantized
+
+    x = torch.randn(2, 128).bfloat16()
+    _, _, w, ws, a = inputs.op_inputs(2, 128, 128, 1, device="cpu")
+    wp = pack_weight(w, ws)
+    packed_calls = _counting(monkeypatch, packed, "check_packed_args")
+    op_calls = _counting(monkeypatch, op, "check_args")
+    gemv_packed(x, wp, a)
+    gemv_packed(x, wp, a, out=torch.empty(2, 128, dtype=torch.bfloat16))
+    assert (len(packed_calls), len(op_calls)) == (2, 0)
+    q_calls = _counting(monkeypatch, quant, "check_quantize_args")
+    gs = torch.tensor(1.0)
+    quantize(x, gs)
+    quantize_dequantized(x, gs)
+    torch.ops.nvfp4.quantize(x, gs)
+    assert len(q_calls) == 3
