@@ -69,6 +69,16 @@ def pick_groups(m, sms, ctas_per_sm=1):
 class Nvfp4GemvMma(OpLaunch):
     """The op's tensor-core kernel; one instance per (K, tokens, groups, layouts, epilogue, tuning)."""
 
+    @classmethod
+    def can_implement(cls, k, n_tok, groups, **tuning):
+        """Whether this kernel builds for K = ``k``, ``n_tok`` tokens a launch and ``groups`` groups of 8 rows a
+        CTA with ``tuning`` (its own checks: 1..16 tokens, K % 64 == 0, the groups, whole warps)."""
+        try:
+            cls(k, n_tok, groups, False, False, False, True, **tuning)
+            return True
+        except (ValueError, TypeError):  # (TypeError: a knob this kernel does not have)
+            return False
+
     def __init__(self, k: int, n_tok: int, groups: int, w_blocked: bool, x_blocked: bool, has_alpha: bool,
                  out_bf16: bool, w_contig: bool = True, ws_contig: bool = True, threads=None, depth=None, unroll=None,
                  stages=None):

@@ -1,6 +1,6 @@
 """Which of the W4A4 op's kernels takes a call, and how (``nvfp4_gemv.gemv`` with NVFP4 x on CUDA): the op's
 routing in one place, as ``tuning.py`` holds ``custom_kernel``'s. ``route`` answers with a frozen ``OpRoute``;
-each kernel class answers ``can_implement`` for its own limits and the router asks it. The measurements
+each kernel class answers ``can_implement`` for its own limits (and a tuning's knobs) and the router asks it. The measurements
 behind the cuts are in docs/results.md ("The op for model code").
 
 * the tensor-core kernel (``nvfp4_gemv.mma``, ``mma.sync`` on exact f16 operands, ``MMA_TOKENS`` tokens a
@@ -17,7 +17,7 @@ dp4a kernel, except the tensor-core kernel's ``groups``.
 
 from dataclasses import dataclass
 
-from .mma import pick_groups
+from .mma import Nvfp4GemvMma, pick_groups
 from .tokens import Nvfp4GemvTokens
 from .tokens_bulk import Nvfp4GemvTokensBulk
 
@@ -98,6 +98,9 @@ def route(n, m, k, sms, copyable, tuning=()):
     groups = tuning.pop("groups", None) or pick_groups(m, sms)
     if mma:
         g = -(-n // -(-n // MMA_TOKENS))
+        if not Nvfp4GemvMma.can_implement(k, g, groups, **tuning):
+            raise ValueError(f"nvfp4_gemv: the tensor-core kernel cannot build K={k}, {g} tokens a launch, "
+                             f"groups={groups} with {tuning}")
     elif bulk:
         g = -(-n // -(-n // Nvfp4GemvTokensBulk.MAX_TOKENS))
         tuning = {**bulk_tuning(g, m, k), **tuning}
@@ -107,4 +110,6 @@ def route(n, m, k, sms, copyable, tuning=()):
                              f"launch, {tuning})")
     else:
         g = token_group(n, k)
+        if not Nvfp4GemvTokens.can_implement(k, g, **tuning):
+            raise ValueError(f"nvfp4_gemv: the dp4a kernel cannot build K={k}, {g} tokens a launch with {tuning}")
     return OpRoute("mma" if mma else "bulk" if bulk else "tokens", g, groups, tuple(sorted(tuning.items())), forced)

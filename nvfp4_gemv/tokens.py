@@ -67,6 +67,16 @@ class Nvfp4GemvTokens(OpLaunch, Nvfp4Gemv):
             raise ValueError(f"nvfp4_gemv: K={k}: {n_tok} tokens do not fit in shared memory")
         self.min_blocks = max(1, min(fit, min_blocks or (4 if n_tok == 1 else 1)))
 
+    @classmethod
+    def can_implement(cls, k, n_tok, **tuning):
+        """Whether this kernel builds for K = ``k`` and ``n_tok`` tokens a launch with ``tuning`` (its own
+        checks: the streaming kernel's unit of K, the tokens' decoded copies in shared memory)."""
+        try:
+            cls(k, n_tok, False, False, False, True, **tuning)
+            return True
+        except (ValueError, TypeError):  # (TypeError: a knob this kernel does not have)
+            return False
+
     @staticmethod
     def max_tokens(k):
         """The most tokens whose decoded copies fit one CTA's shared memory."""

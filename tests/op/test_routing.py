@@ -22,7 +22,7 @@ from nvfp4_gemv.op_route import OpRoute, route
     (30, 1024, 16384, True, (), ("tokens", 10, (), False)),  # 11 tokens' copies fit: three groups of 10
     (2, 4096, 7168, True, (("bulk", 1),), ("bulk", 2, (("ctas", 2),), True)),
     (8, 4096, 7168, True, (("mma", 0),), ("tokens", 8, (), False)),
-    (2, 4096, 7168, True, (("batch", 2),), ("tokens", 2, (("batch", 2),), False)),  # a dp4a knob: dp4a
+    (2, 4096, 7168, True, (("threads", 256),), ("tokens", 2, (("threads", 256),), False)),  # a dp4a knob: dp4a
 ])
 def test_route_names_the_kernel_tokens_a_launch_and_its_build(n, m, k, copyable, tuning, want):
     r = route(n, m, k, 132, copyable, tuning)
@@ -33,7 +33,9 @@ def test_route_names_the_kernel_tokens_a_launch_and_its_build(n, m, k, copyable,
 
 
 @pytest.mark.parametrize("tuning, match", [((("bulk", 1), ("mma", 1)), "names one kernel"),
-                                           ((("bulk", 1),), "bulk-copy kernel needs plain w scales")])
+                                           ((("bulk", 1),), "bulk-copy kernel needs plain w scales"),
+                                           ((("batch", 2),), "dp4a kernel cannot build"),
+                                           ((("mma", 1), ("threads", 100)), "tensor-core kernel cannot build")])
 def test_route_refuses_a_tuning_no_kernel_takes(tuning, match):
     with pytest.raises(ValueError, match=match):
         route(2, 4096, 7168, 132, False, tuning)
