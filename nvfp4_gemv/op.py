@@ -13,8 +13,7 @@ float64 sums, one rounding to the output dtype: ``reference.gemv_reference``).
 
 The op is ``torch.ops.nvfp4.gemv`` (and ``torch.ops.nvfp4.gemv_out`` for ``out=``), with fake
 implementations for tracing, so ``torch.compile(fullgraph=True)`` and CUDA graphs take it. Eager calls of
-``gemv`` on plain tensors skip the dispatcher (``nvfp4_gemv.library``): a cached launch plan per tensor
-metadata on CUDA, the exact reference elsewhere; each call validates its arguments once.
+``gemv`` on CUDA skip the dispatcher (``nvfp4_gemv.library``): a cached launch plan per tensor metadata.
 """
 
 from typing import Optional
@@ -295,7 +294,7 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
     # the eager fast path (nvfp4_gemv.library): plain tensors, no tracing and no torch dispatch mode (a
     # FakeTensor has no data to launch on; modes such as flop counters must see the op), and a plan made for
     # exactly this metadata
-    direct = eager(w, x)
+    direct = eager(w, x, x_scale, w_scale, alpha)
     if direct and x_scale is None and w.is_cuda:  # W4A16 (check_args names a missing x_scale for fp4 x)
         if out is not None and (not isinstance(out, torch.Tensor) or out.dtype not in OUT_DTYPES):
             fail_gemv(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor", getattr(out, "dtype", type(out).__name__))
@@ -321,11 +320,9 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
             fail_gemv(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor",
                       getattr(out, "dtype", type(out).__name__))
         out_dtype = out.dtype
-    if not direct:
+    if not direct or not w.is_cuda:
         return through_library(lambda: check_args(x, x_scale, w, w_scale, alpha, out_dtype, out), torch.ops.nvfp4.gemv,
                                (x, x_scale, w, w_scale, alpha, out_dtype), torch.ops.nvfp4.gemv_out, out)
-    if not w.is_cuda:  # the exact reference, validated once
-        return _run(x, x_scale, w, w_scale, alpha, out, out_dtype)
     return _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype)
 
 
@@ -385,7 +382,7 @@ def gemv_packed(x, w_packed, alpha=None, out_dtype=torch.bfloat16, out=None):
         if not isinstance(out, torch.Tensor) or out.dtype not in OUT_DTYPES:
             fail_gemv(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor", getattr(out, "dtype", type(out).__name__))
         out_dtype = out.dtype
-    if eager(w_packed, x):  # (nvfp4_gemv.library) validated once, by the plan or the reference path
+    if eager(w_packed, x, alpha) and w_packed.is_cuda:  # (nvfp4_gemv.library)
         return _run_packed(x, w_packed, alpha, out, out_dtype)
     return through_library(lambda: packed.check_packed_args(x, w_packed, alpha, out_dtype, out),
                            torch.ops.nvfp4.gemv_packed, (x, w_packed, alpha, out_dtype), torch.ops.nvfp4.gemv_packed_out,

@@ -247,7 +247,7 @@ def quantize(x, global_scale):
         ``float8_e4m3fn [R, K/16])``, the inputs ``gemv`` takes as ``x`` and ``x_scale``.
     :raises TypeError, ValueError: naming the argument.
     """
-    if eager(x, global_scale):  # (nvfp4_gemv.library) validated once
+    if eager(x, global_scale) and x.is_cuda:  # (nvfp4_gemv.library) validated once
         check_quantize_args(x, global_scale)
         return _quantize_impl(x, global_scale, checked=True)
     return through_library(lambda: check_quantize_args(x, global_scale), torch.ops.nvfp4.quantize, (x, global_scale))
@@ -286,7 +286,7 @@ def quantize_dequantized(x, global_scale):
     :return: [R, K] in x's dtype (dense).
     :raises TypeError, ValueError: naming the argument.
     """
-    if eager(x, global_scale):  # (nvfp4_gemv.library) validated once
+    if eager(x, global_scale) and x.is_cuda:  # (nvfp4_gemv.library) validated once
         check_quantize_args(x, global_scale, "quantize_dequantized")
         return _quantize_dequantized_impl(x, global_scale, checked=True)
     return through_library(lambda: check_quantize_args(x, global_scale, "quantize_dequantized"),

@@ -510,7 +510,9 @@ def generate_timings(model, batch, prompt_len, tokens, device, which):
     out, toks = {}, {}
     graphs = None
     if device.type == "cuda":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        here = os.path.dirname(os.path.abspath(__file__))
+        if here not in sys.path:
+            sys.path.insert(0, here)
         from graph_probe import install_counters
 
         graphs = install_counters()

@@ -36,7 +36,7 @@ for a given T: capturable in a CUDA graph, no graph break under ``torch.compile(
 
 Cost of this fallback (the kernel's job is to remove it): below E slots ("slot path", decode), each slot
 gathers its expert's NVFP4 bytes and dequantizes them, so an expert hit by n slots is read and dequantized n
-times (temporaries of 6 bytes a weight, in chunks of slots of at most ``SLOT_PATH_BYTES``); from E slots on
+times (temporaries of about 12 bytes a weight, in chunks of slots of at most ``SLOT_PATH_BYTES``); from E slots on
 ("grouped path", prefill, x bf16), every expert is dequantized once and the slots, sorted by expert on the
 device, go through ``torch._grouped_mm``. fp16 x always takes the slot path (``torch._grouped_mm`` takes
 bf16): an fp16 prefill dequantizes each slot's expert, T*k times the grouped path's work.
@@ -85,7 +85,7 @@ def _weights(w, ws, alpha, dtype):
     return (v.reshape(p, n, 2 * half) * alpha.reshape(p, 1, 1)).to(dtype)
 
 
-SLOT_PATH_BYTES = 1 << 28  # the slot path's temporaries a chunk of slots (fp32 and x's dtype), at most
+SLOT_PATH_BYTES = 1 << 28  # the slot path's temporaries a chunk of slots, at most (12 bytes a weight: below)
 
 
 def _products(xs, ids, route, w, ws, alpha, x_scale):
@@ -93,10 +93,11 @@ def _products(xs, ids, route, w, ws, alpha, x_scale):
     if x_scale is not None:  # mode w4a4: x on the NVFP4 grid of its expert's input scale
         xs = quantize_dequantized_rows(xs, x_scale[ids])
     if route is None:  # slot path: each slot's expert gathered and dequantized, in chunks of slots
-        # (6 bytes a weight: its fp32 value and its rounding; an fp16 prefill of 4096 slots would otherwise
-        # hold tens of GB at once). The chunk count follows from shapes only: no sync, the same graph.
+        # (at the peak of _weights about 12 bytes a weight: the int64 byte indices of the pairs, two fp32
+        # temporaries and the rounding; an fp16 prefill of 4096 slots would otherwise hold tens of GB at once).
+        # The chunk count follows from shapes only: no sync, the same graph.
         s, n, k = xs.shape[0], w.shape[1], 2 * w.shape[2]
-        step = max(1, SLOT_PATH_BYTES // (6 * n * k))
+        step = max(1, SLOT_PATH_BYTES // (12 * n * k))
         parts = [torch.bmm(_weights(w[c], ws[c], alpha[c], xs.dtype), xs[i:i + step].unsqueeze(-1)).squeeze(-1)
                  for i in range(0, s, step) for c in (ids[i:i + step],)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -450,3 +451,16 @@ class NVFP4Experts(torch.nn.Module):
         if not w.is_floating_point() or tuple(w.shape) != tuple(idx.shape):
             _fail(ValueError, fn, "argument 'top_k_weights'", f"a floating-point tensor of top_k_index's shape "
                   f"{tuple(idx.shape)}", f"{w.dtype} {tuple(w.shape)}")
+
+
+_MOVED = ("ExpertFields", "calibrate_expert_input_scales", "plan_experts", "quantize_experts")
+
+
+def __getattr__(name):
+    """The whole-model helpers that lived here before ``experts_convert`` (``from nvfp4_gemv.experts import
+    calibrate_expert_input_scales`` keeps working; a top-level import would be circular)."""
+    if name in _MOVED:
+        from . import experts_convert
+
+        return getattr(experts_convert, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

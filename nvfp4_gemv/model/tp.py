@@ -349,8 +349,9 @@ class ShardedLoad:
 def plan_load(model, plan_, ckpt, tp_plan, group, fuse, who):
     """The ``ShardedLoad`` of the checkpoint ``plan_`` (``pretrained.Plan``, made on the full model on the
     meta device) for this process's rank of ``group``: the quantized layers ``tp_plan`` names ("auto":
-    ``default_plan(model)``) are checked as ``shard_model`` checks them, from the checkpoint's shapes, before
-    anything is read; what cannot be sharded raises ``ValueError`` (``NotImplementedError`` for experts,
+    ``default_plan(model)``) are checked as ``shard_model`` checks unpacked layers, from the checkpoint's
+    shapes, before anything is read (a shard that cannot be packed loads unpacked: ``shard_model`` of a packed
+    model refuses it instead); what cannot be sharded raises ``ValueError`` (``NotImplementedError`` for experts,
     unquantized modules and other styles) naming the module. Removes row-wise layers' biases from
     ``plan_.layers`` (they become ``tails``)."""
     from .fuse import FUSE_GROUPS

@@ -213,7 +213,7 @@ def test_fuzz_each_stage_within_its_bound_of_float64(chunk):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_slot_path_works_in_chunks_of_bounded_temporaries(monkeypatch, dtype):
-    """The slot path dequantizes in chunks of slots whose temporaries (6 bytes a weight) stay under
+    """The slot path dequantizes in chunks of slots whose temporaries (about 12 bytes a weight) stay under
     SLOT_PATH_BYTES: an fp16 prefill would otherwise hold [slots, N, K] fp32 at once. Chunked, the result is
     the one-chunk result bit for bit."""
     mod = random_experts(torch.Generator().manual_seed(5), 4, 64, 32, "w4a16", dtype)
@@ -229,21 +229,21 @@ def test_slot_path_works_in_chunks_of_bounded_temporaries(monkeypatch, dtype):
     real = experts_mod._weights
     monkeypatch.setattr(experts_mod, "_weights", lambda w, *a: sizes.append(w.shape[0]) or real(w, *a))
     n, k = 2 * 32, 64  # gate_up rows, K
-    monkeypatch.setattr(experts_mod, "SLOT_PATH_BYTES", 6 * n * k * 5)  # five slots a chunk
+    monkeypatch.setattr(experts_mod, "SLOT_PATH_BYTES", 12 * n * k * 5)  # five slots a chunk
     assert torch.equal(experts_mod._products(xs, ids, None, *gu), whole)
     assert sizes == [5] * 14 + [2], sizes  # 72 slots
-    assert max(sizes) * 6 * n * k <= experts_mod.SLOT_PATH_BYTES
+    assert max(sizes) * 12 * n * k <= experts_mod.SLOT_PATH_BYTES
     monkeypatch.setattr(experts_mod, "SLOT_PATH_BYTES", 1)  # a budget below one slot: one slot a chunk
     sizes.clear()
     assert torch.equal(experts_mod._products(xs, ids, None, *gu), whole)
     assert sizes == [1] * 72
     if dtype == torch.float16:  # fp16 never takes the grouped path, however many slots: bounded chunks
-        weights = []
-        monkeypatch.setattr(experts_mod, "_weights", lambda w, *a: weights.append(w.numel() * 2) or real(w, *a))
-        monkeypatch.setattr(experts_mod, "SLOT_PATH_BYTES", 6 * n * k * 8)
+        values = []
+        monkeypatch.setattr(experts_mod, "_weights", lambda w, *a: values.append(w.numel() * 2) or real(w, *a))
+        monkeypatch.setattr(experts_mod, "SLOT_PATH_BYTES", 12 * n * k * 8)
         out = grouped_forward(x, idx, wts, gu, dn, mod.act_fn)
-        assert out.dtype == torch.float16 and len(weights) > 2
-        assert max(weights) * 6 <= experts_mod.SLOT_PATH_BYTES, weights
+        assert out.dtype == torch.float16 and len(values) > 2
+        assert max(values) * 12 <= experts_mod.SLOT_PATH_BYTES, values  # (two values a byte of w)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "mixtral"])

@@ -63,10 +63,12 @@ def _counting(monkeypatch, module, name):
     return calls
 
 
-@pytest.mark.parametrize("how", ["gemv", "gemv out=", "torch.ops gemv", "torch.ops gemv_out"])
-def test_a_call_validates_its_arguments_once(monkeypatch, how):
-    """Each eager call validates once (``nvfp4_gemv.library``): the function, or the op's implementation
-    where the op is called directly; the computation after it does not validate again."""
+@pytest.mark.parametrize("how, checks", [("gemv", 2), ("gemv out=", 2), ("torch.ops gemv", 1),
+                                         ("torch.ops gemv_out", 1)])
+def test_a_call_validates_in_the_function_and_the_op_never_in_the_computation(monkeypatch, how, checks):
+    """On the CPU a call goes through the op (``nvfp4_gemv.library``): the function validates (our messages),
+    the op's implementation validates (it can be called directly) and hands the result on; the exact
+    reference does not validate a third time."""
     from nvfp4_gemv import op
 
     x, xs, w, ws, a = u8_ops(2, 128, 128)
@@ -76,10 +78,10 @@ def test_a_call_validates_its_arguments_once(monkeypatch, how):
      "gemv out=": lambda: gemv(x, xs, w, ws, a, out=out),
      "torch.ops gemv": lambda: torch.ops.nvfp4.gemv(x, xs, w, ws, a, torch.bfloat16),
      "torch.ops gemv_out": lambda: torch.ops.nvfp4.gemv_out(x, xs, w, ws, a, out)}[how]()
-    assert len(calls) == 1, how
+    assert len(calls) == checks, how
 
 
-def test_packed_and_quantize_calls_validate_once(monkeypatch):
+def test_packed_and_quantize_calls_validate_in_the_function_and_the_op(monkeypatch):
     from nvfp4_gemv import op, packed, quant
     from nvfp4_gemv import gemv_packed, pack_weight, quantize
     from nvfp4_gemv.quant import quantize_dequantized
@@ -91,10 +93,43 @@ def test_packed_and_quantize_calls_validate_once(monkeypatch):
     op_calls = _counting(monkeypatch, op, "check_args")
     gemv_packed(x, wp, a)
     gemv_packed(x, wp, a, out=torch.empty(2, 128, dtype=torch.bfloat16))
-    assert (len(packed_calls), len(op_calls)) == (2, 0)
+    assert (len(packed_calls), len(op_calls)) == (4, 0)  # the unpacked reference is not validated again
     q_calls = _counting(monkeypatch, quant, "check_quantize_args")
     gs = torch.tensor(1.0)
     quantize(x, gs)
     quantize_dequantized(x, gs)
     torch.ops.nvfp4.quantize(x, gs)
-    assert len(q_calls) == 3
+    assert len(q_calls) == 5
+
+
+def test_the_dispatcher_is_skipped_only_for_plain_untraced_calls_autograd_does_not_track():
+    from nvfp4_gemv.library import eager
+
+    t = torch.ones(2)
+    assert eager(t, t)
+    assert not eager(t, torch.ones(2, requires_grad=True))
+    with torch.no_grad():
+        assert eager(t, torch.ones(2, requires_grad=True))
+    assert torch.vmap(lambda v: torch.tensor(eager(v)))(torch.ones(3, 2)).eq(0).all()
+    with FakeTensorMode():
+        assert not eager(torch.empty(2))
+    seen = []
+    torch.jit.trace(lambda v: seen.append(eager(v)) or v * 2, (t,), check_trace=False)
+    assert seen == [False]
+
+
+def test_vmap_and_autograd_see_the_ops():
+    """vmap reaches the ops' batching fallback; a gradient through them is an error, never silently missing."""
+    from nvfp4_gemv import quantize
+    from nvfp4_gemv.quant import quantize_dequantized
+
+    xb = torch.randn(3, 2, 64).bfloat16()
+    gs = torch.ones(())
+    q, s = torch.vmap(lambda v: quantize(v, gs))(xb)
+    assert q.shape == (3, 2, 32) and torch.equal(q[1], quantize(xb[1], gs)[0])
+    assert torch.equal(torch.vmap(lambda v: quantize_dequantized(v, gs))(xb)[2], quantize_dequantized(xb[2], gs))
+    x, xs, w, ws, a = u8_ops(2, 128, 128)
+    xg = torch.randn(2, 128, requires_grad=True)
+    y = gemv(xg.bfloat16(), None, w, ws, a)
+    with pytest.raises(RuntimeError):
+        y.float().sum().backward()

@@ -128,5 +128,8 @@ def test_the_model_side_modules_keep_their_flat_names_for_imports_and_pickles():
         assert getattr(nvfp4_gemv, name) is importlib.import_module(f"nvfp4_gemv.model.{name}")
     assert pickle.loads(b"cnvfp4_gemv.linear\nNVFP4Linear\n.") is nvfp4_gemv.NVFP4Linear
     assert pickle.loads(b"cnvfp4_gemv.fuse\nSiblings\n.") is nvfp4_gemv.model.fuse.Siblings
+    from nvfp4_gemv.experts import calibrate_expert_input_scales  # moved on to experts_convert: still here
+
+    assert calibrate_expert_input_scales is nvfp4_gemv.calibrate_expert_input_scales
     listed = {f[:-3] for f in os.listdir(os.path.join(ROOT, "nvfp4_gemv", "model")) if f.endswith(".py")}
     assert listed - {"__init__"} == set(MODULES)
