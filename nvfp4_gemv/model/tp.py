@@ -92,6 +92,31 @@ def _style_of(name, plan):
     return hits.pop() if hits else None
 
 
+def _plan_targets(model, plan, who, out_of, entries, stacklevel, first=None):
+    """``[(name, module, style)]`` of the modules ``plan`` shards: transformers' "replicated*" entries (Qwen3's
+    q_norm / k_norm: kept whole) left out, ``first(name, module)`` called on each before its style is
+    checked, a style other than ``STYLES`` refused by name; plan entries that match no module are warned of
+    (``stacklevel`` pointing at the user's call)."""
+    targets, used = [], set()
+    for name, mod in model.named_modules():
+        style = _style_of(name, plan)
+        if style is None:
+            continue
+        used |= {p for p in plan if name == p or fnmatch.fnmatchcase(name, p)}
+        if isinstance(style, str) and style.startswith("replicated"):
+            continue
+        if first is not None:
+            first(name, mod)
+        if style not in STYLES:
+            raise NotImplementedError(f"{who}: module '{name}': style {style!r} is not supported (only {STYLES}); "
+                                      f"leave it out of {out_of} to keep the module replicated")
+        targets.append((name, mod, style))
+    unused = sorted(set(plan) - used)
+    if unused:
+        warnings.warn(f"{who}: {entries} {unused} match no module (ignored)", UserWarning, stacklevel=stacklevel)
+    return targets
+
+
 def _nvfp4_tensors(mod):
     """ModelOpt's (weight, weight_scale) of an NVFP4Linear, packed or not."""
     if mod.packed:
@@ -254,19 +279,13 @@ def shard_model(model, rank=None, world_size=None, plan=None, group=None):
         if s not in STYLES and not isinstance(s, str):
             raise ValueError(f"shard_model: plan entry {p!r}: expected a style name, got {s!r}")
 
-    targets, used = [], set()
-    for name, mod in model.named_modules():
-        style = _style_of(name, plan)
-        if style is None:
-            continue
-        used |= {p for p in plan if name == p or fnmatch.fnmatchcase(name, p)}
-        if isinstance(style, str) and style.startswith("replicated"):
-            continue  # transformers' "replicated_with_grad_allreduce" (Qwen3's q_norm / k_norm): kept whole
+    def not_yet_sharded(name, mod):
         if getattr(mod, "tp_world", None) is not None:
             raise ValueError(f"shard_model: module '{name}' is already sharded")
-        if style not in STYLES:
-            raise NotImplementedError(f"shard_model: module '{name}': style {style!r} is not supported "
-                                      f"(only {STYLES}); leave it out of the plan to keep the module replicated")
+
+    targets = []
+    for name, mod, style in _plan_targets(model, plan, "shard_model", "the plan", "plan entries", 3,
+                                         not_yet_sharded):
         if isinstance(mod, NVFP4Experts):
             raise NotImplementedError(f"shard_model: module '{name}': NVFP4Experts under tensor parallelism "
                                       "(experts sharded by the intermediate dimension) is not implemented")
@@ -274,9 +293,6 @@ def shard_model(model, rank=None, world_size=None, plan=None, group=None):
             raise NotImplementedError(f"shard_model: module '{name}': a {type(mod).__name__} cannot be sharded "
                                       "(NVFP4Linear and nn.Linear only)")
         targets.append((name, mod, style))
-    unused = sorted(set(plan) - used)
-    if unused:
-        warnings.warn(f"shard_model: plan entries {unused} match no module (ignored)", UserWarning, stacklevel=2)
     if world_size == 1 or not targets:
         return {n: s for n, _, s in targets}
 
@@ -365,17 +381,8 @@ def plan_load(model, plan_, ckpt, tp_plan, group, fuse, who):
     if not isinstance(tp_plan, dict):
         raise TypeError(f"{who}: 'tp_plan': expected 'auto' or a dict of module patterns -> styles, got "
                         f"{type(tp_plan).__name__}")
-    errors, used = [], set()
-    for name, mod in model.named_modules():
-        style = _style_of(name, tp_plan)
-        if style is None:
-            continue
-        used |= {p for p in tp_plan if name == p or fnmatch.fnmatchcase(name, p)}
-        if isinstance(style, str) and style.startswith("replicated"):
-            continue
-        if style not in STYLES:
-            raise NotImplementedError(f"{who}: module '{name}': style {style!r} is not supported (only {STYLES}); "
-                                      "leave it out of 'tp_plan' to keep the module replicated")
+    errors = []
+    for name, mod, style in _plan_targets(model, tp_plan, who, "'tp_plan'", "tp_plan entries", 4):
         fields = plan_.layers.get(name)
         if fields is None:
             raise NotImplementedError(f"{who}: module '{name}': 'tp_plan' shards it, but the checkpoint stores it "
@@ -389,9 +396,6 @@ def plan_load(model, plan_, ckpt, tp_plan, group, fuse, who):
         if why:
             errors.append(why)
         load.styles[name] = style
-    unused = sorted(set(tp_plan) - used)
-    if unused:
-        warnings.warn(f"{who}: tp_plan entries {unused} match no module (ignored)", UserWarning, stacklevel=3)
     errors += _check_heads(model, list(load.styles.items()), world)
     for pname, parent in model.named_modules() if fuse else ():  # a fused group's parts sharded alike
         for group_names in FUSE_GROUPS:
