@@ -95,7 +95,15 @@ def _checks(model, ref, world, rank, stats):
     return hooks
 
 
-def _worker(rank, world, init, cases, errfile):
+def _report(errfile, rank, e):
+    """A failing rank's reason, for _spawn to show."""
+    import traceback
+
+    with open(f"{errfile}.{rank}", "w") as f:
+        f.write(f"rank {rank}: {e!r}\n{traceback.format_exc()}")
+
+
+def _worker(rank, world, init, errfile, cases):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -133,23 +141,21 @@ def _worker(rank, world, init, cases, errfile):
             assert diff <= tol, f"{mode} fuse={fuse} pack={pack}: logits differ by {diff} (scale {scale})"
             assert all(torch.equal(g, logits) for g in _gather(logits, world)), "ranks disagree on the logits"
     except BaseException as e:  # noqa: BLE001 (reported to the parent with its rank)
-        import traceback
-
-        with open(f"{errfile}.{rank}", "w") as f:
-            f.write(f"rank {rank}: {e!r}\n{traceback.format_exc()}")
+        _report(errfile, rank, e)
         raise
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(world, cases, tmp_path):
-    # a rank that fails a check writes why (errfile) and fails the test; a rank lost without a word (seen
-    # once in a full-suite run: the rendezvous or gloo's sockets, before any check ran) is tried once more
+def _spawn(world, cases, tmp_path, worker=None, *args):
+    """``worker(rank, world, init, errfile, *args, cases)`` (default ``_worker``) on ``world`` gloo processes.
+    A rank that fails a check writes why (errfile) and fails the test; a rank lost without a word (seen
+    once in a full-suite run: the rendezvous or gloo's sockets, before any check ran) is tried once more."""
     for attempt in range(2):
         init = f"file://{tmp_path / f'rendezvous{attempt}'}"
         errfile = str(tmp_path / f"error{attempt}")
         try:
-            mp.spawn(_worker, args=(world, init, cases, errfile), nprocs=world, join=True)
+            mp.spawn(worker or _worker, args=(world, init, errfile, *args, cases), nprocs=world, join=True)
             return
         except Exception as e:  # noqa: BLE001
             msgs = [open(f"{errfile}.{r}").read() for r in range(world) if os.path.exists(f"{errfile}.{r}")]
@@ -216,6 +222,17 @@ def test_world_one_is_a_no_op():
     assert model.model.layers[0].mlp.down_proj.in_features == 512
 
 
+def test_attention_modules_own_head_counts_are_divided():
+    """Models whose attention modules keep their head counts (older transformers, other models) get them
+    divided by the world size where q/k/v are sharded by rows; a bool of the same name stays as it is."""
+    model = quantize_model(_model())
+    attn = model.model.layers[0].self_attn
+    attn.num_heads, attn.num_key_value_heads, attn.num_attention_heads = 8, 4, True
+    shard_model(model, rank=1, world_size=2)
+    assert (attn.num_heads, attn.num_key_value_heads, attn.num_attention_heads) == (4, 2, True)
+    assert not hasattr(model.model.layers[1].mlp, "num_heads")
+
+
 def test_replicated_entries_of_transformers_plans_stay_whole():
     """Qwen3's plan marks q_norm / k_norm "replicated_with_grad_allreduce": those stay as they are, the
     projections around them are sharded."""
@@ -236,7 +253,7 @@ def test_replicated_entries_of_transformers_plans_stay_whole():
 # -- from_pretrained(tp_plan=...): each rank reads its shards only --------------------------------------
 
 
-def _load_worker(rank, world, init, path, cases, errfile):
+def _load_worker(rank, world, init, errfile, path, cases):
     from nvfp4_gemv import from_pretrained
     from nvfp4_gemv.model import checkpoint
 
@@ -281,10 +298,7 @@ def _load_worker(rank, world, init, path, cases, errfile):
                 assert torch.equal(logits, whole(ids).logits), "loaded shards differ from shard_model's"
             assert stats["rowwise"] == 2 * DIMS["num_hidden_layers"], stats
     except BaseException as e:  # noqa: BLE001 (reported to the parent with its rank)
-        import traceback
-
-        with open(f"{errfile}.{rank}", "w") as f:
-            f.write(f"rank {rank}: {e!r}\n{traceback.format_exc()}")
+        _report(errfile, rank, e)
         raise
     finally:
         checkpoint.Checkpoint.read = real
@@ -307,17 +321,7 @@ def _export(tmp_path, mode):
                                                   (2, "w4a4", [("w4a4", True, False)]),
                                                   (4, "w4a16", [("w4a16", True, False)])])
 def test_from_pretrained_tp_reads_only_its_shards_and_equals_shard_model(tmp_path, world, export, cases):
-    path = _export(tmp_path, export)
-    for attempt in range(2):
-        init = f"file://{tmp_path / f'rendezvous{attempt}'}"
-        errfile = str(tmp_path / f"error{attempt}")
-        try:
-            mp.spawn(_load_worker, args=(world, init, path, cases, errfile), nprocs=world, join=True)
-            return
-        except Exception as e:  # noqa: BLE001
-            msgs = [open(f"{errfile}.{r}").read() for r in range(world) if os.path.exists(f"{errfile}.{r}")]
-            if msgs or attempt:
-                pytest.fail("\n".join(msgs) or f"a rank failed: {type(e).__name__}: {e}")
+    _spawn(world, cases, tmp_path, _load_worker, _export(tmp_path, export))
 
 
 def _fake_world(monkeypatch, world):
