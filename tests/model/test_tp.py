@@ -95,6 +95,19 @@ def _checks(model, ref, world, rank, stats):
     return hooks
 
 
+def _checked_logits(model, ref, world, rank):
+    """The sharded model's logits on ``_ids()``, each sharded layer checked against ``ref``'s (``_checks``) on
+    the way; and the checks' counts."""
+    stats = {"colwise": 0, "rowwise": 0, "rowwise_equal": 0}
+    hooks = _checks(model, ref, world, rank, stats)
+    try:
+        with torch.no_grad():
+            return model(_ids()).logits, stats
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def _report(errfile, rank, e):
     """A failing rank's reason, for _spawn to show."""
     import traceback
@@ -119,14 +132,9 @@ def _worker(rank, world, init, errfile, cases):
                 assert model.model.layers[0].mlp.gate_proj._siblings.active
             if pack:
                 assert attn.o_proj.packed and attn.q_proj.packed
-            stats = {"colwise": 0, "rowwise": 0, "rowwise_equal": 0}
-            hooks = _checks(model, ref, world, rank, stats)
-            ids = _ids()
+            logits, stats = _checked_logits(model, ref, world, rank)
             with torch.no_grad():
-                logits = model(ids).logits
-                for h in hooks:
-                    h.remove()
-                want = ref(ids).logits
+                want = ref(_ids()).logits
             assert stats["rowwise"] == 2 * DIMS["num_hidden_layers"] and stats["colwise"] > 0, stats
             # each row-wise output is within ~1.5 ulp of the unsharded one (checked above, layer by layer); through
             # 2 layers and the head that stays a few bf16 ulps of the logits' scale in mode w4a16. In mode w4a4 the
@@ -288,14 +296,9 @@ def _load_worker(rank, world, init, errfile, path, cases):
                 assert attn.q_proj._siblings is not None and attn.q_proj._siblings.active
             if pack:
                 assert attn.q_proj.packed and attn.o_proj.packed
-            stats = {"colwise": 0, "rowwise": 0, "rowwise_equal": 0}
-            hooks = _checks(model, ref, world, rank, stats)
-            ids = _ids()
+            logits, stats = _checked_logits(model, ref, world, rank)
             with torch.no_grad():
-                logits = model(ids).logits
-                for h in hooks:
-                    h.remove()
-                assert torch.equal(logits, whole(ids).logits), "loaded shards differ from shard_model's"
+                assert torch.equal(logits, whole(_ids()).logits), "loaded shards differ from shard_model's"
             assert stats["rowwise"] == 2 * DIMS["num_hidden_layers"], stats
     except BaseException as e:  # noqa: BLE001 (reported to the parent with its rank)
         _report(errfile, rank, e)
