@@ -9,6 +9,7 @@
 # (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1), moe (the MoE block and
 # Qwen3-30B-A3B's decode), load (from_pretrained of a Llama-3-8B-shaped export onto the GPU), each one call
 # under 10 minutes. Prints each step's last lines.
+# The pytest step runs the tests marked gpu (the CPU tests run in CI and locally); ALL=1 runs every test.
 # SHARDS=N runs the suite as N concurrent pytest processes, one set of files each (logs pytest-shardI.txt;
 # at most one shard a test file), then the device-memory test alone. PART=k/m (with SHARDS) runs the k-th of
 # m parts of the files: on one H100 (16 cores) the whole suite as 8 shards passes 570 s (2026-12-06), so
@@ -36,7 +37,9 @@ python -c "import importlib.metadata as m; print('nvidia-cutlass-dsl', m.version
 # the test that reads the device's free memory runs alone: other processes' allocations would show there
 ALONE=tests/leaderboard/test_contexts.py::test_ten_thousand_calls_grow_nothing
 pytest_shards() {  # the suite split by file over $SHARDS processes (default 4; compiles are CPU-bound)
-    local -a all=($(ls -S tests/*/test_*.py)) files=() shard
+    local -a all files=() shard mark=(-m gpu)
+    if [[ -n ${ALL:-} ]]; then all=($(ls -S tests/*/test_*.py)); mark=()
+    else all=($(ls -S $(grep -l "mark.gpu" tests/*/test_*.py))); fi  # the CPU tests run in CI and locally
     local part=${PART:-1/1} j
     for ((j = 0; j < ${#all[@]}; j++)); do  # PART=k/m: every m-th file from the k-th (the suite over m calls)
         (( j % ${part#*/} == ${part%/*} - 1 )) && files+=("${all[j]}")
@@ -45,7 +48,7 @@ pytest_shards() {  # the suite split by file over $SHARDS processes (default 4; 
     ((n > ${#files[@]})) && n=${#files[@]}  # an empty shard would run the whole suite
     for f in "${files[@]}"; do shard[i % n]+=" $f"; i=$((i + 1)); done
     for ((i = 0; i < n; i++)); do
-        python -m pytest -q -rs -p no:cacheprovider --durations=5 --deselect "$ALONE" ${shard[i]} \
+        python -m pytest -q -rs -p no:cacheprovider --durations=5 "${mark[@]}" --deselect "$ALONE" ${shard[i]} \
             > "$LOG/pytest-shard$i.txt" 2>&1 &
         pids+=($!)
     done
@@ -60,9 +63,11 @@ pytest_shards() {  # the suite split by file over $SHARDS processes (default 4; 
     return $rc
 }
 if [[ ${SHARDS:-1} -gt 1 ]]; then
-    step pytest 570 bash -c "$(declare -f pytest_shards); LOG='$LOG' SHARDS=$SHARDS PART='${PART:-1/1}' ALONE='$ALONE' pytest_shards"
-else
+    step pytest 570 bash -c "$(declare -f pytest_shards); LOG='$LOG' SHARDS=$SHARDS PART='${PART:-1/1}' ALL='${ALL:-}' ALONE='$ALONE' pytest_shards"
+elif [[ -n ${ALL:-} ]]; then
     step pytest 570 python -m pytest -q -rs -p no:cacheprovider
+else
+    step pytest 570 python -m pytest -q -rs -p no:cacheprovider -m gpu
 fi
 step mutants 240 python tools/mutants.py --gpu --jobs 4
 step sanitize 300 tools/sanitize.sh

@@ -15,7 +15,7 @@ from nvfp4_gemv import generate, quantize_model  # noqa: E402
 from nvfp4_gemv.model.generation import _kept, _state, release  # noqa: E402
 
 VOCAB = 512
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+gpu = pytest.mark.gpu
 
 
 def tiny_llama(layers=2, device="cpu", seed=0, dtype=torch.bfloat16):

@@ -111,7 +111,7 @@ def test_non_contiguous_operands_on_the_exact_path():
     assert torch.equal(gemv(x, xs, wt, ws, alpha), ref)
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -15,7 +15,7 @@ import torch
 from nvfp4_gemv import NVFP4Linear, fuse_linears, gemv, gemv_packed, pack_weight, quantize_model, unpack_weight
 from w4a16_inputs import w4a16_exact, w4a16_inputs, w4a16_violations
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+cuda = pytest.mark.gpu
 
 
 def weight(m, k, seed=0, device="cpu"):

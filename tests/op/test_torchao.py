@@ -9,7 +9,7 @@ import inputs
 from nvfp4_gemv import gemv
 
 nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def quantize(t, swizzled):
