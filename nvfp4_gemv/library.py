@@ -23,10 +23,12 @@ _modes, _jit, _functorch = torch._C._len_torch_dispatch_stack, torch._C._is_trac
 
 def eager(*tensors):
     """Whether a call on ``tensors`` (None entries ignored) may skip the dispatcher (module docstring)."""
+    if _compiling():  # first: traced, each type() below would be a dynamo guard on every compiled call
+        return False
     for t in tensors:
         if t is not None and (type(t) not in PLAIN or (t.requires_grad and _grad())):
             return False
-    return not (_compiling() or _modes() or _jit() or _functorch())
+    return not (_modes() or _jit() or _functorch())
 
 
 def through_library(check, op, args, op_out=None, out=None):

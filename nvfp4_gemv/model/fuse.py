@@ -52,11 +52,14 @@ def _warn_at_trace(ctx):
     warnings.warn(ctx.get_local("msg").as_python_constant(), stacklevel=2)
 
 
+# a traced group's round state after the group dissolved while torch.compile traced
+_DISSOLVED = "dissolved"
+
+
 class Siblings:
     """The shared state of one fused group (not a module: it holds references to its parts, which hold
     it as ``_siblings``). ``take(part, x, x2)`` is a part's forward while the group is active."""
 
-    _outs = None  # the traced round's column slices (a class default: also for groups pickled before it)
 
     def __init__(self, name, owner, parts):
         self.name, self.owner, self.parts = name, owner, list(parts)
@@ -70,9 +73,13 @@ class Siblings:
         self._seen, self._version = 0, 0
         self._held = [None] * len(self.parts)  # each part's buffers as fused (see _PART_BUFFERS)
         self._fused = None
+        # the traced round (``_take_traced``): None between forwards. An instance attribute from the start:
+        # a traced store into a class default would change the guarded instance dict after the first call
+        self._round = None
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.__dict__.setdefault("_round", None)
         self.restored()
 
     def restored(self):
@@ -84,6 +91,22 @@ class Siblings:
             return
         for p in parts:
             p._choose()
+
+    def choose_runs(self):
+        """Sets each part's path (``_run``) while the group is active: its columns of the group's one
+        GEMV, or, where the parts' kernels (chosen from mode and layout) differ from the owner's, a path
+        that ends the group at its next call. Called by every part's ``_choose``, so that the compiled
+        step is guarded on which function each part holds, not on every part's kernel."""
+        from .linear import _PART_RUNS, _run_mixed
+
+        owner = self.owner
+        kernel = owner.__dict__.get("_kernel")
+        same = kernel is not None and all(p.__dict__.get("_kernel") is kernel for p in self.parts)
+        # what the traced round reads (``take_traced``), in one attribute: the parts' column counts, and
+        # whether the group has a bias
+        self.plan = (tuple(hi - lo for lo, hi in self.bounds), owner._buffers.get("_fused_bias") is not None)
+        for i, p in enumerate(self.parts):
+            p.__dict__["_run"] = _PART_RUNS[i] if same else _run_mixed
 
     def record(self, part):
         """Notes ``part``'s buffers (and, for the owner, the concatenations) as the ones fused."""
@@ -105,8 +128,9 @@ class Siblings:
         it again), with one warning, also while torch.compile traces."""
         if self.active:
             self.active = False
-            self._x = self._out = self._outs = None
+            self._x = self._out = None
             self._seen = 0
+            self._round = _DISSOLVED if torch.compiler.is_compiling() else None
             if not torch.compiler.is_compiling():  # (while tracing, take() sees active is False instead)
                 for p in self.parts:
                     p._choose()  # each part's own GEMV from now on
@@ -123,34 +147,12 @@ class Siblings:
         keyed by the ``x`` object the model passed) from the group's one GEMV, or None when the group is
         no longer active (the caller then computes alone).
 
-        Eager, every call checks that the group still holds what it fused (buffers by identity, modes,
+        Eager, every call checks that the group still holds what it fused (buffers by identity, the
         device, the input's version, the order of calls). Traced by torch.compile, each such check would
-        become dynamo guards evaluated on every call of the compiled model (dozens a group): there the
-        group relies on what ends it eagerly (a buffer replaced through ``setattr`` or a load dissolves
-        it and re-chooses the parts' path, on which the compiled code is guarded), computes a new product
-        for each round (as eagerly, a pattern that does not fit ends the group) and checks only that its
-        parts run one kernel. ``i`` comes with the part's path function (``linear._PART_RUNS``), so that
-        reading it costs no guard."""
-        owner = self.owner
-        if torch.compiler.is_compiling():
-            if not self.active:  # dissolved while tracing: the parts keep this path, computing alone
-                return None
-            if part is not owner and part._kernel is not owner._kernel:
-                self.dissolve("its modules' modes differ")
-                return None
-            if self._x is not x or self._seen & (1 << i):
-                if self._seen:
-                    self.dissolve("its modules were not each called once on one input before another input came")
-                    return None
-                self._x, self._seen = x, 0
-                sizes = [hi - lo for lo, hi in self.bounds]  # (Python at trace time only)
-                self._outs = torch.split(owner._product(x2, fused=True), sizes, dim=1)
-            outs = self._outs
-            self._seen |= 1 << i
-            if self._seen == self.full:  # every part took its columns: keep nothing between forwards
-                self._x = self._outs = None
-                self._seen = 0
-            return outs[i]
+        become dynamo guards evaluated on every call of the compiled model: there the group relies on
+        what ends it eagerly (a buffer replaced or a mode changed re-chooses the parts' paths, on which
+        the compiled code is guarded, ``choose_runs``): ``take_traced``. ``i`` comes with the part's path
+        function (``linear._PART_RUNS``)."""
         if not self.active:  # dissolved while torch.compile traced: the parts' paths are chosen now
             for p in self.parts:
                 p._choose()
@@ -166,7 +168,7 @@ class Siblings:
                 return None
             self._x, self._seen = x, 0
             self._version = x._version
-            self._out = owner._product(x2, fused=True)
+            self._out = self.owner._product(x2, fused=True)
         self._seen |= bit
         lo, hi = self.bounds[i]
         out = self._out[:, lo:hi]
@@ -180,8 +182,6 @@ class Siblings:
         if not self._intact(part):
             return f"a buffer of '{self.name}' was replaced (fuse_linears again to fuse it)"
         owner = self.owner
-        if any(p._kernel is not owner._kernel for p in self.parts):  # (chosen once from mode and layout)
-            return "its modules' modes differ"
         if owner._fused_weight.device != x2.device:
             return f"its concatenation is on {owner._fused_weight.device}, the input on {x2.device}"
         if self._x is x and not self._seen & (1 << part._sibling_index) and x._version != self._version:
@@ -202,6 +202,30 @@ class Siblings:
                 return
             part._buffers[mine] = f[lo:hi]
         self.record(part)
+
+
+def take_traced(sib, part, x, x2, i):
+    """``Siblings.take`` while torch.compile traces (a function, not a method: each attribute a traced call
+    looks up on the group is a guard on every compiled call). Reads two attributes of the group: ``_round``
+    (None between forwards; within a traced forward the tuple it holds is the trace's own, so reading it
+    again costs no guard) and ``plan``; the owner is the group's first part, so the usual round, which
+    starts there, reads nothing else."""
+    r = sib._round
+    if r is _DISSOLVED:  # dissolved earlier in this trace: the parts compute alone
+        return None
+    if r is None or r[0] is not x or r[1] & (1 << i):
+        if r is not None:
+            sib.dissolve("its modules were not each called once on one input before another input came")
+            return None
+        sizes, bias = sib.plan
+        owner = part if i == 0 else sib.owner
+        out = owner._kernel(owner, x2, True)
+        if bias:
+            out = out + owner._buffers["_fused_bias"].to(out.dtype)
+        r = (x, 0, torch.split(out, sizes, dim=1))
+    seen = r[1] | (1 << i)
+    sib._round = None if seen == (1 << len(r[2])) - 1 else (x, seen, r[2])  # a whole round: keep nothing
+    return r[2][i]
 
 
 def _groups(model, groups):

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .fuse import _PART_BUFFERS, FUSED_BUFFERS
+from .fuse import _PART_BUFFERS, FUSED_BUFFERS, take_traced
 from ..op import gemv, gemv_packed
 from ..packed import pack_weight, packed_takes, unpack_weight
 from ..reference import check_args
@@ -266,8 +266,9 @@ class NVFP4Linear(torch.nn.Module):
         """Decides, once, what forward runs: the kernel of the mode and layout (``_kernel``) and the path
         (``_run``: alone, with or without bias, or a fused group's part). Called whenever one of those
         changes (construction, ``mode``, a load, ``pack``, ``fuse_linears`` and a group's end), so that a
-        compiled forward reads two function attributes instead of the state they are chosen from: fewer
-        dynamo guards and graph inputs a layer (docs/design.md, "The host cost of a compiled step")."""
+        compiled forward reads one function attribute (a fused group's owner two: its kernel runs the
+        group's product) instead of the state they are chosen from: fewer dynamo guards and graph inputs
+        a layer (docs/design.md, "The host cost of a compiled step")."""
         d = self.__dict__
         if "_mode" not in d or "_buffers" not in d:
             return  # (during __init__)
@@ -280,9 +281,9 @@ class NVFP4Linear(torch.nn.Module):
         d["_kernel"] = kernel
         sib = d.get("_siblings")
         if sib is not None and getattr(sib, "active", False):  # (unpickling: the group's state may come later)
-            d["_run"] = _PART_RUNS[self._sibling_index]
+            sib.choose_runs()
         else:
-            d["_run"] = _run_alone_bias if self._buffers.get("bias") is not None else _run_alone
+            d["_run"] = _ALONE_RUNS[kernel, self._buffers.get("bias") is not None]
 
     def __setstate__(self, state):
         # a module pickled before the path was chosen once: "mode" was a plain attribute, no _run / _kernel
@@ -506,14 +507,58 @@ def _rows(x):
     return x2
 
 
-def _run_alone(mod, x):
+def _alone(mod, x, kernel, bias):
     x2 = _rows(x)
-    out = mod._kernel(mod, x2, False) if x2.shape[0] else x2.new_empty((0, mod.weight.shape[0]))
+    if not x2.shape[0]:
+        return x.new_empty((*x.shape[:-1], mod.weight.shape[0]))
+    out = kernel(mod, x2, False)
+    if bias:
+        out = out + mod._buffers["bias"].to(out.dtype)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _run_alone_bias(mod, x):
-    out = mod._product(_rows(x))
+# A module alone runs one of these: one function for each kernel and bias, each its own code object (dynamo
+# guards a function attribute by its code, so the kernel must be in the code, not in a closure's cell)
+def _run_w4a16(mod, x):
+    return _alone(mod, x, _kernel_w4a16, False)
+
+
+def _run_w4a16_bias(mod, x):
+    return _alone(mod, x, _kernel_w4a16, True)
+
+
+def _run_packed(mod, x):
+    return _alone(mod, x, _kernel_packed, False)
+
+
+def _run_packed_bias(mod, x):
+    return _alone(mod, x, _kernel_packed, True)
+
+
+def _run_w4a4(mod, x):
+    return _alone(mod, x, _kernel_w4a4, False)
+
+
+def _run_w4a4_bias(mod, x):
+    return _alone(mod, x, _kernel_w4a4, True)
+
+
+def _run_packed_w4a4(mod, x):
+    _kernel_packed_w4a4(mod, x, False)
+
+
+def _run_needs_input_scale(mod, x):
+    _kernel_needs_input_scale(mod, x, False)
+
+
+def _run_mixed(mod, x):
+    """A fused group's part while the parts' kernels differ (``Siblings.choose_runs``): the group ends here,
+    and this part computes alone."""
+    sib = mod._siblings
+    if sib is not None and sib.active:
+        sib.dissolve("its modules' modes differ")
+    x2 = _rows(x)
+    out = mod._product(x2)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -521,7 +566,10 @@ def _part_run(i):
     def run(mod, x):
         """A fused group's ``i``-th part (``nvfp4_gemv.model.fuse``): its columns of the group's one GEMV."""
         x2 = _rows(x)
-        out = mod._siblings.take(mod, x, x2, i) if x2.shape[0] else None
+        out = None
+        if x2.shape[0]:
+            sib = mod._siblings
+            out = take_traced(sib, mod, x, x2, i) if torch.compiler.is_compiling() else sib.take(mod, x, x2, i)
         if out is None:  # the group ended (its path is re-chosen), or no rows
             out = mod._product(x2)
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -535,13 +583,19 @@ _PART_RUNS = tuple(_part_run(i) for i in range(16))
 globals().update({f.__name__: f for f in _PART_RUNS})
 
 
+# The kernels read the module's buffers from ``_buffers`` itself: ``mod.weight`` would go through
+# ``Module.__getattr__``, which a traced forward guards on three dicts' types, on every compiled call.
+
+
 def _kernel_w4a16(mod, x2, fused):
-    w, ws = (mod._fused_weight, mod._fused_weight_scale) if fused else (mod.weight, mod.weight_scale)
-    return gemv(x2, None, w, ws, alpha=mod.weight_scale_2, out_dtype=x2.dtype)
+    b = mod._buffers
+    w, ws = (b["_fused_weight"], b["_fused_weight_scale"]) if fused else (b["weight"], b["weight_scale"])
+    return gemv(x2, None, w, ws, alpha=b["weight_scale_2"], out_dtype=x2.dtype)
 
 
 def _kernel_packed(mod, x2, fused):
-    return gemv_packed(x2, mod._fused_weight if fused else mod.weight, alpha=mod.weight_scale_2, out_dtype=x2.dtype)
+    b = mod._buffers
+    return gemv_packed(x2, b["_fused_weight" if fused else "weight"], alpha=b["weight_scale_2"], out_dtype=x2.dtype)
 
 
 def _kernel_packed_w4a4(mod, x2, fused):
@@ -549,13 +603,23 @@ def _kernel_packed_w4a4(mod, x2, fused):
 
 
 def _kernel_w4a4(mod, x2, fused):
-    w, ws = (mod._fused_weight, mod._fused_weight_scale) if fused else (mod.weight, mod.weight_scale)
+    b = mod._buffers
+    w, ws = (b["_fused_weight"], b["_fused_weight_scale"]) if fused else (b["weight"], b["weight_scale"])
     if W4A4_VIA_W4A16_FROM is not None and x2.shape[0] >= W4A4_VIA_W4A16_FROM:
-        xd = quantize_dequantized(x2, mod._inv_input_scale)  # the values quantize's codes stand for
-        return gemv(xd, None, w, ws, alpha=mod._alpha, out_dtype=x2.dtype)
-    xq, xs = quantize(x2, mod._inv_input_scale)
-    return gemv(xq, xs, w, ws, alpha=mod._alpha, out_dtype=x2.dtype)
+        xd = quantize_dequantized(x2, b["_inv_input_scale"])  # the values quantize's codes stand for
+        return gemv(xd, None, w, ws, alpha=b["_alpha"], out_dtype=x2.dtype)
+    xq, xs = quantize(x2, b["_inv_input_scale"])
+    return gemv(xq, xs, w, ws, alpha=b["_alpha"], out_dtype=x2.dtype)
 
 
 def _kernel_needs_input_scale(mod, x2, fused):
     raise ValueError("NVFP4Linear: mode 'w4a4' needs 'input_scale' (None here): set it, or use mode 'w4a16'")
+
+
+_ALONE_RUNS = {
+    (_kernel_w4a16, False): _run_w4a16, (_kernel_w4a16, True): _run_w4a16_bias,
+    (_kernel_packed, False): _run_packed, (_kernel_packed, True): _run_packed_bias,
+    (_kernel_w4a4, False): _run_w4a4, (_kernel_w4a4, True): _run_w4a4_bias,
+    (_kernel_packed_w4a4, False): _run_packed_w4a4, (_kernel_packed_w4a4, True): _run_packed_w4a4,
+    (_kernel_needs_input_scale, False): _run_needs_input_scale, (_kernel_needs_input_scale, True): _run_needs_input_scale,
+}
