@@ -2,7 +2,8 @@
 no Python loop per value).
 
 A transformers ``LlamaForCausalLM`` of a given config (default: Llama-3.2-1B's shapes; random weights) is
-quantized (``quantize_model``) and written (``save_modelopt``) once into a folder; then, each ``--reps``
+quantized (``quantize_model``, a decoder layer at a time on ``--device``, so that no bf16 copy of the whole
+model is ever made) and written (``save_modelopt``) once into a folder; then, each ``--reps``
 times with the files in the page cache (a first read warms it, untimed):
 
 * ``read``: every tensor of the export read by safetensors onto the device (``safe_open`` /
@@ -33,16 +34,54 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 
-def build(args, device):
+def config(args):
     import transformers
 
-    cfg = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
-                                   num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                                   num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
-                                   tie_word_embeddings=args.tie, max_position_embeddings=256)
-    torch.manual_seed(0)
-    with torch.device(device):
-        return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    return transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
+                                    num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                    num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+                                    tie_word_embeddings=args.tie, max_position_embeddings=256)
+
+
+def _random_(module, gen):
+    """transformers' Llama init, roughly: normal(0, 0.02) matrices, ones for the norms' vectors."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen).mul_(0.02).to(p.dtype))
+
+
+def export(args, device, path):
+    """The quantized random model written with ``save_modelopt``, one decoder layer at a time: the model is
+    built on the meta device, each layer made in bf16 on ``device``, quantized there and moved to the CPU, so
+    no whole bf16 model exists anywhere (Llama-3-70B's is 141 GB; its NVFP4 export about 43 GB)."""
+    import transformers
+
+    from nvfp4_gemv import quantize_model, save_modelopt
+
+    cfg = config(args)
+    gen = torch.Generator().manual_seed(0)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    for layer in model.model.layers:
+        layer.to_empty(device=device)
+        _random_(layer, gen)
+        if args.mode == "w4a4":  # one input scale for every linear
+            scales = {n: 0.01 for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+            quantize_model(layer, mode="w4a4", input_scales=scales)
+        else:
+            quantize_model(layer)
+        layer.to("cpu")
+    rest = [model.model.embed_tokens, model.model.norm] + ([] if args.tie else [model.lm_head])
+    for m in rest:
+        m.to_empty(device="cpu")
+        _random_(m, gen)
+    if args.tie:
+        model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)  # its buffers were built on meta
+    save_modelopt(model, path)
 
 
 def read_all(path, device):
@@ -80,23 +119,13 @@ def main(argv=None):
     p.add_argument("--dir", default=None, help="export folder (default: a temporary one, removed at the end)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    from nvfp4_gemv import load_modelopt, quantize_model, save_modelopt
+    from nvfp4_gemv import load_modelopt
 
     device = torch.device(args.device)
     path = args.dir or tempfile.mkdtemp(prefix="nvfp4_load_")
     try:
         t0 = time.perf_counter()
-        model = build(args, device)
-        if args.mode == "w4a4":
-            from nvfp4_gemv import NVFP4Linear  # noqa: F401 (scales: one value for every linear)
-
-            names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
-            scales = {n: 0.01 for n in names}
-            quantize_model(model, mode="w4a4", input_scales=scales)
-        else:
-            quantize_model(model)
-        save_modelopt(model, path)
-        del model
+        export(args, device, path)
         t_export = time.perf_counter() - t0
         nbytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
         read_all(path, device)  # warms the page cache (untimed)

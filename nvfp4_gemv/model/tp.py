@@ -92,11 +92,13 @@ def _style_of(name, plan):
     return hits.pop() if hits else None
 
 
-def _plan_targets(model, plan, who, out_of, entries, stacklevel, first=None):
+def _plan_targets(model, plan, who, out_of, entries, stacklevel, first=None, warn_unused=True):
     """``[(name, module, style)]`` of the modules ``plan`` shards: transformers' "replicated*" entries (Qwen3's
     q_norm / k_norm: kept whole) left out, ``first(name, module)`` called on each before its style is
     checked, a style other than ``STYLES`` refused by name; plan entries that match no module are warned of
-    (``stacklevel`` pointing at the user's call)."""
+    (``stacklevel`` pointing at the user's call) where the user wrote the plan (``warn_unused``): a model's
+    own plan names modules some of its configurations lack (Qwen3-MoE's dense ``mlp.*_proj``, absent where
+    every layer is a MoE layer)."""
     targets, used = [], set()
     for name, mod in model.named_modules():
         style = _style_of(name, plan)
@@ -112,7 +114,7 @@ def _plan_targets(model, plan, who, out_of, entries, stacklevel, first=None):
                                       f"leave it out of {out_of} to keep the module replicated")
         targets.append((name, mod, style))
     unused = sorted(set(plan) - used)
-    if unused:
+    if unused and warn_unused:
         warnings.warn(f"{who}: {entries} {unused} match no module (ignored)", UserWarning, stacklevel=stacklevel)
     return targets
 
@@ -274,7 +276,8 @@ def shard_model(model, rank=None, world_size=None, plan=None, group=None):
     if dist.is_initialized() and dist.get_world_size(group) != world_size:
         raise ValueError(f"shard_model: world_size={world_size}, but the process group has "
                          f"{dist.get_world_size(group)} ranks")
-    plan = dict(default_plan(model) if plan is None else plan)
+    own_plan = plan is None
+    plan = dict(default_plan(model) if own_plan else plan)
     for p, s in plan.items():
         if s not in STYLES and not isinstance(s, str):
             raise ValueError(f"shard_model: plan entry {p!r}: expected a style name, got {s!r}")
@@ -285,7 +288,7 @@ def shard_model(model, rank=None, world_size=None, plan=None, group=None):
 
     targets = []
     for name, mod, style in _plan_targets(model, plan, "shard_model", "the plan", "plan entries", 3,
-                                         not_yet_sharded):
+                                         not_yet_sharded, warn_unused=not own_plan):
         if isinstance(mod, NVFP4Experts):
             raise NotImplementedError(f"shard_model: module '{name}': NVFP4Experts under tensor parallelism "
                                       "(experts sharded by the intermediate dimension) is not implemented")
@@ -376,13 +379,15 @@ def plan_load(model, plan_, ckpt, tp_plan, group, fuse, who):
         raise ValueError(f"{who}: 'tp_plan' needs torch.distributed initialized (each rank loads its own shards)")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     load = ShardedLoad(rank, world, group)
-    if tp_plan == "auto":
+    own_plan = isinstance(tp_plan, str) and tp_plan == "auto"
+    if own_plan:
         tp_plan = default_plan(model)
     if not isinstance(tp_plan, dict):
         raise TypeError(f"{who}: 'tp_plan': expected 'auto' or a dict of module patterns -> styles, got "
                         f"{type(tp_plan).__name__}")
     errors = []
-    for name, mod, style in _plan_targets(model, tp_plan, who, "'tp_plan'", "tp_plan entries", 4):
+    for name, mod, style in _plan_targets(model, tp_plan, who, "'tp_plan'", "tp_plan entries", 4,
+                                         warn_unused=not own_plan):
         fields = plan_.layers.get(name)
         if fields is None:
             raise NotImplementedError(f"{who}: module '{name}': 'tp_plan' shards it, but the checkpoint stores it "

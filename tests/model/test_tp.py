@@ -4,7 +4,8 @@ Each rank builds the same tiny Llama, quantizes it, keeps an unsharded copy and 
 row-wise layer's output must be the fp32 sum of the ranks' partials rounded once (bit for bit) and within
 the module docstring's bound of the unsharded layer on the gathered input; every column-wise layer's output
 must be the unsharded layer's columns bit for bit; logits must agree within what those per-layer differences
-give. Plans the model cannot take are refused by name at sharding time.
+give. Plans the model cannot take are refused by name at sharding time. A tiny Qwen3-MoE under transformers' own
+plan: attention sharded, the experts (which the plan does not name) whole on every rank, logits as unsharded.
 """
 
 import copy
@@ -258,6 +259,86 @@ def test_replicated_entries_of_transformers_plans_stay_whole():
 
 
 
+# -- a mixture-of-experts model: transformers' plan shards attention; the experts stay whole -------------
+
+MOE = dict(DIMS, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+           mlp_only_layers=[])
+
+
+def _moe_quantized(mode):
+    from nvfp4_gemv import NVFP4Experts
+
+    cfg = transformers.Qwen3MoeConfig(**MOE)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and ("proj" in name or "experts" in name):
+                p.mul_(4)
+    scales = None
+    if mode == "w4a4":
+        from nvfp4_gemv import calibrate_expert_input_scales
+
+        scales = {**calibrate_input_scales(model, lambda m: m(_ids(seed=7))),
+                  **calibrate_expert_input_scales(model, lambda m: m(_ids(seed=7)))}
+    quantize_model(model, mode=mode, input_scales=scales)
+    assert all(isinstance(layer.mlp.experts, NVFP4Experts) for layer in model.model.layers)
+    return model
+
+
+def _moe_worker(rank, world, init, errfile, cases):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        for mode in cases:
+            ref, model = _moe_quantized(mode), _moe_quantized(mode)
+            experts = [layer.mlp.experts for layer in model.model.layers]
+            held = [dict(e.named_buffers()) for e in experts]
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # every entry of the plan applies (q_norm / k_norm stay whole)
+                done = shard_model(model)
+            assert set(done) == {f"model.layers.{i}.self_attn.{p}" for i in range(MOE["num_hidden_layers"])
+                                 for p in ("q_proj", "k_proj", "v_proj", "o_proj")}, sorted(done)
+            for e, h in zip(experts, held):  # replicated: the same module, its tensors untouched
+                assert all(t is h[n] for n, t in e.named_buffers())
+            logits, stats = _checked_logits(model, ref, world, rank)
+            with torch.no_grad():
+                want = ref(_ids()).logits
+            assert stats["rowwise"] == MOE["num_hidden_layers"] and stats["colwise"] > 0, stats
+            scale = want.abs().max().item()
+            diff = (logits.double() - want.double()).abs().max().item()
+            # as for the Llama: o_proj's output within ~1.5 ulp of the unsharded one (checked layer by layer);
+            # the router's top-k can flip on such an ulp only where two experts' scores tie that closely
+            tol = (2 ** -5 if mode == "w4a16" else 2 ** -2) * scale
+            if rank == 0:
+                print(f"moe tp{world} {mode}: max |logits diff| {diff:.4g} (scale {scale:.4g})")
+            assert diff <= tol, f"moe {mode}: logits differ by {diff} (scale {scale})"
+            assert all(torch.equal(g, logits) for g in _gather(logits, world)), "ranks disagree on the logits"
+    except BaseException as e:  # noqa: BLE001 (reported to the parent with its rank)
+        _report(errfile, rank, e)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp2_qwen3_moe_shards_attention_keeps_the_experts_whole_and_matches_unsharded(tmp_path):
+    _spawn(2, ["w4a16", "w4a4"], tmp_path, _moe_worker)
+
+
+def test_an_entry_of_the_users_plan_that_matches_nothing_is_warned_of_by_name():
+    # (a model's own plan is not: Qwen3-MoE's names dense mlp projections that an all-MoE model lacks)
+    model = quantize_model(_model())
+    with pytest.warns(UserWarning, match=r"plan entries \['model.layers.\*.mlp.dense'\] match no module"):
+        shard_model(model, rank=0, world_size=2, plan={"model.layers.*.mlp.down_proj": "rowwise",
+                                                       "model.layers.*.mlp.dense": "colwise"})
+
+
+def test_a_plan_that_names_the_experts_is_refused_by_name():
+    model = _moe_quantized("w4a16")
+    _refused(model, 2, "model.layers.0.mlp.experts", plan={"model.layers.*.mlp.experts": "colwise"},
+             exc=NotImplementedError)
+
+
 # -- from_pretrained(tp_plan=...): each rank reads its shards only --------------------------------------
 
 
@@ -312,7 +393,12 @@ def _export(tmp_path, mode):
     from nvfp4_gemv import save_modelopt
 
     model = _model()
-    scales = calibrate_input_scales(model, lambda m: m(_ids(seed=7))) if mode == "w4a4" else None
+    scales = None
+    if mode == "w4a4":
+        from nvfp4_gemv import calibrate_expert_input_scales
+
+        scales = {**calibrate_input_scales(model, lambda m: m(_ids(seed=7))),
+                  **calibrate_expert_input_scales(model, lambda m: m(_ids(seed=7)))}
     quantize_model(model, mode=mode, input_scales=scales, fuse=True)  # q/k/v and gate/up share weight_scale_2
     path = str(tmp_path / f"export-{mode}")
     save_modelopt(model, path)
