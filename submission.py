@@ -1577,18 +1577,25 @@ def launch_options(options, tvm_ffi):
 
 class KernelCache:
     """Compiled kernels by a key of what changes their code: ``build(key)`` returns ``(op, compiled fn)``, run
-    once a key under a lock (a second thread waits for the first's compile); ``get`` wraps it as a
+    once a key under the module's lock (a second thread waits for the first's compile; compiles of every
+    cache, the leaderboard's, the op's, W4A16's and quantize's, one at a time); ``get`` wraps it as a
     ``Kernel`` of the device and checks its fast launch path once."""
 
     def __init__(self, build):
         self._build = build
         self._kernels = {}
-        self._lock = threading.RLock()
+
+    def __len__(self):
+        return len(self._kernels)
+
+    def clear(self):
+        with lock:
+            self._kernels.clear()
 
     def get(self, device_index, key):
         kern = self._kernels.get(key)
         if kern is None:
-            with self._lock:
+            with lock:
                 kern = self._kernels.get(key)
                 if kern is None:
                     op, fn = self._build(key)
@@ -2232,22 +2239,17 @@ def compile_gemv(k, blocked_scales, arch, options=None, tvm_ffi=None, **tuning):
                        options, tvm_ffi)
 
 
-_compiled = {}
+def _build(key):
+    device_index, k, blocked_scales, tuning = key
+    kw = dict(tuning)
+    return make_op(k, blocked_scales, **kw), compile_gemv(k, blocked_scales, device_info(device_index)[0], **kw)
+
+
+_compiled = KernelCache(_build)  # by what changes the code: the device (its arch), K, the scales' layout, tuning
 
 
 def _get_kernel(device_index, k, blocked_scales, tuning):
-    key = (device_index, k, blocked_scales, tuning)
-    kern = _compiled.get(key)
-    if kern is None:
-        with lock:
-            kern = _compiled.get(key)
-            if kern is None:
-                kw = dict(tuning)
-                fn = compile_gemv(k, blocked_scales, device_info(device_index)[0], **kw)
-                kern = Kernel(fn, device_index, make_op(k, blocked_scales, **kw))
-                kern.check_fast()
-                _compiled[key] = kern
-    return kern
+    return _compiled.get(device_index, (device_index, k, blocked_scales, tuning))
 
 
 # ----------------------------------------------------------------------------------------------------

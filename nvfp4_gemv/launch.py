@@ -184,18 +184,25 @@ def launch_options(options, tvm_ffi):
 
 class KernelCache:
     """Compiled kernels by a key of what changes their code: ``build(key)`` returns ``(op, compiled fn)``, run
-    once a key under a lock (a second thread waits for the first's compile); ``get`` wraps it as a
+    once a key under the module's lock (a second thread waits for the first's compile; compiles of every
+    cache, the leaderboard's, the op's, W4A16's and quantize's, one at a time); ``get`` wraps it as a
     ``Kernel`` of the device and checks its fast launch path once."""
 
     def __init__(self, build):
         self._build = build
         self._kernels = {}
-        self._lock = threading.RLock()
+
+    def __len__(self):
+        return len(self._kernels)
+
+    def clear(self):
+        with lock:
+            self._kernels.clear()
 
     def get(self, device_index, key):
         kern = self._kernels.get(key)
         if kern is None:
-            with self._lock:
+            with lock:
                 kern = self._kernels.get(key)
                 if kern is None:
                     op, fn = self._build(key)

@@ -36,14 +36,13 @@ from .bulk import Nvfp4GemvBulk
 from .launch import (
     MAX_K,
     MAX_PLANS,
-    Kernel,
+    KernelCache,
     RecentPlans,
     current_device,
     current_stream,
     device_info,
     dsl_compile,
     fail,
-    lock,
     tile_counters,
 )
 from .tuning import as_config, make_op, pick_tuning
@@ -161,22 +160,17 @@ def compile_gemv(k, blocked_scales, arch, options=None, tvm_ffi=None, **tuning):
                        options, tvm_ffi)
 
 
-_compiled = {}
+def _build(key):
+    device_index, k, blocked_scales, tuning = key
+    kw = dict(tuning)
+    return make_op(k, blocked_scales, **kw), compile_gemv(k, blocked_scales, device_info(device_index)[0], **kw)
+
+
+_compiled = KernelCache(_build)  # by what changes the code: the device (its arch), K, the scales' layout, tuning
 
 
 def _get_kernel(device_index, k, blocked_scales, tuning):
-    key = (device_index, k, blocked_scales, tuning)
-    kern = _compiled.get(key)
-    if kern is None:
-        with lock:
-            kern = _compiled.get(key)
-            if kern is None:
-                kw = dict(tuning)
-                fn = compile_gemv(k, blocked_scales, device_info(device_index)[0], **kw)
-                kern = Kernel(fn, device_index, make_op(k, blocked_scales, **kw))
-                kern.check_fast()
-                _compiled[key] = kern
-    return kern
+    return _compiled.get(device_index, (device_index, k, blocked_scales, tuning))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -164,7 +164,7 @@ def test_launch_paths_without_tvm_ffi_match_float64(path, monkeypatch):
     import importlib.metadata as md
 
     monkeypatch.setenv(submission.LAUNCH_ENV, path)
-    monkeypatch.setattr(submission, "_compiled", {})
+    monkeypatch.setattr(submission, "_compiled", submission.KernelCache(submission._build))  # compiled anew
     monkeypatch.setattr(submission, "_warned", set())
     data = inputs.random_inputs(256, 2048, 2, seed=33)
     with warnings.catch_warnings(record=True) as seen:
