@@ -49,6 +49,7 @@ MODELOPT = "nvfp4_gemv/model/modelopt.py"
 FUSE = "nvfp4_gemv/model/fuse.py"
 CHECKPOINT = "nvfp4_gemv/model/checkpoint.py"
 PACKED = "nvfp4_gemv/packed.py"
+TP = "nvfp4_gemv/model/tp.py"
 
 # (name, file, old, new, tests, gpu)
 MUTANTS = [
@@ -433,6 +434,13 @@ MUTANTS = [
     ("linear: quantize_model(fuse=True) quantizes a group per linear", CONVERT,
      "        for names in _fusable_groups(model, targets, scales):", "        for names in []:",
      ["tests/model/test_fuse.py"], False),
+    # -- tensor parallelism over gloo (CPU) --
+    ("tp: an experts shard's up rows taken from its gate rows", TP,
+     "t[:, big + rank * i:big + (rank + 1) * i]", "t[:, mine]", ["tests/model/test_tp.py"], False),
+    ("tp: an experts shard's output not all-reduced", TP, 'if style in ("rowwise", EXPERTS):', 'if style == "rowwise":',
+     ["tests/model/test_tp.py"], False),
+    ("tp: an experts shard that cuts a scale group accepted", TP, "    if (i // world) % BLOCK:", "    if False:",
+     ["tests/model/test_tp.py"], False),
     # -- the packed layout (CPU) --
     ("packed: a group's scale bytes before its w", PACKED, "out[:, :, 512:].view(", "out[:, :, :64].view(",
      ["tests/op/test_packed.py"], False),

@@ -13,14 +13,23 @@ model's ``config.base_model_tp_plan``, prefixed with the base model's name) as t
   scale groups ``in/(16W)`` a row; the scalars are replicated. Its input is this rank's slice (what the
   colwise layers before it produce), its output a partial product that a forward hook all-reduces (SUM over
   ``group``) before the bias, held as the non-persistent buffer ``tp_bias``, is added once.
+* ``"experts"`` (``NVFP4Experts``; transformers' plans leave experts out, so name them yourself, e.g.
+  ``{**default_plan(model), "model.layers.*.mlp.experts": "experts"}``): every expert's intermediate
+  dimension I is split, rank r keeping rows ``[r*I/W, (r+1)*I/W)`` of its gate and of its up (a column-wise
+  split) and the same columns of its down (a row-wise split: bytes ``I/(2W)``, scale groups ``I/(16W)``);
+  the global and input scales are replicated. Routing stays whole on every rank (hidden states and router
+  are replicated), each rank computes every routed slot over its slice, and the module's output, a partial
+  sum, is all-reduced like a row-wise layer's. A slot's down product is rounded to x's dtype on each rank
+  before the slots are combined, so the bound is the row-wise one summed over a token's k slots.
 
 Refused by name at sharding time (before the model changes), never at a forward: a dimension the world
 size does not divide, a row-wise shard that would cut a 16-value scale group, a shard the kernels cannot
 take (``linear.kernel_takes``: out % 128 == 0, in % 64 == 0 a shard; a packed layer also in % 128 == 0 a
 row-wise shard), attention head counts (``num_attention_heads``, ``num_key_value_heads``) the world size
-does not divide when q/k/v are sharded, styles other than "colwise"/"rowwise", and modules other than
-``NVFP4Linear`` / ``nn.Linear`` (``NVFP4Experts`` under TP is not implemented: it raises
-``NotImplementedError``; experts the plan does not name stay replicated, which is correct).
+does not divide when q/k/v are sharded, an experts shard that would cut a scale group (I / W a multiple of
+16), styles other than these three, "experts" on anything but ``NVFP4Experts`` or another style on one, and
+modules other than ``NVFP4Linear`` / ``nn.Linear`` / ``NVFP4Experts`` (``NotImplementedError``). Experts
+the plan does not name stay replicated, which is correct and costs their memory on every rank.
 
 The all-reduce is in fp32. The ops return their product in the output dtype only (bf16/fp16:
 ``reference.OUT_DTYPES``; each accumulates in fp32 or better and rounds once), so a rank's partial ``p_r``
@@ -51,7 +60,8 @@ of its K slice, its bias whole as ``tp_bias``); the shards then get the same att
 (``finish_load``): the model equals ``shard_model`` of the whole one.
 
 Not covered here: ``torch.compile`` of the all-reduce hook (plain ``dist.all_reduce``), saving a sharded
-model's state_dict as one checkpoint, experts, unquantized modules in a loading plan.
+model's state_dict as one checkpoint, loading experts' shards (``from_pretrained(tp_plan=...)`` refuses an
+experts entry: load, then ``shard_model``), unquantized modules in a loading plan, expert parallelism.
 """
 
 import fnmatch
@@ -66,6 +76,7 @@ from ..packed import packed_takes, unpack_weight
 from ..quant import BLOCK
 
 STYLES = ("colwise", "rowwise")
+EXPERTS = "experts"  # NVFP4Experts: every expert's intermediate dimension split (_shard_experts)
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads")
 
 
@@ -109,9 +120,9 @@ def _plan_targets(model, plan, who, out_of, entries, stacklevel, first=None, war
             continue
         if first is not None:
             first(name, mod)
-        if style not in STYLES:
-            raise NotImplementedError(f"{who}: module '{name}': style {style!r} is not supported (only {STYLES}); "
-                                      f"leave it out of {out_of} to keep the module replicated")
+        if style not in STYLES + (EXPERTS,):
+            raise NotImplementedError(f"{who}: module '{name}': style {style!r} is not supported (only "
+                                      f"{STYLES + (EXPERTS,)}); leave it out of {out_of} to keep the module replicated")
         targets.append((name, mod, style))
     unused = sorted(set(plan) - used)
     if unused and warn_unused:
@@ -198,6 +209,44 @@ def _shard_linear(mod, style, rank, world):
     return new, tail_bias
 
 
+def _check_experts(name, mod, world):
+    """Why ``NVFP4Experts`` ``mod`` cannot be sharded over ``world`` ranks by its intermediate dimension, or
+    None: I / world must be whole and keep 16-value scale groups (down's K, what the module itself requires
+    of its intermediate_dim; it has no GPU kernel whose granularity would ask more yet)."""
+    i = mod.intermediate_dim
+    if i % world:
+        return f"module '{name}': experts: intermediate_dim={i} is not divisible by world_size={world}"
+    if (i // world) % BLOCK:
+        return (f"module '{name}': experts: a shard of intermediate_dim={i // world} would cut a {BLOCK}-value "
+                f"scale group of down_proj (intermediate_dim / world_size must be a multiple of {BLOCK})")
+    return None
+
+
+def _shard_experts(mod, rank, world):
+    """Rank ``rank``'s ``NVFP4Experts``: rows ``[r*i, (r+1)*i)`` of every expert's gate and of its up (``i =
+    I / world``), the same columns (bytes ``i/2``, scale groups ``i/16``) of its down; the global and input
+    scales replicated. The output is a partial sum over this rank's intermediate slice."""
+    from .experts import NVFP4Experts
+
+    i, big = mod.intermediate_dim // world, mod.intermediate_dim
+    b = {n: t.detach() for n, t in mod._buffers.items() if t is not None}
+    mine = slice(rank * i, (rank + 1) * i)
+    new = NVFP4Experts(mod.num_experts, mod.hidden_dim, i, act_fn=mod.act_fn, mode=mod.mode,
+                       input_scale=b.get("gate_up_input_scale") is not None, device=b["gate_up_weight"].device)
+    with torch.no_grad():
+        for n in ("gate_up_weight", "gate_up_weight_scale"):  # [E, 2I, .]: gate rows then up rows
+            t = b[n]
+            new._buffers[n] = torch.cat([t[:, mine], t[:, big + rank * i:big + (rank + 1) * i]], dim=1).contiguous()
+        new._buffers["down_weight"] = b["down_weight"][:, :, rank * i // 2:(rank + 1) * i // 2].contiguous()
+        new._buffers["down_weight_scale"] = b["down_weight_scale"][:, :, rank * i // BLOCK:(rank + 1) * i // BLOCK].contiguous()
+        for p in ("gate_up", "down"):
+            for f in ("weight_scale_2", "input_scale"):
+                t = b.get(f"{p}_{f}")
+                new._buffers[f"{p}_{f}"] = t.clone() if t is not None else None
+    new._refresh()
+    return new, None
+
+
 def _check_heads(model, styles, world):
     """Attention heads: q/k/v sharded by rows must keep whole heads, as many on every rank (sentences)."""
     if not any(style == "colwise" and name.rpartition(".")[2] in ("q_proj", "k_proj", "v_proj")
@@ -227,13 +276,14 @@ def _divide_heads(model, names_styles, world):
 def _mark(new, style, rank, world, tail_bias, group):
     """A shard's attributes; a row-wise one gets its bias (``tp_bias``) and the all-reduce hook."""
     new.tp_rank, new.tp_world, new.tp_style = rank, world, style
-    if style == "rowwise":
+    if style in ("rowwise", EXPERTS):
         new.register_buffer("tp_bias", tail_bias, persistent=False)
         new._tp_hook = new.register_forward_hook(_AllReduce(group))
 
 
 class _AllReduce:
-    """Forward hook of a row-wise shard: ``round(fp32 all-reduce SUM of the partials)`` (+ ``tp_bias``)."""
+    """Forward hook of a row-wise shard (or an experts shard): ``round(fp32 all-reduce SUM of the partials)``
+    (+ ``tp_bias``)."""
 
     def __init__(self, group):
         self.group = group
@@ -255,8 +305,8 @@ class _AllReduce:
 
 def shard_model(model, rank=None, world_size=None, plan=None, group=None):
     """Shards ``model`` in place for tensor parallelism over ``world_size`` ranks, keeping rank ``rank``'s
-    shards (module docstring): the modules ``plan`` names (fnmatch patterns of qualified names -> "colwise"
-    or "rowwise"; default ``default_plan(model)``, transformers' ``base_model_tp_plan``) are replaced by
+    shards (module docstring): the modules ``plan`` names (fnmatch patterns of qualified names -> "colwise",
+    "rowwise" or, for ``NVFP4Experts``, "experts"; default ``default_plan(model)``, transformers' ``base_model_tp_plan``) are replaced by
     their shards, row-wise ones with an fp32 all-reduce over ``group`` (default: the default process group)
     after them; attention modules' head-count attributes are divided. ``rank`` / ``world_size`` default to
     ``group``'s (``torch.distributed`` must then be initialized; sharding itself communicates nothing).
@@ -289,9 +339,14 @@ def shard_model(model, rank=None, world_size=None, plan=None, group=None):
     targets = []
     for name, mod, style in _plan_targets(model, plan, "shard_model", "the plan", "plan entries", 3,
                                          not_yet_sharded, warn_unused=not own_plan):
-        if isinstance(mod, NVFP4Experts):
-            raise NotImplementedError(f"shard_model: module '{name}': NVFP4Experts under tensor parallelism "
-                                      "(experts sharded by the intermediate dimension) is not implemented")
+        if isinstance(mod, NVFP4Experts) != (style == EXPERTS):
+            raise NotImplementedError(
+                f"shard_model: module '{name}': " + (f"NVFP4Experts shard by style {EXPERTS!r} (every expert's "
+                f"intermediate dimension), not {style!r}" if isinstance(mod, NVFP4Experts) else
+                f"style {EXPERTS!r} shards NVFP4Experts only, not a {type(mod).__name__}"))
+        if style == EXPERTS:
+            targets.append((name, mod, style))
+            continue
         if type(mod) is not NVFP4Linear and type(mod) is not torch.nn.Linear:
             raise NotImplementedError(f"shard_model: module '{name}': a {type(mod).__name__} cannot be sharded "
                                       "(NVFP4Linear and nn.Linear only)")
@@ -301,7 +356,9 @@ def shard_model(model, rank=None, world_size=None, plan=None, group=None):
 
     errors = []
     for name, mod, style in targets:
-        if type(mod) is NVFP4Linear:
+        if style == EXPERTS:
+            why = _check_experts(name, mod, world_size)
+        elif type(mod) is NVFP4Linear:
             why = _check_nvfp4(name, mod, style, world_size)
         else:
             dim = mod.out_features if style == "colwise" else mod.in_features
@@ -332,9 +389,12 @@ def shard_model(model, rank=None, world_size=None, plan=None, group=None):
 
     shards = []
     for name, mod, style in targets:  # every shard built before the model changes
-        make = _shard_nvfp4 if type(mod) is NVFP4Linear else _shard_linear
         try:
-            new, tail_bias = make(mod, style, rank, world_size)
+            if style == EXPERTS:
+                new, tail_bias = _shard_experts(mod, rank, world_size)
+            else:
+                make = _shard_nvfp4 if type(mod) is NVFP4Linear else _shard_linear
+                new, tail_bias = make(mod, style, rank, world_size)
         except (TypeError, ValueError) as e:
             raise type(e)(f"shard_model: module '{name}': {e}") from e
         shards.append((name, new, style, tail_bias))
@@ -393,9 +453,9 @@ def plan_load(model, plan_, ckpt, tp_plan, group, fuse, who):
             raise NotImplementedError(f"{who}: module '{name}': 'tp_plan' shards it, but the checkpoint stores it "
                                       "unquantized; loading shards NVFP4 layers only (load without tp_plan and call "
                                       "shard_model, or leave it out of the plan)")
-        if hasattr(fields, "build"):
-            raise NotImplementedError(f"{who}: module '{name}': NVFP4Experts under tensor parallelism is not "
-                                      "implemented")
+        if hasattr(fields, "build") or style == EXPERTS:
+            raise NotImplementedError(f"{who}: module '{name}': loading NVFP4Experts' shards is not implemented "
+                                      f"(load without tp_plan, then shard_model with style {EXPERTS!r})")
         out_f, half = ckpt.entries[fields["weight"][0]].shape
         why = _check_dims(name, out_f, 2 * half, plan_.mode, False, style, world)
         if why:

@@ -75,6 +75,15 @@ def _checks(model, ref, world, rank, stats):
 
         def check(mod, args, out, name=name, full=full, style=style):
             x = args[0]
+            if style == "experts":  # every rank routes the same tokens over its slice of each expert
+                ps = torch.stack(_gather(mod.forward(*args), world))
+                assert torch.equal(out, ps.float().sum(0).to(out.dtype)), f"{name}: not round(fp32 sum of the partials)"
+                y1 = full(*args)
+                # each slot's down product is rounded on each rank before the slots combine: a few bf16 ulps
+                err = (out.double() - y1.double()).abs().max().item()
+                assert err <= 2.0 ** -6 * y1.double().abs().max().item(), f"{name}: |y_tp - y_1| = {err}"
+                stats["experts"] += 1
+                return
             if style == "colwise":
                 y1 = full(x)
                 n = y1.shape[-1] // world
@@ -99,7 +108,7 @@ def _checks(model, ref, world, rank, stats):
 def _checked_logits(model, ref, world, rank):
     """The sharded model's logits on ``_ids()``, each sharded layer checked against ``ref``'s (``_checks``) on
     the way; and the checks' counts."""
-    stats = {"colwise": 0, "rowwise": 0, "rowwise_equal": 0}
+    stats = {"colwise": 0, "rowwise": 0, "rowwise_equal": 0, "experts": 0}
     hooks = _checks(model, ref, world, rank, stats)
     try:
         with torch.no_grad():
@@ -290,29 +299,46 @@ def _moe_worker(rank, world, init, errfile, cases):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        for mode in cases:
+        from nvfp4_gemv.model.tp import default_plan
+
+        layers = MOE["num_hidden_layers"]
+        for mode, shard_experts in cases:
             ref, model = _moe_quantized(mode), _moe_quantized(mode)
             experts = [layer.mlp.experts for layer in model.model.layers]
             held = [dict(e.named_buffers()) for e in experts]
+            plan = None
+            if shard_experts:  # transformers' plan leaves the experts out: named here
+                plan = {**default_plan(model), "model.layers.*.mlp.experts": "experts"}
             with warnings.catch_warnings():
-                warnings.simplefilter("error")  # every entry of the plan applies (q_norm / k_norm stay whole)
-                done = shard_model(model)
-            assert set(done) == {f"model.layers.{i}.self_attn.{p}" for i in range(MOE["num_hidden_layers"])
-                                 for p in ("q_proj", "k_proj", "v_proj", "o_proj")}, sorted(done)
-            for e, h in zip(experts, held):  # replicated: the same module, its tensors untouched
-                assert all(t is h[n] for n, t in e.named_buffers())
+                warnings.simplefilter("error")  # every entry of transformers' plan applies, or is its own
+                warnings.filterwarnings("ignore", message=r".*mlp\.(down|gate|up)_proj.*match no module")
+                done = shard_model(model, plan=plan)
+            want_done = {f"model.layers.{i}.self_attn.{p}" for i in range(layers)
+                         for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+            if shard_experts:
+                want_done |= {f"model.layers.{i}.mlp.experts" for i in range(layers)}
+                e = model.model.layers[0].mlp.experts
+                i = MOE["moe_intermediate_size"] // world
+                assert e.intermediate_dim == i and tuple(e.gate_up_weight.shape) == (4, 2 * i, MOE["hidden_size"] // 2)
+                assert tuple(e.down_weight_scale.shape) == (4, MOE["hidden_size"], i // 16)
+            else:
+                for e, h in zip(experts, held):  # replicated: the same module, its tensors untouched
+                    assert all(t is h[n] for n, t in e.named_buffers())
+            assert set(done) == want_done, sorted(done)
             logits, stats = _checked_logits(model, ref, world, rank)
             with torch.no_grad():
                 want = ref(_ids()).logits
-            assert stats["rowwise"] == MOE["num_hidden_layers"] and stats["colwise"] > 0, stats
+            assert stats["rowwise"] == layers and stats["colwise"] > 0, stats
+            assert stats["experts"] == (layers if shard_experts else 0), stats
             scale = want.abs().max().item()
             diff = (logits.double() - want.double()).abs().max().item()
             # as for the Llama: o_proj's output within ~1.5 ulp of the unsharded one (checked layer by layer);
             # the router's top-k can flip on such an ulp only where two experts' scores tie that closely
             tol = (2 ** -5 if mode == "w4a16" else 2 ** -2) * scale
             if rank == 0:
-                print(f"moe tp{world} {mode}: max |logits diff| {diff:.4g} (scale {scale:.4g})")
-            assert diff <= tol, f"moe {mode}: logits differ by {diff} (scale {scale})"
+                print(f"moe tp{world} {mode} experts {'sharded' if shard_experts else 'whole'}: max |logits diff| "
+                      f"{diff:.4g} (scale {scale:.4g})")
+            assert diff <= tol, f"moe {mode} experts sharded={shard_experts}: logits differ by {diff} (scale {scale})"
             assert all(torch.equal(g, logits) for g in _gather(logits, world)), "ranks disagree on the logits"
     except BaseException as e:  # noqa: BLE001 (reported to the parent with its rank)
         _report(errfile, rank, e)
@@ -322,7 +348,12 @@ def _moe_worker(rank, world, init, errfile, cases):
 
 
 def test_tp2_qwen3_moe_shards_attention_keeps_the_experts_whole_and_matches_unsharded(tmp_path):
-    _spawn(2, ["w4a16", "w4a4"], tmp_path, _moe_worker)
+    _spawn(2, [("w4a16", False), ("w4a4", False)], tmp_path, _moe_worker)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_qwen3_moe_experts_sharded_by_their_intermediate_dimension_match_unsharded(tmp_path, world):
+    _spawn(world, [("w4a16", True), ("w4a4", True)], tmp_path, _moe_worker)
 
 
 def test_an_entry_of_the_users_plan_that_matches_nothing_is_warned_of_by_name():
@@ -333,10 +364,14 @@ def test_an_entry_of_the_users_plan_that_matches_nothing_is_warned_of_by_name():
                                                        "model.layers.*.mlp.dense": "colwise"})
 
 
-def test_a_plan_that_names_the_experts_is_refused_by_name():
-    model = _moe_quantized("w4a16")
-    _refused(model, 2, "model.layers.0.mlp.experts", plan={"model.layers.*.mlp.experts": "colwise"},
-             exc=NotImplementedError)
+@pytest.mark.parametrize("plan, world, exc, match", [
+    ({"model.layers.*.mlp.experts": "colwise"}, 2, NotImplementedError, r"experts': NVFP4Experts shard by style 'experts'"),
+    ({"model.layers.*.self_attn.o_proj": "experts"}, 2, NotImplementedError, r"o_proj': style 'experts' shards NVFP4Experts only"),
+    ({"model.layers.*.mlp.experts": "experts"}, 16, ValueError, r"experts': experts: a shard of intermediate_dim=8 would cut"),
+    ({"model.layers.*.mlp.experts": "experts"}, 3, ValueError, r"intermediate_dim=128 is not divisible by world_size=3"),
+])
+def test_experts_plans_the_model_cannot_take_are_refused_by_name(plan, world, exc, match):
+    _refused(_moe_quantized("w4a16"), world, match, plan=plan, exc=exc)
 
 
 # -- from_pretrained(tp_plan=...): each rank reads its shards only --------------------------------------
