@@ -60,6 +60,7 @@ def export(args, device, path):
     import transformers
 
     from nvfp4_gemv import quantize_model, save_modelopt
+    from nvfp4_gemv.model.linear import kernel_takes
 
     cfg = config(args)
     gen = torch.Generator().manual_seed(0)
@@ -68,8 +69,9 @@ def export(args, device, path):
     for layer in model.model.layers:
         layer.to_empty(device=device)
         _random_(layer, gen)
-        if args.mode == "w4a4":  # one input scale for every linear
-            scales = {n: 0.01 for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+        if args.mode == "w4a4":  # one input scale for every linear the kernels take
+            scales = {n: 0.01 for n, m in layer.named_modules()
+                      if isinstance(m, torch.nn.Linear) and kernel_takes(m.in_features, m.out_features, "w4a4")}
             quantize_model(layer, mode="w4a4", input_scales=scales)
         else:
             quantize_model(layer)

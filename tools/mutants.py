@@ -441,6 +441,9 @@ MUTANTS = [
      ["tests/model/test_tp.py"], False),
     ("tp: an experts shard that cuts a scale group accepted", TP, "    if (i // world) % BLOCK:", "    if False:",
      ["tests/model/test_tp.py"], False),
+    ("tp: a loaded experts shard's down columns taken from the first rank's", TP,
+     "(slice(None), slice(rank * i // per, (rank + 1) * i // per))", "(slice(None), slice(0, i // per))",
+     ["tests/model/test_tp.py"], False),
     # -- the packed layout (CPU) --
     ("packed: a group's scale bytes before its w", PACKED, "out[:, :, 512:].view(", "out[:, :, :64].view(",
      ["tests/op/test_packed.py"], False),

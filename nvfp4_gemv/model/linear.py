@@ -616,6 +616,10 @@ def _kernel_needs_input_scale(mod, x2, fused):
     raise ValueError("NVFP4Linear: mode 'w4a4' needs 'input_scale' (None here): set it, or use mode 'w4a16'")
 
 
+# the alone paths' names before 2026-12-06: a whole module pickled then names them (its __setstate__ chooses
+# its path again, so any function does here)
+_run_alone, _run_alone_bias = _run_w4a16, _run_w4a16_bias
+
 _ALONE_RUNS = {
     (_kernel_w4a16, False): _run_w4a16, (_kernel_w4a16, True): _run_w4a16_bias,
     (_kernel_packed, False): _run_packed, (_kernel_packed, True): _run_packed_bias,

@@ -56,12 +56,12 @@ Loading a rank's shards only: ``from_pretrained(path, tp_plan=...)`` plans the c
 (meta device), checks the plan here (``plan_load``, from the files' shapes, before any data is read) and
 reads each sharded tensor's slice (``Checkpoint.read(slices=...)``: rows of a column-wise layer's
 ``weight`` / ``weight_scale`` / ``bias``; a row-wise layer's bytes, scale groups and AWQ ``pre_quant_scale``
-of its K slice, its bias whole as ``tp_bias``); the shards then get the same attributes and hooks
+of its K slice, its bias whole as ``tp_bias``; an experts module's gate and up rows and down columns of
+its I slice, expert by expert); the shards then get the same attributes and hooks
 (``finish_load``): the model equals ``shard_model`` of the whole one.
 
 Not covered here: ``torch.compile`` of the all-reduce hook (plain ``dist.all_reduce``), saving a sharded
-model's state_dict as one checkpoint, loading experts' shards (``from_pretrained(tp_plan=...)`` refuses an
-experts entry: load, then ``shard_model``), unquantized modules in a loading plan, expert parallelism.
+model's state_dict as one checkpoint, unquantized modules in a loading plan, expert parallelism.
 """
 
 import fnmatch
@@ -209,11 +209,10 @@ def _shard_linear(mod, style, rank, world):
     return new, tail_bias
 
 
-def _check_experts(name, mod, world):
-    """Why ``NVFP4Experts`` ``mod`` cannot be sharded over ``world`` ranks by its intermediate dimension, or
-    None: I / world must be whole and keep 16-value scale groups (down's K, what the module itself requires
-    of its intermediate_dim; it has no GPU kernel whose granularity would ask more yet)."""
-    i = mod.intermediate_dim
+def _check_experts(name, i, world):
+    """Why experts of intermediate dimension ``i`` cannot be sharded over ``world`` ranks by it, or None: I /
+    world must be whole and keep 16-value scale groups (down's K, what ``NVFP4Experts`` itself requires of its
+    intermediate_dim; it has no GPU kernel whose granularity would ask more yet)."""
     if i % world:
         return f"module '{name}': experts: intermediate_dim={i} is not divisible by world_size={world}"
     if (i // world) % BLOCK:
@@ -357,7 +356,7 @@ def shard_model(model, rank=None, world_size=None, plan=None, group=None):
     errors = []
     for name, mod, style in targets:
         if style == EXPERTS:
-            why = _check_experts(name, mod, world_size)
+            why = _check_experts(name, mod.intermediate_dim, world_size)
         elif type(mod) is NVFP4Linear:
             why = _check_nvfp4(name, mod, style, world_size)
         else:
@@ -430,8 +429,8 @@ def plan_load(model, plan_, ckpt, tp_plan, group, fuse, who):
     meta device) for this process's rank of ``group``: the quantized layers ``tp_plan`` names ("auto":
     ``default_plan(model)``) are checked as ``shard_model`` checks unpacked layers, from the checkpoint's
     shapes, before anything is read (a shard that cannot be packed loads unpacked: ``shard_model`` of a packed
-    model refuses it instead); what cannot be sharded raises ``ValueError`` (``NotImplementedError`` for experts,
-    unquantized modules and other styles) naming the module. Removes row-wise layers' biases from
+    model refuses it instead); what cannot be sharded raises ``ValueError`` (``NotImplementedError`` for
+    unquantized modules, other styles, experts under another style than "experts") naming the module. Removes row-wise layers' biases from
     ``plan_.layers`` (they become ``tails``)."""
     from .fuse import FUSE_GROUPS
 
@@ -453,9 +452,17 @@ def plan_load(model, plan_, ckpt, tp_plan, group, fuse, who):
             raise NotImplementedError(f"{who}: module '{name}': 'tp_plan' shards it, but the checkpoint stores it "
                                       "unquantized; loading shards NVFP4 layers only (load without tp_plan and call "
                                       "shard_model, or leave it out of the plan)")
-        if hasattr(fields, "build") or style == EXPERTS:
-            raise NotImplementedError(f"{who}: module '{name}': loading NVFP4Experts' shards is not implemented "
-                                      f"(load without tp_plan, then shard_model with style {EXPERTS!r})")
+        if hasattr(fields, "build") != (style == EXPERTS):
+            raise NotImplementedError(
+                f"{who}: module '{name}': " + (f"NVFP4Experts shard by style {EXPERTS!r} (every expert's "
+                f"intermediate dimension), not {style!r}" if hasattr(fields, "build") else
+                f"style {EXPERTS!r} shards NVFP4Experts only"))
+        if style == EXPERTS:
+            why = _check_experts(name, fields.dims[2], world)
+            if why:
+                errors.append(why)
+            load.styles[name] = style
+            continue
         out_f, half = ckpt.entries[fields["weight"][0]].shape
         why = _check_dims(name, out_f, 2 * half, plan_.mode, False, style, world)
         if why:
@@ -475,6 +482,17 @@ def plan_load(model, plan_, ckpt, tp_plan, group, fuse, who):
         return load
     for name, style in load.styles.items():
         fields = plan_.layers[name]
+        if style == EXPERTS:  # ModelOpt's per-expert tensors: gate / up rows, down columns of this rank's I slice
+            e, h, big = fields.dims
+            i = big // world
+            for rel, (key, _) in fields.items():
+                proj, f = rel.split(".")[1:]
+                if f in ("weight", "weight_scale"):
+                    per = 2 if f == "weight" else BLOCK  # values a byte / a scale
+                    load.slices[key] = (slice(rank * i, (rank + 1) * i), slice(None)) if proj != "down_proj" else \
+                        (slice(None), slice(rank * i // per, (rank + 1) * i // per))
+            fields.dims = (e, h, i)  # what build() makes: this rank's NVFP4Experts
+            continue
         out_f, half = ckpt.entries[fields["weight"][0]].shape
         k = 2 * half
         if style == "colwise":

@@ -618,3 +618,22 @@ def test_quantize_weight_and_the_constructor_validate_their_arguments():
         quantize_weight(torch.randint(0, 3, (2, 32)))
     with pytest.raises(ValueError, match="'in_features'"):
         NVFP4Linear(100, 128)
+
+
+@pytest.mark.parametrize("old", ["_run_alone", "_run_alone_bias"])
+def test_a_whole_module_pickled_under_the_older_path_names_loads_and_chooses_its_path(old):
+    """torch.save of a whole model before 2026-12-06 names a module's path ``linear._run_alone(_bias)``: the
+    name still resolves, and the loaded module chooses its own path (here the packed kernel's)."""
+    import pickle
+
+    import nvfp4_gemv.model.linear as linear
+
+    fn = pickle.loads(f"cnvfp4_gemv.model.linear\n{old}\n.".encode())  # how a pickle refers to the function
+    lin = torch.nn.Linear(256, 128, bias=old.endswith("bias"), dtype=torch.bfloat16)
+    m = NVFP4Linear.from_linear(lin).pack()
+    state = dict(m.__dict__, _run=fn)
+    new = object.__new__(NVFP4Linear)
+    new.__setstate__(state)
+    assert new._run is (linear._run_packed_bias if old.endswith("bias") else linear._run_packed)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    assert torch.equal(new(x), m(x))

@@ -428,17 +428,71 @@ def _export(tmp_path, mode):
     from nvfp4_gemv import save_modelopt
 
     model = _model()
-    scales = None
-    if mode == "w4a4":
-        from nvfp4_gemv import calibrate_expert_input_scales
-
-        scales = {**calibrate_input_scales(model, lambda m: m(_ids(seed=7))),
-                  **calibrate_expert_input_scales(model, lambda m: m(_ids(seed=7)))}
+    scales = calibrate_input_scales(model, lambda m: m(_ids(seed=7))) if mode == "w4a4" else None
     quantize_model(model, mode=mode, input_scales=scales, fuse=True)  # q/k/v and gate/up share weight_scale_2
     path = str(tmp_path / f"export-{mode}")
     save_modelopt(model, path)
     model.config.save_pretrained(path)
     return path
+
+
+def _moe_load_worker(rank, world, init, errfile, path, cases):
+    from nvfp4_gemv import from_pretrained
+    from nvfp4_gemv.model import checkpoint
+    from nvfp4_gemv.model.tp import default_plan
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    read = {}
+    real = checkpoint.Checkpoint.read
+
+    def counting(self, keys, device, each=None, slices=None):
+        def count(k, t):
+            read[k] = t.numel() * t.element_size()
+            return each(k, t)
+        return real(self, keys, device, each=count, slices=slices)
+    checkpoint.Checkpoint.read = counting
+    try:
+        for mode in cases:
+            read.clear()
+            whole = from_pretrained(path, mode=mode, device="cpu", fuse=False)
+            full = dict(read)
+            plan = {**default_plan(whole), "model.layers.*.mlp.experts": "experts"}
+            read.clear()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r".*mlp\.(down|gate|up)_proj.*match no module")
+                model = from_pretrained(path, mode=mode, device="cpu", fuse=False, tp_plan=plan)
+            ours = dict(read)
+            # every expert matrix's weight and scales: this rank read 1/world of each
+            ekeys = [k for k in full if ".experts." in k and k.endswith((".weight", ".weight_scale"))]
+            assert ekeys and all(ours[k] * world == full[k] for k in ekeys), "a rank read more than its experts' shards"
+            ref = copy.deepcopy(whole)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r".*mlp\.(down|gate|up)_proj.*match no module")
+                shard_model(whole, plan=plan)  # the same shards made from the whole model
+            e = model.model.layers[0].mlp.experts
+            assert e.tp_style == "experts" and e.intermediate_dim == MOE["moe_intermediate_size"] // world
+            logits, stats = _checked_logits(model, ref, world, rank)
+            with torch.no_grad():
+                assert torch.equal(logits, whole(_ids()).logits), "loaded shards differ from shard_model's"
+            assert stats["experts"] == MOE["num_hidden_layers"], stats
+    except BaseException as e:  # noqa: BLE001 (reported to the parent with its rank)
+        _report(errfile, rank, e)
+        raise
+    finally:
+        checkpoint.Checkpoint.read = real
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_from_pretrained_tp_reads_only_its_experts_shards_and_equals_shard_model(tmp_path, world):
+    from nvfp4_gemv import save_modelopt
+
+    path = str(tmp_path / "export-moe")
+    model = _moe_quantized("w4a4")  # (input scales too: the checkpoint loads in both modes)
+    save_modelopt(model, path)
+    model.config.save_pretrained(path)
+    _spawn(world, ["w4a16", "w4a4"], tmp_path, _moe_load_worker, path)
 
 
 @pytest.mark.parametrize("world, export, cases", [(2, "w4a16", [("w4a16", False, False), ("w4a16", True, True)]),
@@ -467,6 +521,25 @@ def test_from_pretrained_tp_refuses_by_name_before_reading(tmp_path, monkeypatch
     from nvfp4_gemv.model import checkpoint
 
     path = _export(tmp_path, "w4a16")
+    _fake_world(monkeypatch, world)
+    monkeypatch.setattr(checkpoint.Checkpoint, "read", lambda *a, **k: pytest.fail("read before the checks"))
+    with pytest.raises(exc, match=match):
+        from_pretrained(path, device="cpu", tp_plan=plan)
+
+
+@pytest.mark.parametrize("world, plan, exc, match", [
+    (16, {"model.layers.*.mlp.experts": "experts"}, ValueError, r"experts': experts: a shard of intermediate_dim=8"),
+    (2, {"model.layers.*.mlp.experts": "colwise"}, NotImplementedError, r"experts': NVFP4Experts shard by style"),
+    (2, {"model.layers.*.self_attn.o_proj": "experts"}, NotImplementedError, r"o_proj': style 'experts' shards"),
+])
+def test_from_pretrained_tp_refuses_experts_plans_by_name_before_reading(tmp_path, monkeypatch, world, plan, exc, match):
+    from nvfp4_gemv import from_pretrained, save_modelopt
+    from nvfp4_gemv.model import checkpoint
+
+    path = str(tmp_path / "export-moe")
+    model = _moe_quantized("w4a16")
+    save_modelopt(model, path)
+    model.config.save_pretrained(path)
     _fake_world(monkeypatch, world)
     monkeypatch.setattr(checkpoint.Checkpoint, "read", lambda *a, **k: pytest.fail("read before the checks"))
     with pytest.raises(exc, match=match):
