@@ -99,6 +99,8 @@ class Siblings:
         step is guarded on which function each part holds, not on every part's kernel."""
         from .linear import _PART_RUNS, _run_mixed
 
+        if not all("_buffers" in p.__dict__ and "_mode" in p.__dict__ for p in self.parts):
+            return  # (unpickling, some part's state not there yet: restored() chooses once the last arrives)
         owner = self.owner
         kernel = owner.__dict__.get("_kernel")
         same = kernel is not None and all(p.__dict__.get("_kernel") is kernel for p in self.parts)

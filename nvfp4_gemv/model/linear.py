@@ -484,6 +484,8 @@ class NVFP4Linear(torch.nn.Module):
         """``x2 @ dequant(w).T (+ bias)`` in x2's dtype with this module's kernel: its own buffers, or (a
         fused group's owner, ``fused``) the group's concatenations."""
         if x2.shape[0] == 0:
+            if self._kernel in (_kernel_needs_input_scale, _kernel_packed_w4a4):
+                self._kernel(self, x2, fused)  # the module cannot run at all: said also for no rows, as alone
             rows = (self._fused_weight if fused else self.weight).shape[0]
             return x2.new_empty((0, rows))
         out = self._kernel(self, x2, fused)
@@ -557,6 +559,9 @@ def _run_mixed(mod, x):
     sib = mod._siblings
     if sib is not None and sib.active:
         sib.dissolve("its modules' modes differ")
+    elif sib is not None and not torch.compiler.is_compiling():  # ended while traced: the paths are chosen now
+        for p in sib.parts:
+            p._choose()
     x2 = _rows(x)
     out = mod._product(x2)
     return out.reshape(*x.shape[:-1], out.shape[-1])

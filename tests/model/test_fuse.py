@@ -600,3 +600,57 @@ def test_a_module_pickled_before_the_path_was_chosen_once_still_runs_fused():
     assert {p._run.__name__ for p in (again.q_proj, again.k_proj, again.v_proj)} == {"_run_part0", "_run_part1",
                                                                                      "_run_part2"}
     assert torch.equal(again(x), plain(x))
+
+
+class HoldPart:
+    """A forward hook that refers to another module (pickled with the module it hooks)."""
+
+    def __init__(self, part):
+        self.part = part
+
+    def __call__(self, mod, args, out):
+        return out
+
+
+def test_a_copy_restored_part_before_its_owner_keeps_the_group():
+    """Pickle (and deepcopy) may restore a part before its group's owner (here: a hook on the owner holds
+    the part): the paths are chosen once every part's state is there."""
+    import io
+
+    plain, fused = pair()
+    fused.q_proj.register_forward_hook(HoldPart(fused.k_proj))
+    x = x_of(2)
+    with torch.no_grad():
+        want = plain(x)
+        buf = io.BytesIO()
+        torch.save(fused, buf)
+        buf.seek(0)
+        for copied in (copy.deepcopy(fused), torch.load(buf, weights_only=False)):
+            assert copied.q_proj._siblings.active and copied.k_proj._run is linear_mod._PART_RUNS[1]
+            assert torch.equal(copied(x), want)
+
+
+def test_a_group_ended_while_traced_with_modes_that_differ_chooses_alone_paths_at_the_next_eager_call():
+    plain, fused = pair()
+    x = x_of(2)
+    fused.k_proj.mode = "w4a4"  # the parts' kernels differ: each part's path ends the group at its call
+    plain.k_proj.mode = "w4a4"
+    assert fused.q_proj._run is linear_mod._run_mixed
+    f = torch.compile(fused, fullgraph=True, backend="eager")
+    with torch.no_grad(), pytest.warns(UserWarning, match="modes differ"):
+        assert torch.equal(f(x), plain(x))
+    fused.k_proj.mode = plain.k_proj.mode = "w4a16"
+    with torch.no_grad():
+        assert torch.equal(fused(x), plain(x))
+    assert all(m._run in ALONE_RUNS for m in (fused.q_proj, fused.k_proj, fused.v_proj))
+
+
+def test_a_fused_group_that_cannot_run_says_so_also_for_no_rows():
+    fused = quantize_model(Block(), skip=(), fuse=True, pack=True)  # (no input scales)
+    for m in (fused.q_proj, fused.k_proj, fused.v_proj, fused.o_proj):
+        m.mode = "w4a4"  # neither packed nor without input scales can it: the group stays one (kernels agree)
+    assert fused.q_proj._siblings.active
+    for m in (fused.k_proj, fused.o_proj):  # a part of the group, a module alone
+        for rows in (0, 2):
+            with pytest.raises(ValueError, match="needs 'input_scale'"):
+                m(x_of(rows, hidden=m.in_features))
