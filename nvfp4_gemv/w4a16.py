@@ -92,6 +92,17 @@ XBATCH = 8  # copies of x (16 bytes each) a thread has in flight while x is copi
 class Nvfp4GemvW4A16(OpLaunch):
     """The W4A16 kernel; one instance per (K, tokens, groups, x dtype, scale layout, epilogue, tuning)."""
 
+    @classmethod
+    def can_implement(cls, k, n_tok, groups, **tuning):
+        """Whether this kernel builds for K = ``k``, ``n_tok`` tokens a launch and ``groups`` groups of 8 rows a
+        CTA with ``tuning`` (its own checks: 1..32 tokens, K % 64 == 0, the groups, shared memory, the knobs'
+        combinations)."""
+        try:
+            cls(k, n_tok, groups, True, False, True, True, **tuning)
+            return True
+        except (ValueError, TypeError):  # (TypeError: a knob this kernel does not have)
+            return False
+
     def __init__(self, k: int, n_tok: int, groups: int, x_bf16: bool, w_blocked: bool, has_alpha: bool,
                  out_bf16: bool, threads=None, depth=None, ctas=None, x_smem=None, chains=None, w_a=None,
                  dec=None, xpair=None, late=None, across=None, xbatch=None, probe=None, bulk=None, span=None, even=None, packed=None):

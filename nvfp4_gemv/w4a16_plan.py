@@ -11,7 +11,7 @@ from .launch import MAX_PLANS, KernelCache, current_device, current_stream, sm_c
 from .packed import fail_packed
 from .reference import fail_gemv
 from .w4a16 import MAX_TOKENS, compile_w4a16
-from .w4a16_route import default_tuning, pick_groups
+from .w4a16_route import route
 
 # from this many tokens on, w is dequantized into x's dtype and multiplied by torch.mm (cuBLAS, tensor cores):
 # the kernel reads w once a group of 32 tokens, so prefill-sized N would read it N / 32 times
@@ -79,15 +79,15 @@ class W4A16Plan:
 
         for t0 in range(0, n, g):
             nt = min(g, n - t0)
-            tune = {**default_tuning(nt, m, sms, k), **tuning, **({"packed": 1} if packed else {})}
+            r = route(nt, m, k, sms, tuning.items(), packed)
+            tune = dict(r.tuning)
             if tune.get("bulk"):  # (never routed) bulk copies 16-byte rows of plain scales
                 if wb or (w_scale.data_ptr() | ws_rs) & 15:
                     fail_gemv(ValueError, "w_scale", "plain rows at 16-byte aligned addresses for bulk",
                               f"{'blocked scales' if wb else f'row stride {ws_rs}'} at address {w_scale.data_ptr():#x}")
                 self.ws_mask = 15
-            groups = tune.pop("groups", None) or pick_groups(nt, m, sms, even=bool(tune.get("w_a")))
-            key = ("w4a16", self.dev, k, nt, groups, x.dtype == torch.bfloat16, wb, alpha is not None,
-                   out_dtype == torch.bfloat16, tuple(sorted(tune.items())))
+            key = ("w4a16", self.dev, k, nt, r.groups, x.dtype == torch.bfloat16, wb, alpha is not None,
+                   out_dtype == torch.bfloat16, r.tuning)
             kern = _get_kernel(self.dev, key)
             self.launches.append((kern, (t0 * x_rs, t0 * out_rs * 2),
                                   (m, w.stride(0), ws_rs, x_rs, 0, out_rs * 2, kern.op.grid_x(m, sms))))

@@ -1,8 +1,11 @@
-"""Which build of the W4A16 kernel (``w4a16.Nvfp4GemvW4A16``) a shape takes: ``default_tuning(n_tok, m, sms,
-k)`` returns its tuning keywords (threads, CTAs a SM, groups, where x lives, which decode), ``pick_groups``
-the groups of 8 rows a CTA owns. Each rule was measured on H200 (DSL 4.3.5); the timings behind them are in
+"""Which build of the W4A16 kernel (``w4a16.Nvfp4GemvW4A16``) a shape takes: ``route(n_tok, m, k, sms, tuning,
+packed)`` gives a launch's frozen ``W4A16Route`` (as ``op_route.route`` gives the W4A4 op's ``OpRoute``), from
+``default_tuning(n_tok, m, sms, k)``, the rules (threads, CTAs a SM, groups, where x lives, which decode),
+and ``pick_groups``, the groups of 8 rows a CTA owns. Each rule was measured on H200 (DSL 4.3.5); the timings behind them are in
 docs/results.md ("Measurements behind the tuning rules"), the why in docs/design.md ("W4A16"). Host-only.
 """
+
+from dataclasses import dataclass
 
 from .ptx import SMEM_A_SM
 from .w4a16 import MAX_GROUPS, W_A_TOKENS, Nvfp4GemvW4A16
@@ -114,6 +117,33 @@ def default_tuning(n_tok, m, sms, k):
         return {"threads": 512, "x_smem": 1, "across": 1,
                 "groups": 4 if n_tok <= 16 else max(2, pick_groups(n_tok, m, sms, cap=4))}
     return {"threads": 256, "x_smem": 0, "across": 1, "groups": pick_groups(n_tok, m, sms, cap=MAX_GROUPS)}
+
+
+@dataclass(frozen=True)
+class W4A16Route:
+    """One launch's build of the W4A16 kernel: ``tokens`` it takes, ``groups`` of 8 rows a CTA, and ``tuning``,
+    its other build options as sorted ``(key, value)`` pairs (what the compile cache keys on)."""
+
+    tokens: int
+    groups: int
+    tuning: tuple
+
+
+def route(n_tok, m, k, sms, tuning=(), packed=False):
+    """The ``W4A16Route`` of a launch of ``n_tok`` tokens against an [m, k] weight on ``sms`` SMs: the rules'
+    build (``default_tuning``) under a caller's ``tuning`` pairs, the packed weight layout where ``packed``.
+    :raises ValueError: for a build the kernel cannot take (``Nvfp4GemvW4A16.can_implement``)."""
+    tune = {**default_tuning(n_tok, m, sms, k), **dict(tuning), **({"packed": 1} if packed else {})}
+    groups = tune.pop("groups", None) or pick_groups(n_tok, m, sms, even=bool(tune.get("w_a")))
+    if not Nvfp4GemvW4A16.can_implement(k, n_tok, groups, **tune):
+        try:  # the kernel's own reason
+            Nvfp4GemvW4A16(k, n_tok, groups, True, False, True, True, **tune)
+            why = ""
+        except (ValueError, TypeError) as e:
+            why = f": {e}"
+        raise ValueError(f"nvfp4_gemv: the W4A16 kernel cannot build K={k}, {n_tok} tokens a launch, "
+                         f"groups={groups} with {tune}{why}")
+    return W4A16Route(n_tok, groups, tuple(sorted(tune.items())))
 
 
 def _ctas_fit(ctas, k, n_tok, groups, threads=256):

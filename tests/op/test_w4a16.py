@@ -1,6 +1,8 @@
 """The W4A16 form of nvfp4_gemv.gemv (bf16/fp16 x as it is, NVFP4 w), on the CPU (its exact path): the result,
 the x_scale rule, validation, scale layouts, out=, the torch op (opcheck, fake tensors, torch.compile)."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -542,3 +544,26 @@ def test_bulk_is_refused_for_scales_off_sixteen_byte_rows(offset, monkeypatch):
     with pytest.raises(ValueError, match="argument 'w_scale'.*row stride 264"):
         w4a16_plan.W4A16Plan(x, w, wide, None, None, torch.bfloat16, check_args(x, None, w, wide, None, torch.bfloat16, None),
                         tuning=tuple(sorted(tune.items())))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_route_is_the_rules_build_as_a_frozen_config(packed):
+    """``w4a16_route.route`` gives each launch's build as a frozen ``W4A16Route``: the rules' tuning
+    (``default_tuning``), the groups they name or ``pick_groups``, the packed layout where asked."""
+    for n, m, k in [(1, 28672, 4096), (2, 4096, 4096), (4, 2048, 8192), (8, 14336, 4096), (16, 4096, 2048),
+                    (32, 57344, 8192)]:
+        r = w4a16_route.route(n, m, k, 132, (), packed)
+        tune = {**w4a16_route.default_tuning(n, m, 132, k), **({"packed": 1} if packed else {})}
+        groups = tune.pop("groups", None) or w4a16_route.pick_groups(n, m, 132, even=bool(tune.get("w_a")))
+        assert (r.tokens, r.groups, r.tuning) == (n, groups, tuple(sorted(tune.items())))
+        assert hash(r) == hash(w4a16_route.route(n, m, k, 132, (), packed))
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            r.groups = 1
+
+
+def test_route_asks_the_kernel_and_refuses_with_its_reason():
+    assert w4a16.Nvfp4GemvW4A16.can_implement(4096, 1, 2, late=1, w_a=1, xpair=1, x_smem=1)
+    assert not w4a16.Nvfp4GemvW4A16.can_implement(4096, 2, 2, late=1, w_a=1, xpair=1, x_smem=1)
+    assert not w4a16.Nvfp4GemvW4A16.can_implement(4096, 1, 2, no_such_knob=1)
+    with pytest.raises(ValueError, match=r"cannot build K=4096, 2 tokens a launch.*late takes one token"):
+        w4a16_route.route(2, 4096, 4096, 132, (("late", 1), ("xpair", 1), ("x_smem", 1)))
