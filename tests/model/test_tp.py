@@ -118,6 +118,21 @@ def _checked_logits(model, ref, world, rank):
             h.remove()
 
 
+def _assert_logits_agree(logits, want, mode, world, rank, label, extra=""):
+    """The sharded logits within the tolerance of the unsharded ones, and the same on every rank. Each row-wise
+    output is within ~1.5 ulp of the unsharded one (checked layer by layer); through 2 layers and the head
+    that stays a few bf16 ulps of the logits' scale in mode w4a16. In mode w4a4 the next layer quantizes its
+    input to e2m1: an ulp across a rounding boundary moves a value by a whole e2m1 step (up to 1/3 of its
+    block's max), so only a coarse agreement is asked of the logits there."""
+    scale = want.abs().max().item()
+    diff = (logits.double() - want.double()).abs().max().item()
+    tol = (2 ** -5 if mode == "w4a16" else 2 ** -2) * scale
+    if rank == 0:
+        print(f"{label}: max |logits diff| {diff:.4g} (scale {scale:.4g})" + (f", {extra}" if extra else ""))
+    assert diff <= tol, f"{label}: logits differ by {diff} (scale {scale})"
+    assert all(torch.equal(g, logits) for g in _gather(logits, world)), "ranks disagree on the logits"
+
+
 def _report(errfile, rank, e):
     """A failing rank's reason, for _spawn to show."""
     import traceback
@@ -146,18 +161,8 @@ def _worker(rank, world, init, errfile, cases):
             with torch.no_grad():
                 want = ref(_ids()).logits
             assert stats["rowwise"] == 2 * DIMS["num_hidden_layers"] and stats["colwise"] > 0, stats
-            # each row-wise output is within ~1.5 ulp of the unsharded one (checked above, layer by layer); through
-            # 2 layers and the head that stays a few bf16 ulps of the logits' scale in mode w4a16. In mode w4a4 the
-            # next layer quantizes its input to e2m1: an ulp across a rounding boundary moves a value by a whole
-            # e2m1 step (up to 1/3 of its block's max), so only a coarse agreement is asked of the logits there
-            scale = want.abs().max().item()
-            diff = (logits.double() - want.double()).abs().max().item()
-            tol = (2 ** -5 if mode == "w4a16" else 2 ** -2) * scale
-            if rank == 0:
-                print(f"tp{world} {mode} fuse={fuse} pack={pack}: max |logits diff| {diff:.4g} (scale {scale:.4g}), "
-                      f"row-wise outputs equal to unsharded: {stats['rowwise_equal']}/{stats['rowwise']}")
-            assert diff <= tol, f"{mode} fuse={fuse} pack={pack}: logits differ by {diff} (scale {scale})"
-            assert all(torch.equal(g, logits) for g in _gather(logits, world)), "ranks disagree on the logits"
+            _assert_logits_agree(logits, want, mode, world, rank, f"tp{world} {mode} fuse={fuse} pack={pack}",
+                                 f"row-wise outputs equal to unsharded: {stats['rowwise_equal']}/{stats['rowwise']}")
     except BaseException as e:  # noqa: BLE001 (reported to the parent with its rank)
         _report(errfile, rank, e)
         raise
@@ -330,16 +335,9 @@ def _moe_worker(rank, world, init, errfile, cases):
                 want = ref(_ids()).logits
             assert stats["rowwise"] == layers and stats["colwise"] > 0, stats
             assert stats["experts"] == (layers if shard_experts else 0), stats
-            scale = want.abs().max().item()
-            diff = (logits.double() - want.double()).abs().max().item()
-            # as for the Llama: o_proj's output within ~1.5 ulp of the unsharded one (checked layer by layer);
-            # the router's top-k can flip on such an ulp only where two experts' scores tie that closely
-            tol = (2 ** -5 if mode == "w4a16" else 2 ** -2) * scale
-            if rank == 0:
-                print(f"moe tp{world} {mode} experts {'sharded' if shard_experts else 'whole'}: max |logits diff| "
-                      f"{diff:.4g} (scale {scale:.4g})")
-            assert diff <= tol, f"moe {mode} experts sharded={shard_experts}: logits differ by {diff} (scale {scale})"
-            assert all(torch.equal(g, logits) for g in _gather(logits, world)), "ranks disagree on the logits"
+            # as for the Llama; the router's top-k can flip on an ulp only where two experts' scores tie that closely
+            _assert_logits_agree(logits, want, mode, world, rank,
+                                 f"moe tp{world} {mode} experts {'sharded' if shard_experts else 'whole'}")
     except BaseException as e:  # noqa: BLE001 (reported to the parent with its rank)
         _report(errfile, rank, e)
         raise
@@ -377,21 +375,31 @@ def test_experts_plans_the_model_cannot_take_are_refused_by_name(plan, world, ex
 # -- from_pretrained(tp_plan=...): each rank reads its shards only --------------------------------------
 
 
-def _load_worker(rank, world, init, errfile, path, cases):
-    from nvfp4_gemv import from_pretrained
+def _count_reads(restore=None):
+    """``(read, real)``: ``Checkpoint.read`` patched (in this rank's process) to note the bytes each tensor
+    arrives with in ``read`` ({key: bytes}); ``_count_reads(real)`` puts it back."""
     from nvfp4_gemv.model import checkpoint
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    read = {}
-    real = checkpoint.Checkpoint.read
+    if restore is not None:
+        checkpoint.Checkpoint.read = restore
+        return None
+    read, real = {}, checkpoint.Checkpoint.read
 
-    def counting(self, keys, device, each=None, slices=None):  # bytes each tensor arrives with
+    def counting(self, keys, device, each=None, slices=None):
         def count(k, t):
             read[k] = t.numel() * t.element_size()
             return each(k, t)
         return real(self, keys, device, each=count, slices=slices)
     checkpoint.Checkpoint.read = counting
+    return read, real
+
+
+def _load_worker(rank, world, init, errfile, path, cases):
+    from nvfp4_gemv import from_pretrained
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    read, real = _count_reads()
     try:
         for mode, fuse, pack in cases:
             read.clear()
@@ -420,7 +428,7 @@ def _load_worker(rank, world, init, errfile, path, cases):
         _report(errfile, rank, e)
         raise
     finally:
-        checkpoint.Checkpoint.read = real
+        _count_reads(real)
         dist.destroy_process_group()
 
 
@@ -438,20 +446,11 @@ def _export(tmp_path, mode):
 
 def _moe_load_worker(rank, world, init, errfile, path, cases):
     from nvfp4_gemv import from_pretrained
-    from nvfp4_gemv.model import checkpoint
     from nvfp4_gemv.model.tp import default_plan
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    read = {}
-    real = checkpoint.Checkpoint.read
-
-    def counting(self, keys, device, each=None, slices=None):
-        def count(k, t):
-            read[k] = t.numel() * t.element_size()
-            return each(k, t)
-        return real(self, keys, device, each=count, slices=slices)
-    checkpoint.Checkpoint.read = counting
+    read, real = _count_reads()
     try:
         for mode in cases:
             read.clear()
@@ -480,7 +479,7 @@ def _moe_load_worker(rank, world, init, errfile, path, cases):
         _report(errfile, rank, e)
         raise
     finally:
-        checkpoint.Checkpoint.read = real
+        _count_reads(real)
         dist.destroy_process_group()
 
 
