@@ -1,6 +1,7 @@
 """Compiles the CuTe DSL kernel for a GPU arch on a machine without a GPU; prints a JSON summary.
 
-Usage: python tests/compile_check.py ARCH K [--blocked] [--dump DIR] [--tune k=v,...] [--tokens N [--mma GROUPS]]
+Usage: python tests/compile_check.py ARCH K [--blocked] [--dump DIR] [--tune k=v,...] [--tokens N [--mma GROUPS |
+--w4a16 GROUPS [--f16] [--experts]]]
 (NVFP4_GEMV_LAUNCH=direct compiles without TVM-FFI)
 Run it in a subprocess: a compiler crash must not take the caller down.
 """
@@ -48,6 +49,7 @@ def main():
     p.add_argument("--mma", type=int, default=0, help="with --tokens: the tensor-core kernel, this many 8-row groups")
     p.add_argument("--w4a16", type=int, default=0, help="with --tokens: the W4A16 kernel (bf16 x), this many groups")
     p.add_argument("--f16", action="store_true", help="with --w4a16: fp16 x")
+    p.add_argument("--experts", action="store_true", help="with --w4a16: the experts' grouped build")
     p.add_argument("--quantize", action="store_true", help="the activation quantizer (bf16 x; --f16: fp16)")
     p.add_argument("--dequantized", action="store_true", help="with --quantize: its dequantized build")
     args = p.parse_args()
@@ -68,6 +70,11 @@ def main():
         from nvfp4_gemv import quant_kernel
 
         _, fn = quant_kernel.compile_quantize(args.k, not args.f16, options=options, dequantized=args.dequantized)
+    elif args.tokens and args.w4a16 and args.experts:  # the experts' kernel (nvfp4_gemv.experts_kernel)
+        from nvfp4_gemv import experts_kernel
+
+        _, fn = experts_kernel.compile_experts_w4a16(args.k, args.tokens, args.w4a16, not args.f16, True,
+                                                     options=options, **tuning)
     elif args.tokens and args.w4a16:  # the W4A16 kernel (nvfp4_gemv.w4a16), alpha and bf16 out
         from nvfp4_gemv import w4a16
 

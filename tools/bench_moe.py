@@ -11,8 +11,9 @@ Qwen3-30B-A3B's block: hidden 2048, 128 experts, top 8, expert intermediate 768 
 64). Random weights (std 0.02), random tokens. On CUDA each variant is captured in a CUDA graph where it can
 be (else timed eagerly, said in the table) and timed as the leaderboard times (``bench.time_leaderboard``:
 L2 flushed, CUDA events, median); the read floor is ``tools/read_floor.py``'s fastest plain read of the
-same bytes. On the CPU: wall-clock medians, no floor. Until the grouped kernel exists NVFP4Experts runs its
-dequantize fallback (nvfp4_gemv/model/experts.py), so expect it far from the floor.
+same bytes. On the CPU: wall-clock medians, no floor. On CUDA up to 64 tokens NVFP4Experts runs the experts'
+kernel (nvfp4_gemv/experts_kernel.py); ``--fallback`` times its dequantize fallback too, ``--busy`` the
+kernel's launch shape under other estimates of the groups with an expert.
 """
 
 import argparse
@@ -28,6 +29,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from nvfp4_gemv import NVFP4Experts  # noqa: E402
+from nvfp4_gemv.model import experts as experts_mod  # noqa: E402
+from nvfp4_gemv.model.experts import DECODE_MAX_TOKENS, busy_groups  # noqa: E402
 
 QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
 TINY = dict(hidden_size=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
@@ -97,6 +100,11 @@ def main():
     ap.add_argument("--reps", type=int, default=None, help="timed runs a case (default 30 on CUDA, 5 on the CPU)")
     ap.add_argument("--no-floor", action="store_true", help="skip the read floor (CUDA)")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    ap.add_argument("--compile", action="store_true", help="torch.compile both blocks (as a compiled model runs "
+                    "them) before the graph capture")
+    ap.add_argument("--fallback", action="store_true", help="also time NVFP4Experts' dequantize fallback")
+    ap.add_argument("--busy", default="1", help="factors on the kernel's estimate of the groups with an expert "
+                    "(its launch shape), each timed: e.g. 0.5,1,2")
     args = ap.parse_args()
     device = torch.device(args.device)
     reps = args.reps or (30 if device.type == "cuda" else 5)
@@ -107,6 +115,8 @@ def main():
         e, s = cfg.num_experts, torch.full((), 4.0 / 2688, device=device)
         scales = (s.expand(e).clone(), (s / 8).expand(e).clone())
     ours.experts = NVFP4Experts.from_experts(ref.experts, mode=args.mode, input_scales=scales)
+    if args.compile:
+        ref, ours = torch.compile(ref), torch.compile(ours)
     time_fn = timer(device, reps)
     floor = None
     if device.type == "cuda" and not args.no_floor:
@@ -124,26 +134,46 @@ def main():
         hit = int(idx.unique().numel())
         err = float((got.float() - want.float()).norm() / want.float().norm())
         fb, how_b = runnable(ref, x, device)
-        fo, how_o = runnable(ours, x, device)
-        us_b, us_o = time_fn(fb), time_fn(fo)
+        us_b = time_fn(fb)
+        sweep = {}
+        for f in [float(v) for v in args.busy.split(",")]:
+            experts_mod.busy_groups = lambda *a, f=f: max(1, round(f * busy_groups(*a)))
+            try:
+                fo, how_o = runnable(ours, x, device)
+                sweep[f] = time_fn(fo)
+            finally:
+                experts_mod.busy_groups = busy_groups
+        best = min(sweep, key=sweep.get)
+        us_o = sweep[1.0] if 1.0 in sweep else sweep[best]
+        fallback_us = None
+        if args.fallback:
+            experts_mod.DECODE_MAX_TOKENS = 0
+            try:
+                ff, _ = runnable(ours, x, device)
+                fallback_us = time_fn(ff)
+            finally:
+                experts_mod.DECODE_MAX_TOKENS = DECODE_MAX_TOKENS
         nbytes = nvfp4_bytes(cfg, hit)
         fl = floor(nbytes) if floor else None
         rows.append(dict(tokens=t, experts_hit=hit, bf16_us=us_b, bf16_how=how_b, nvfp4_us=us_o, nvfp4_how=how_o,
                          nvfp4_bytes=nbytes, floor_us=fl, pct_of_floor=(100 * fl / us_o) if fl else None,
-                         rel_err_vs_bf16=err))
+                         rel_err_vs_bf16=err, fallback_us=fallback_us, busy_sweep_us=sweep))
         print(f"T={t}: {hit} experts hit, bf16 {us_b:.1f} us ({how_b}), NVFP4 {args.mode} {us_o:.1f} us ({how_o}), "
               f"{nbytes / 1e6:.2f} MB" + (f", floor {fl:.1f} us ({100 * fl / us_o:.1f}%)" if fl else "")
-              + f", rel. error vs bf16 {err:.3g}", flush=True)
-    head = "| tokens | experts hit | bf16 us | NVFP4 us | speed-up | NVFP4 MB read | read floor us | % of floor |"
-    lines = [head, "|" + "---|" * 8]
+              + f", rel. error vs bf16 {err:.3g}" + (f", fallback {fallback_us:.1f} us" if fallback_us else "")
+              + (f", busy factors {sweep}" if len(sweep) > 1 else ""), flush=True)
+    head = ("| tokens | experts hit | bf16 us | NVFP4 us | speed-up | NVFP4 MB read | read floor us | % of floor "
+            "| fallback us |")
+    lines = [head, "|" + "---|" * 9]
     for r in rows:
         fl = f"{r['floor_us']:.1f} | {r['pct_of_floor']:.1f}%" if r["floor_us"] else "- | -"
+        fb = f"{r['fallback_us']:.1f}" if r["fallback_us"] else "-"
         lines.append(f"| {r['tokens']} | {r['experts_hit']} | {r['bf16_us']:.1f} | {r['nvfp4_us']:.1f} | "
-                     f"{r['bf16_us'] / r['nvfp4_us']:.2f}x | {r['nvfp4_bytes'] / 1e6:.2f} | {fl} |")
+                     f"{r['bf16_us'] / r['nvfp4_us']:.2f}x | {r['nvfp4_bytes'] / 1e6:.2f} | {fl} | {fb} |")
     print("\n".join(lines))
     if args.out:
         meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-                    mode=args.mode, config={k: getattr(cfg, k) for k in QWEN3_30B_A3B}, reps=reps)
+                    mode=args.mode, compiled=args.compile, config={k: getattr(cfg, k) for k in QWEN3_30B_A3B}, reps=reps)
         with open(args.out + ".json", "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
         with open(args.out + ".md", "w") as f:

@@ -21,7 +21,11 @@ global scale an expert, shared by its gate and up rows), ``gate_up_input_scale``
 each with ``weight_scale``, ``weight_scale_2`` and ``input_scale`` (the shared scalars written under both
 names); loaders also take Mixtral's ``w1`` / ``w3`` / ``w2`` for gate / up / down.
 
-The forward is ``grouped_forward`` (one function: the GPU grouped kernel will take its place). With W_e
+The forward is ``grouped_forward``. On CUDA, up to ``DECODE_MAX_TOKENS`` tokens a call and for expert shapes
+the kernel takes, it is ``decode_forward``: the experts' kernel (``nvfp4_gemv.experts_kernel``), two launches
+that read each expert hit once a group of up to 8 tokens (32 with few experts: ``group_size``), the same
+formula with each product exact in fp32 and alpha applied at its end (the W4A16 kernel's bound) instead of
+the weights rounded to x's dtype first. Otherwise (the CPU, prefill) the fallback below. With W_e
 the effective weight of expert e, ``dequantize(weight, weight_scale, alpha)`` rounded to x's dtype
 (alpha = ``weight_scale_2``; in mode "w4a4" ``input_scale * weight_scale_2``, x first replaced by
 ``quantize_dequantized(x, 1 / input_scale)`` of its expert, exactly the W4A4 op's operand), each of the
@@ -34,7 +38,7 @@ i.e. what a bf16 model whose expert weights are the dequantized values computes 
 ``torch._grouped_mm`` round each product once). Sync-free (routing read on the device only), fixed shapes
 for a given T: capturable in a CUDA graph, no graph break under ``torch.compile(fullgraph=True)``.
 
-Cost of this fallback (the kernel's job is to remove it): below E slots ("slot path", decode), each slot
+Cost of the fallback (prefill on the GPU, said once by a warning): below E slots ("slot path", decode), each slot
 gathers its expert's NVFP4 bytes and dequantizes them, so an expert hit by n slots is read and dequantized n
 times (temporaries of about 12 bytes a weight, in chunks of slots of at most ``SLOT_PATH_BYTES``); from E slots on
 ("grouped path", prefill, x bf16), every expert is dequantized once and the slots, sorted by expert on the
@@ -118,6 +122,8 @@ def grouped_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
     e = gate_up[0].shape[0]
     if t * k == 0:
         return x.new_zeros((t, h))
+    if x.is_cuda and experts_kernel_takes(t, gate_up, down):
+        return decode_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn)
     ids = top_k_index.reshape(-1)
     valid = (ids >= 0) & (ids < e)
     ids = torch.where(valid, ids, torch.zeros((), dtype=ids.dtype, device=ids.device)).long()
@@ -134,6 +140,138 @@ def grouped_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
     c = d.to(torch.float32) * top_k_weights.reshape(-1, 1).to(torch.float32)
     c = torch.where(valid.unsqueeze(1), c, torch.zeros((), dtype=c.dtype, device=c.device))
     return c.reshape(t, k, h).sum(dim=1).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decode on the GPU: the experts' kernel
+# ----------------------------------------------------------------------------------------------------
+
+
+DECODE_MAX_TOKENS = 64  # tokens a call up to which the GPU takes the experts' kernel (prefill: the fallback)
+
+
+def experts_kernel_takes(t, gate_up, down):
+    """Whether a call of ``t`` tokens takes the experts' kernel (metadata only): decode-sized, and both
+    matrices in shapes and layouts it takes (``experts_op.can_implement``; contiguous, as loaded: a TP shard's
+    slice of them is not)."""
+    from ..experts_op import can_implement
+
+    if t > DECODE_MAX_TOKENS:
+        return False
+    for w, ws, alpha, _ in (gate_up, down):
+        if not (can_implement(w.shape[1], 2 * w.shape[2]) and w.is_contiguous() and ws.is_contiguous()
+                and alpha.is_contiguous()):
+            return False
+    return True
+
+
+def group_size(t, k, e):
+    """Token rows a group of the experts' kernel takes: the tokens (at most 8: the kernel's 8-token MMA tile
+    costs the same for 1..8) unless the slots an expert expects, 2 t k / e, pass 8 (few experts: Mixtral's 8
+    at 16 tokens and more): then up to 32, the kernel's most."""
+    want = max(8, 2 * t * k // e)
+    nt = 8
+    while nt < want and nt < 32:
+        nt *= 2
+    return min(t, nt)
+
+
+def slot_groups(top_k_index, e, nt):
+    """The slots (t, j) of a call, sorted by expert (stable) and cut into groups of at most ``nt`` slots of
+    one expert, on the device with fixed shapes: ``(order, row, ids, valid)`` with ``order`` the slots in
+    sorted order (flat indices t * k + j), ``row[i]`` the row (group * nt + place) of sorted slot i, ``ids``
+    int32 [G] each group's expert (-1: none; slots of ids outside [0, E) form groups of their own, unused),
+    ``valid`` [S] whether a slot's id is in [0, E). G = min(S, E + 1 + S // nt) bounds the groups: a key of c
+    slots takes ceil(c / nt) <= 1 + c / nt of them."""
+    ids = top_k_index.reshape(-1)
+    s, dev = ids.shape[0], ids.device
+    valid = (ids >= 0) & (ids < e)
+    key = torch.where(valid, ids, torch.full((), e, dtype=ids.dtype, device=dev)).long()
+    order = torch.argsort(key, stable=True)
+    skey = key[order]
+    pos = torch.arange(s, device=dev)
+    new_key = torch.ones(s, dtype=torch.bool, device=dev)
+    new_key[1:] = skey[1:] != skey[:-1]
+    first = torch.cummax(torch.where(new_key, pos, torch.zeros((), dtype=pos.dtype, device=dev)), 0).values
+    place = (pos - first) % nt
+    group = torch.cumsum((place == 0).long(), 0) - 1
+    n_groups = min(s, e + 1 + s // nt)
+    gid = torch.full((n_groups,), -1, dtype=torch.int32, device=dev)
+    gid.scatter_(0, group, torch.where(skey < e, skey, torch.full((), -1, dtype=skey.dtype, device=dev)).to(torch.int32))
+    return order, group * nt + place, gid, valid
+
+
+def busy_groups(t, k, e, nt):
+    """About how many groups have an expert: the experts t tokens of k distinct experts each hit (uniform
+    routing), plus the groups that tokens past nt an expert add."""
+    hit = e * (1 - (1 - min(k, e) / e) ** t)
+    return max(1, min(t * k, round(hit + max(0, t * k - hit * nt) / nt)))
+
+
+def decode_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
+    """``grouped_forward`` through the experts' kernel (``experts_op``): the slots sorted by expert into
+    groups of at most ``group_size`` token rows (``slot_groups``), x's rows copied into their places (rows
+    of a group past its slots are zeros), gate/up then ``act_fn(gate) * up`` then down, each one launch
+    that reads every expert hit once a group, and the combine of ``grouped_forward``. Sync-free.
+
+    Its products differ from the fallback's: exact products of x and the NVFP4 weights summed in fp32, alpha
+    applied once at the end (the W4A16 kernel's bound), where the fallback rounds each weight times alpha to
+    x's dtype first."""
+    from ..experts_op import experts_gemv
+
+    t, h = x.shape
+    k = top_k_index.shape[1]
+    e = gate_up[0].shape[0]
+    nt = group_size(t, k, e)
+    busy = busy_groups(t, k, e, nt)
+    if t == 1:
+        return _one_token(x, top_k_index, top_k_weights, gate_up, down, act_fn, busy)
+    order, row, gid, valid = slot_groups(top_k_index, e, nt)
+    n_rows = gid.shape[0] * nt
+    xs = x[order // k]
+    w, ws, alpha, x_scale = gate_up
+    if x_scale is not None:  # mode w4a4: x on the NVFP4 grid of its expert's input scale
+        sid = top_k_index.reshape(-1)[order].clamp(0, e - 1)
+        xs = quantize_dequantized_rows(xs, x_scale[sid])
+    xg = x.new_zeros((n_rows, h))
+    xg[row] = xs
+    g = experts_gemv(xg, gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy)
+    i = g.shape[1] // 2
+    hid = act_fn(g[:, :i]) * g[:, i:]
+    w, ws, alpha, x_scale = down
+    if x_scale is not None:
+        rid = gid.clamp(min=0).long().repeat_interleave(nt)
+        hid = quantize_dequantized_rows(hid, x_scale[rid])
+    d = experts_gemv(hid.contiguous(), gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy)
+    at = torch.empty_like(row)
+    at[order] = row  # each slot's row, in slot order
+    c = d[at].to(torch.float32) * top_k_weights.reshape(-1, 1).to(torch.float32)
+    c = torch.where(valid.unsqueeze(1), c, torch.zeros((), dtype=c.dtype, device=c.device))
+    return c.reshape(t, k, h).sum(dim=1).to(x.dtype)
+
+
+def _one_token(x, top_k_index, top_k_weights, gate_up, down, act_fn, busy):
+    """``decode_forward`` of one token: each slot its own group in slot order (no sort; a token's experts
+    are distinct, but a repeated one is simply read again), every group reading x's one row."""
+    from ..experts_op import experts_gemv
+
+    e = gate_up[0].shape[0]
+    ids = top_k_index.reshape(-1)
+    valid = (ids >= 0) & (ids < e)
+    gid = torch.where(valid, ids, torch.full((), -1, dtype=ids.dtype, device=ids.device)).to(torch.int32)
+    sid = ids.clamp(0, e - 1)
+    w, ws, alpha, x_scale = gate_up
+    xg = x if x_scale is None else quantize_dequantized_rows(x.expand(ids.shape[0], -1), x_scale[sid])
+    g = experts_gemv(xg.contiguous(), gid, w, ws.view(torch.float8_e4m3fn), alpha, 1, busy)
+    i = g.shape[1] // 2
+    hid = act_fn(g[:, :i]) * g[:, i:]
+    w, ws, alpha, x_scale = down
+    if x_scale is not None:
+        hid = quantize_dequantized_rows(hid, x_scale[sid])
+    d = experts_gemv(hid.contiguous(), gid, w, ws.view(torch.float8_e4m3fn), alpha, 1, busy)
+    c = d.to(torch.float32) * top_k_weights.reshape(-1, 1).to(torch.float32)
+    c = torch.where(valid.unsqueeze(1), c, torch.zeros((), dtype=c.dtype, device=c.device))
+    return c.sum(dim=0, keepdim=True).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -419,18 +557,21 @@ class NVFP4Experts(torch.nn.Module):
     def forward(self, hidden_states, top_k_index, top_k_weights):
         if not torch.compiler.is_compiling():
             self._check(hidden_states, top_k_index, top_k_weights)
-            if hidden_states.is_cuda:
-                warn_once("experts-fallback", "NVFP4Experts: no grouped GPU kernel yet; the experts run "
-                          "through dequantize + bmm (decode: each slot's expert dequantized again) or "
-                          "torch._grouped_mm (bf16 prefill), several times the NVFP4 bytes' read time "
+            if hidden_states.is_cuda and not experts_kernel_takes(hidden_states.shape[0], *self._mats()):
+                warn_once("experts-fallback", f"NVFP4Experts: {hidden_states.shape[0]} tokens a call (the "
+                          f"experts' kernel takes 1..{DECODE_MAX_TOKENS}) or expert shapes it does not take "
+                          "(rows M % 128 == 0, K % 64 == 0, contiguous): the experts run through dequantize + "
+                          "bmm or torch._grouped_mm (bf16), several times the NVFP4 bytes' read time "
                           "(nvfp4_gemv/model/experts.py, 'Cost of this fallback')")
         if self._mode == "w4a4" and self.gate_up_input_scale is None:
             raise ValueError("NVFP4Experts: mode 'w4a4' needs input scales (None here): load or quantize with "
                              "them, or use mode 'w4a16'")
-        return grouped_forward(hidden_states, top_k_index, top_k_weights,
-                               (self.gate_up_weight, self.gate_up_weight_scale, self._gate_up_alpha, self._gate_up_x_scale),
-                               (self.down_weight, self.down_weight_scale, self._down_alpha, self._down_x_scale),
-                               self.act_fn)
+        return grouped_forward(hidden_states, top_k_index, top_k_weights, *self._mats(), self.act_fn)
+
+    def _mats(self):
+        """``grouped_forward``'s two matrices: (weight, weight_scale, alpha, x_scale) of gate/up and of down."""
+        return ((self.gate_up_weight, self.gate_up_weight_scale, self._gate_up_alpha, self._gate_up_x_scale),
+                (self.down_weight, self.down_weight_scale, self._down_alpha, self._down_x_scale))
 
     def _check(self, x, idx, w):
         fn, dev = "NVFP4Experts.forward", self.gate_up_weight.device

@@ -172,6 +172,32 @@ def test_w4a16_measuring_builds_compile_without_gpu(arch, k, tokens, groups, tun
     assert info["elf"] and info["launch"] == "tvm-ffi" and info["fp4_cvt"] == [], info
 
 
+def _experts_builds():
+    """The experts' kernel builds Qwen3-30B-A3B's (E 128, top 8, H 2048, I 768) and Mixtral's (E 8, top 2, H 4096,
+    I 14336) decode takes at 1, 4, 16 and 64 tokens (gate/up and down), as ``experts_op.launch_shape`` routes
+    them on 132 SMs."""
+    from nvfp4_gemv.experts_op import launch_shape
+    from nvfp4_gemv.model.experts import busy_groups, group_size
+
+    builds = set()
+    for e, top, h, i in ((128, 8, 2048, 768), (8, 2, 4096, 14336)):
+        for t in (1, 4, 16, 64):
+            nt = group_size(t, top, e)
+            for m, k in ((2 * i, h), (h, i)):
+                r, _ = launch_shape(nt, m, k, 132, busy_groups(t, top, e, nt))
+                builds.add((k, nt, r.groups, ",".join(f"{a}={b}" for a, b in r.tuning)))
+    return sorted(builds)
+
+
+@pytest.mark.parametrize("k,tokens,groups,tune", _experts_builds())
+def test_experts_kernel_compiles_without_gpu_and_without_spills(k, tokens, groups, tune, tmp_path):
+    """The grouped build (a second grid dimension, the expert's offsets read first) keeps the W4A16 kernel's
+    register budget: no stack frame, no shared-memory read before the first barrier."""
+    info = compile_check("sm_90a", k, tmp_path, "--tokens", str(tokens), "--w4a16", str(groups), "--experts",
+                         "--tune", tune)
+    assert info["elf"] and info["fp4_cvt"] == [] and info["frame_bytes"] == 0 and info["lds_before_bar"] == 0, info
+
+
 @pytest.mark.parametrize("arch,k,extra", [("sm_90a", 16384, ()), ("sm_100a", 4096, ("--f16",)),
                                           ("sm_90a", 16384, ("--dequantized",)),
                                           ("sm_100a", 4096, ("--dequantized", "--f16"))])

@@ -1,0 +1,73 @@
+"""The experts' W4A16 kernel: one launch computes, for G groups of a mixture-of-experts layer's token rows,
+each group's rows times the weight of its own expert,
+
+    out[g * NT + n, r] = alpha[e_g] * sum_k x[g * NT + n, k] * w[e_g, r, k] * ws[e_g, r, k // 16]
+
+for n < NT and every row r < M of the experts' [E, M, K] weights, where ``e_g = ids[g]``; a group whose id is
+negative is skipped (its NT output rows are not written). The host (``experts_op``) sorts a call's
+(token, expert) slots by expert and gives each expert hit one group of up to NT token rows, so an expert's
+weights are read once for all the tokens routed to it (up to NT; past NT its tokens take another group).
+
+It is ``w4a16.Nvfp4GemvW4A16`` (its arithmetic, tiles, tuning and error bound, unchanged) with a second
+grid dimension: CTA ``(i, g)`` is CTA ``i`` of the plain kernel on group ``g``'s expert, x rows and out rows,
+which it finds from ``ids[g]`` before anything else. The launch takes the op's 14 run-time values, two of
+them in other roles: the activation-scale address (unused by W4A16) carries the address of ``ids`` (int32
+[G]) and its row stride carries G, the grid's second dimension.
+
+Layouts: ``w`` uint8 [E, M, K/2] and ``ws`` e4m3 [E, M, K/16], each expert's rows following the previous
+expert's (an expert's matrix is M row strides after the last); ``alpha`` fp32 [E]; ``x`` [G * NT, K] and
+``out`` [G * NT, M] as the plain kernel takes them (16-byte aligned K-contiguous rows; unit stride along M).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .op_kernel import compile_op
+from .ptx import asm
+from .w4a16 import Nvfp4GemvW4A16
+
+
+@dsl_user_op
+def ldg_s32(addr, *, loc=None, ip=None):
+    """``ld.global.nc.s32``: a group's expert id, written by the torch ops before the launch."""
+    r = asm([T.i32()], [cutlass.Int64(addr)], "ld.global.nc.s32 $0, [$1];", "=r,l", loc, ip)
+    return cutlass.Int32(r[0])
+
+
+class Nvfp4ExpertsW4A16(Nvfp4GemvW4A16):
+    """The W4A16 kernel over groups of token rows, each with its own expert (module docstring); one instance
+    per the plain kernel's build (K, tokens a group, groups of 8 rows a CTA, dtypes, tuning). Plain scales,
+    ``alpha`` always (one per expert)."""
+
+    def __init__(self, k, n_tok, groups, x_bf16, out_bf16, **tuning):
+        if tuning.get("packed") or tuning.get("bulk"):
+            raise ValueError("nvfp4_gemv: the experts' kernel takes neither packed weights nor bulk")
+        super().__init__(k, n_tok, groups, x_bf16, False, True, out_bf16, **tuning)
+
+    @cute.jit
+    def __call__(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, ids_ptr: cutlass.Int64,
+                 out_ptr: cutlass.Int64, alpha_ptr: cutlass.Int64, m: cutlass.Int32, w_rs: cutlass.Int64,
+                 ws_rs: cutlass.Int64, x_rs: cutlass.Int64, n_groups: cutlass.Int64, out_rs: cutlass.Int64,
+                 grid_x: cutlass.Int32, stream):
+        self.kernel(w_ptr, x_ptr, ws_ptr, ids_ptr, out_ptr, alpha_ptr, m, w_rs, ws_rs, x_rs, n_groups,
+                    out_rs).launch(grid=[grid_x, cutlass.Int32(n_groups), 1], block=[self.threads, 1, 1],
+                                   smem=self.smem_bytes, stream=stream, min_blocks_per_mp=self.min_blocks)
+
+    @cute.kernel
+    def kernel(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, ids_ptr: cutlass.Int64,
+               out_ptr: cutlass.Int64, alpha_ptr: cutlass.Int64, m: cutlass.Int32, w_rs: cutlass.Int64,
+               ws_rs: cutlass.Int64, x_rs: cutlass.Int64, n_groups: cutlass.Int64, out_rs: cutlass.Int64):
+        _, grp, _ = cute.arch.block_idx()
+        e = ldg_s32(ids_ptr + cutlass.Int64(grp) * 4)
+        if e >= 0:  # (the same for the whole CTA: its barriers stay uniform)
+            rows = cutlass.Int64(e) * cutlass.Int64(m)  # the expert's first row
+            tok = cutlass.Int64(grp) * self.n_tok  # the group's first x and out row
+            self.op_body(w_ptr + rows * w_rs, x_ptr + tok * x_rs, ws_ptr + rows * ws_rs, cutlass.Int64(0),
+                         out_ptr + tok * out_rs, alpha_ptr + cutlass.Int64(e) * 4, m, w_rs, ws_rs, x_rs,
+                         cutlass.Int64(0), out_rs)
+
+
+def compile_experts_w4a16(k, n_tok, groups, x_bf16, out_bf16, options=None, tvm_ffi=None, **tuning):
+    """Compiles the experts' kernel (no GPU needed when ``options`` names ``--gpu-arch``)."""
+    return compile_op(Nvfp4ExpertsW4A16(k, n_tok, groups, x_bf16, out_bf16, **tuning), options, tvm_ffi)

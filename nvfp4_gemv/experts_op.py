@@ -1,0 +1,186 @@
+"""``experts_gemv``: a mixture-of-experts layer's W4A16 products in decode, every group of token rows times its
+own expert's NVFP4 weight in one launch (``experts_kernel``), ``torch.ops.nvfp4.experts_gemv`` for
+torch.compile, with an exact CPU path.
+
+    out[g * NT + n, :] = alpha[e] * x[g * NT + n, :] @ (w[e] * ws[e]).T     for e = ids[g] >= 0, n < NT
+
+Groups with a negative id are skipped: on CUDA their rows of ``out`` are not written (whatever was in memory),
+on the CPU they are zeros. The caller (``nvfp4_gemv.model.experts``) builds the groups on the device: no host
+sync here, fixed shapes, CUDA-graph capturable.
+
+Error bound (CUDA): the W4A16 kernel's (``w4a16``: half an ulp of the output plus (K / (16 W) + W + 3) * 2^-22
+of the sum of |terms|); the CPU path rounds the float64 result once.
+"""
+
+import torch
+
+from .launch import MAX_K, MAX_PLANS, KernelCache, current_device, current_stream, fail, sm_count
+from .library import eager
+from .reference import reference_product
+from .w4a16 import MAX_TOKENS
+
+_X_DTYPES = (torch.bfloat16, torch.float16)
+_SCALE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+WHO = "nvfp4_gemv.experts_gemv"
+
+
+def can_implement(m, k):
+    """Whether the kernel takes experts of [m, k] weights (rows M % 128 == 0, K % 64 == 0, K <= 32768)."""
+    return m > 0 and m % 128 == 0 and k > 0 and k % 64 == 0 and k <= MAX_K
+
+
+def _bad(exc, name, expected, got):
+    fail(exc, name, expected, got, WHO)
+
+
+def check_args(x, ids, w, w_scale, alpha, n_tok):
+    """Metadata checks (no sync); returns (groups, M, K)."""
+    for name, t in (("x", x), ("ids", ids), ("w", w), ("w_scale", w_scale), ("alpha", alpha)):
+        if not isinstance(t, torch.Tensor):
+            _bad(TypeError, name, "a torch.Tensor", type(t).__name__)
+        if t.device != w.device:
+            _bad(ValueError, name, f"a tensor on {w.device} (where w is)", f"one on {t.device}")
+    if not isinstance(n_tok, int) or not 1 <= n_tok <= MAX_TOKENS:
+        _bad(ValueError, "n_tok", f"an int in 1..{MAX_TOKENS}", repr(n_tok))
+    if w.dtype != torch.uint8 or w.dim() != 3 or not w.is_contiguous():
+        _bad(ValueError, "w", "a contiguous uint8 tensor [E, M, K/2]", f"{w.dtype} {tuple(w.shape)}")
+    e, m, half = w.shape
+    k = 2 * half
+    if not can_implement(m, k):
+        _bad(ValueError, "w", "experts of M % 128 == 0 rows and K % 64 == 0 (K <= 32768) values",
+             f"M={m}, K={k}")
+    if w_scale.dtype not in _SCALE_DTYPES or tuple(w_scale.shape) != (e, m, k // 16) or not w_scale.is_contiguous():
+        _bad(ValueError, "w_scale", f"a contiguous float8_e4m3fn or uint8 tensor [{e}, {m}, {k // 16}]",
+             f"{w_scale.dtype} {tuple(w_scale.shape)}")
+    if alpha.dtype != torch.float32 or tuple(alpha.shape) != (e,) or not alpha.is_contiguous():
+        _bad(ValueError, "alpha", f"a contiguous float32 tensor [{e}]", f"{alpha.dtype} {tuple(alpha.shape)}")
+    if ids.dtype != torch.int32 or ids.dim() != 1 or not ids.is_contiguous():
+        _bad(ValueError, "ids", "a contiguous int32 tensor [groups]", f"{ids.dtype} {tuple(ids.shape)}")
+    g = ids.shape[0]
+    rows_ok = x.dim() == 2 and (x.shape[0] == g * n_tok or (n_tok == 1 and x.shape[0] == 1))
+    if x.dtype not in _X_DTYPES or not rows_ok or x.shape[1] != k or not x.is_contiguous():
+        _bad(ValueError, "x", f"a contiguous bfloat16 or float16 tensor [{g * n_tok}, {k}] (groups x n_tok, K; "
+             f"with n_tok 1 also [1, {k}], one row every group reads)", f"{x.dtype} {tuple(x.shape)}")
+    return g, m, k
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA: a plan per metadata
+# ----------------------------------------------------------------------------------------------------
+
+
+def _build(key):
+    from .experts_kernel import compile_experts_w4a16
+
+    _, k, nt, groups, x_bf16, tuning = key
+    return compile_experts_w4a16(k, nt, groups, x_bf16, x_bf16, **dict(tuning))
+
+
+_kernels = KernelCache(_build)
+_plans = {}
+
+
+def launch_shape(n_tok, m, k, sms, busy):
+    """(route, grid_x) of a launch where about ``busy`` groups have an expert: the plain W4A16 kernel's build
+    for ``n_tok`` tokens on the experts' rows stacked (``busy * m`` rows), its grid shared by the groups.
+    (A heuristic, not yet tuned on a GPU: docs/results.md.)"""
+    from .w4a16 import Nvfp4GemvW4A16
+    from .w4a16_route import route
+
+    busy = max(1, busy)
+    r = route(n_tok, m * busy, k, sms)
+    tune = dict(r.tuning)
+    op = Nvfp4GemvW4A16(k, n_tok, r.groups, True, False, True, True, **tune)
+    tiles = -(-(m // 8) // r.groups)
+    return r, max(1, min(tiles, -(-op.grid_x(m * busy, sms) // busy)))
+
+
+class ExpertsPlan:
+    def __init__(self, x, ids, w, n_tok, busy, dims):
+        g, m, k = dims
+        self.dev = w.device.index
+        self.shape = (g * n_tok, m)
+        self.dtype = x.dtype
+        self.device = w.device
+        r, grid_x = launch_shape(n_tok, m, k, sm_count(self.dev), busy)
+        self.kern = _kernels.get(self.dev, ("experts", k, n_tok, r.groups, x.dtype == torch.bfloat16, r.tuning))
+        shared = x.shape[0] == 1 and g > 1  # one row every group reads (n_tok 1): row stride 0
+        self.static = (m, k // 2, k // 16, 0 if shared else 2 * k, g, 2 * m, grid_x)
+
+    def __call__(self, x, ids, w, w_scale, alpha):
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        if not self.shape[0]:  # no groups: nothing to launch
+            return out
+        ptrs = (w.data_ptr(), x.data_ptr(), w_scale.data_ptr(), ids.data_ptr(), out.data_ptr(), alpha.data_ptr())
+        kern = self.kern
+        if kern.ffi is not None and current_device() == self.dev:
+            kern.ffi(*ptrs, *self.static, current_stream(self.dev))
+        else:
+            with torch.cuda.device(self.dev):
+                kern.launch_dsl((*ptrs, *self.static), current_stream(self.dev))
+        return out
+
+
+def _run(x, ids, w, w_scale, alpha, n_tok, busy):
+    if not w.is_cuda:
+        return _cpu(x, ids, w, w_scale, alpha, n_tok, check_args(x, ids, w, w_scale, alpha, n_tok))
+    # (addresses: their alignment is in the key, checked once a plan)
+    key = (x.shape, x.dtype, ids.shape, w.shape, w.device, w_scale.dtype, n_tok, busy,
+           (x.data_ptr() | w.data_ptr()) % 16, w_scale.data_ptr() % 2)
+    plan = _plans.get(key)
+    if plan is None:
+        dims = check_args(x, ids, w, w_scale, alpha, n_tok)
+        if x.data_ptr() % 16 or w.data_ptr() % 16 or w_scale.data_ptr() % 2:
+            _bad(ValueError, "x", "x and w at 16-byte aligned addresses, w_scale at an even one",
+                 f"addresses {x.data_ptr():#x}, {w.data_ptr():#x}, {w_scale.data_ptr():#x}")
+        plan = ExpertsPlan(x, ids, w, n_tok, busy, dims)
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan(x, ids, w, w_scale, alpha)
+
+
+def _cpu(x, ids, w, w_scale, alpha, n_tok, dims):
+    """The exact path: each group's rows through the op's float64 reference, rounded once."""
+    g, m, k = dims
+    out = torch.zeros((g * n_tok, m), dtype=x.dtype, device=x.device)
+    for grp, e in enumerate(ids.tolist()):
+        if e >= 0:
+            rows = slice(grp * n_tok, (grp + 1) * n_tok)
+            xr = x if x.shape[0] == 1 else x[rows]  # (one row every group reads)
+            out[rows] = reference_product((n_tok, m, k, False, False), xr, None, w[e], w_scale[e],
+                                          alpha[e:e + 1], x.dtype)
+    return out
+
+
+@torch.library.custom_op("nvfp4::experts_gemv", mutates_args=())
+def _experts_gemv_op(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     alpha: torch.Tensor, n_tok: int, busy: int) -> torch.Tensor:
+    return _run(x, ids, w, w_scale, alpha, n_tok, busy)
+
+
+@_experts_gemv_op.register_fake
+def _experts_gemv_fake(x, ids, w, w_scale, alpha, n_tok, busy):
+    g, m, _ = check_args(x, ids, w, w_scale, alpha, n_tok)
+    return x.new_empty((g * n_tok, m))
+
+
+def experts_gemv(x, ids, w, w_scale, alpha, n_tok, busy=1):
+    """Every group's ``n_tok`` rows of ``x`` times its expert's weight (module docstring).
+
+    :param x: [G * n_tok, K] bf16 or fp16, contiguous: group g's rows g * n_tok ... (g + 1) * n_tok - 1;
+        with ``n_tok`` 1 also [1, K]: one row every group reads (one token's experts).
+    :param ids: int32 [G]: each group's expert, or a negative number (no expert: its rows are not computed).
+    :param w, w_scale: the experts' NVFP4 weights, uint8 [E, M, K/2] and e4m3 [E, M, K/16], contiguous.
+    :param alpha: fp32 [E], each expert's scale of the product.
+    :param n_tok: token rows a group, 1..32.
+    :param busy: about how many groups have an expert (the launch shares the GPU among them; any value is
+        correct).
+    :return: [G * n_tok, M] in x's dtype.
+    """
+    if eager(x, ids, w, w_scale, alpha):
+        return _run(x, ids, w, w_scale, alpha, n_tok, busy)
+    if not torch.compiler.is_compiling():  # our error naming the argument, not the dispatcher's
+        check_args(x, ids, w, w_scale, alpha, n_tok)
+    return torch.ops.nvfp4.experts_gemv(x, ids, w, w_scale, alpha, n_tok, busy)
+
