@@ -40,7 +40,8 @@ def check_args(x, ids, w, w_scale, alpha, n_tok):
             _bad(TypeError, name, "a torch.Tensor", type(t).__name__)
         if t.device != w.device:
             _bad(ValueError, name, f"a tensor on {w.device} (where w is)", f"one on {t.device}")
-    if not isinstance(n_tok, int) or not 1 <= n_tok <= MAX_TOKENS:
+    # (a SymInt under torch.compile with dynamic shapes: the fake's shape follows it; a real call gets an int)
+    if isinstance(n_tok, bool) or not isinstance(n_tok, (int, torch.SymInt)) or not 1 <= n_tok <= MAX_TOKENS:
         _bad(ValueError, "n_tok", f"an int in 1..{MAX_TOKENS}", repr(n_tok))
     if w.dtype != torch.uint8 or w.dim() != 3 or not w.is_contiguous():
         _bad(ValueError, "w", "a contiguous uint8 tensor [E, M, K/2]", f"{w.dtype} {tuple(w.shape)}")

@@ -75,20 +75,56 @@ def timer(device, reps):
 
 
 def runnable(mod, x, device):
-    """(a no-argument callable running mod(x), how): a CUDA graph replay where capture works, else eager."""
+    """(a no-argument callable running mod(x), how): a CUDA graph replay where capture works, else eager.
+    ``x`` None: ``mod`` takes no argument."""
+    call = mod if x is None else (lambda: mod(x))
     with torch.no_grad():
-        mod(x)  # warm up (compiles, allocates)
+        call()  # warm up (compiles, allocates)
         if device.type != "cuda":
-            return (lambda: mod(x)), "eager"
+            return call, "eager"
         torch.cuda.synchronize()
         try:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                mod(x)
+                call()
             return g.replay, "graph"
         except Exception as err:  # e.g. transformers' eager experts loop (nonzero): not capturable
             torch.cuda.synchronize()
-            return (lambda: mod(x)), f"eager ({type(err).__name__})"
+            return call, f"eager ({type(err).__name__})"
+
+
+def kernels_only(experts, x, idx):
+    """A no-argument callable running just the experts' two kernel launches (gate/up, then down on stand-in
+    activations) for this routing, as ``decode_forward`` groups it."""
+    from nvfp4_gemv.experts_op import experts_gemv
+    from nvfp4_gemv.model.experts import busy_groups, group_size, slot_groups
+
+    t, k = idx.shape
+    (w1, s1, a1, _), (w2, s2, a2, _) = experts._mats()
+    e = w1.shape[0]
+    nt = group_size(t, k, e)
+    busy = busy_groups(t, k, e, nt)
+    if t == 1:
+        gid, xg = idx.reshape(-1).to(torch.int32), x.contiguous()
+    else:
+        order, row, gid, _ = slot_groups(idx, e, nt)
+        xg = x.new_zeros((gid.shape[0] * nt, x.shape[1]))
+        xg[row] = x[order // k]
+    hid = torch.randn(gid.shape[0] * nt, w2.shape[2] * 2, device=x.device).to(x.dtype)
+    return lambda: (experts_gemv(xg, gid, w1, s1, a1, nt, busy), experts_gemv(hid, gid, w2, s2, a2, nt, busy))
+
+
+def profile_top(fn, n=12):
+    """The CUDA kernels of one eager run of ``fn`` (after a warm-up), by GPU time: a table's text."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=n)
 
 
 def main():
@@ -102,6 +138,8 @@ def main():
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     ap.add_argument("--compile", action="store_true", help="torch.compile both blocks (as a compiled model runs "
                     "them) before the graph capture")
+    ap.add_argument("--profile", action="store_true", help="print each token count's kernels of the NVFP4 block "
+                    "(one eager run under torch.profiler)")
     ap.add_argument("--fallback", action="store_true", help="also time NVFP4Experts' dequantize fallback")
     ap.add_argument("--busy", default="1", help="factors on the kernel's estimate of the groups with an expert "
                     "(its launch shape), each timed: e.g. 0.5,1,2")
@@ -145,6 +183,12 @@ def main():
                 experts_mod.busy_groups = busy_groups
         best = min(sweep, key=sweep.get)
         us_o = sweep[1.0] if 1.0 in sweep else sweep[best]
+        kernels_us = None
+        if device.type == "cuda":
+            fk, _ = runnable(kernels_only(ours.experts, x.reshape(t, -1), idx), None, device)
+            kernels_us = time_fn(fk)
+            if args.profile:
+                print(f"T={t}: kernels of the NVFP4 block (eager)\n" + profile_top(lambda: ours(x)), flush=True)
         fallback_us = None
         if args.fallback:
             experts_mod.DECODE_MAX_TOKENS = 0
@@ -157,19 +201,23 @@ def main():
         fl = floor(nbytes) if floor else None
         rows.append(dict(tokens=t, experts_hit=hit, bf16_us=us_b, bf16_how=how_b, nvfp4_us=us_o, nvfp4_how=how_o,
                          nvfp4_bytes=nbytes, floor_us=fl, pct_of_floor=(100 * fl / us_o) if fl else None,
-                         rel_err_vs_bf16=err, fallback_us=fallback_us, busy_sweep_us=sweep))
+                         rel_err_vs_bf16=err, fallback_us=fallback_us, busy_sweep_us=sweep,
+                         kernels_us=kernels_us, kernels_pct_of_floor=(100 * fl / kernels_us) if fl and kernels_us else None))
         print(f"T={t}: {hit} experts hit, bf16 {us_b:.1f} us ({how_b}), NVFP4 {args.mode} {us_o:.1f} us ({how_o}), "
               f"{nbytes / 1e6:.2f} MB" + (f", floor {fl:.1f} us ({100 * fl / us_o:.1f}%)" if fl else "")
-              + f", rel. error vs bf16 {err:.3g}" + (f", fallback {fallback_us:.1f} us" if fallback_us else "")
+              + f", rel. error vs bf16 {err:.3g}" + (f", the two kernels alone {kernels_us:.1f} us" if kernels_us else "")
+              + (f", fallback {fallback_us:.1f} us" if fallback_us else "")
               + (f", busy factors {sweep}" if len(sweep) > 1 else ""), flush=True)
     head = ("| tokens | experts hit | bf16 us | NVFP4 us | speed-up | NVFP4 MB read | read floor us | % of floor "
-            "| fallback us |")
-    lines = [head, "|" + "---|" * 9]
+            "| the two kernels alone us (% of floor) | fallback us |")
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         fl = f"{r['floor_us']:.1f} | {r['pct_of_floor']:.1f}%" if r["floor_us"] else "- | -"
         fb = f"{r['fallback_us']:.1f}" if r["fallback_us"] else "-"
+        kn = (f"{r['kernels_us']:.1f}" + (f" ({r['kernels_pct_of_floor']:.1f}%)" if r["kernels_pct_of_floor"] else "")
+              if r["kernels_us"] else "-")
         lines.append(f"| {r['tokens']} | {r['experts_hit']} | {r['bf16_us']:.1f} | {r['nvfp4_us']:.1f} | "
-                     f"{r['bf16_us'] / r['nvfp4_us']:.2f}x | {r['nvfp4_bytes'] / 1e6:.2f} | {fl} | {fb} |")
+                     f"{r['bf16_us'] / r['nvfp4_us']:.2f}x | {r['nvfp4_bytes'] / 1e6:.2f} | {fl} | {kn} | {fb} |")
     print("\n".join(lines))
     if args.out:
         meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,

@@ -5,8 +5,10 @@
 # `tools/gpu_checks.sh $OUT fuzz,fuzzop,fuzzw4a16`. Measured 2026-12-01 on one H200: the suite as 4 shards
 # 566 s (its largest shard 545 s), as 8 shards 422 s; GPU mutants 100 s with 4 jobs, memcheck + racecheck 170 s and
 # synccheck 26 s, the W4A16 fuzz 91 s as six processes.
-# STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop,fuzzw4a16 (default all) and the measurements bench
-# (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1), moe (the MoE block and
+# STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop,fuzzw4a16 (default all), experts (its GPU tests and
+# 300-case fuzz, ~5 processes) and the measurements bench
+# (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1), moeblock (the MoE block
+# alone: the kernel, the fallback, other launch shapes; eager and compiled), moe (the MoE block and
 # Qwen3-30B-A3B's decode), load (from_pretrained of a Llama-3-8B-shaped export onto the GPU), each one call
 # under 10 minutes. Prints each step's last lines.
 # The pytest step runs the tests marked gpu (the CPU tests run in CI and locally); ALL=1 runs every test.
@@ -69,6 +71,20 @@ elif [[ -n ${ALL:-} ]]; then
 else
     step pytest 570 python -m pytest -q -rs -p no:cacheprovider -m gpu
 fi
+experts_tests() {  # the experts' kernel: its 300-case fuzz as 5 processes beside the other experts GPU tests
+    local f=tests/model/test_experts_kernel.py::test_cuda_kernel_within_its_bound_of_float64 c rc=0 pids=()
+    for c in 0 1 2 3 4; do
+        python -m pytest -q -p no:cacheprovider -m gpu "$f[$((2 * c))]" "$f[$((2 * c + 1))]" \
+            > "$LOG/experts-fuzz$c.txt" 2>&1 &
+        pids+=($!)
+    done
+    python -m pytest -q -rs -p no:cacheprovider -m gpu tests/model/test_experts_kernel.py tests/model/test_experts.py \
+        -k "not within_its_bound" > "$LOG/experts-tests.txt" 2>&1 || rc=1
+    for c in 0 1 2 3 4; do wait "${pids[c]}" || rc=1; echo "fuzz $c: $(tail -n 1 "$LOG/experts-fuzz$c.txt")"; done
+    echo "tests: $(tail -n 1 "$LOG/experts-tests.txt")"
+    return $rc
+}
+step experts 300 bash -c "$(declare -f experts_tests); LOG='$LOG' experts_tests"
 step mutants 240 python tools/mutants.py --gpu --jobs 4
 step sanitize 300 tools/sanitize.sh
 step fuzz 70 python tools/fuzz.py --cases 500 --max-values 3e7
@@ -78,6 +94,8 @@ step fuzzw4a16 200 python tools/fuzz_op.py --cases 300 --w4a16 --jobs 6
 step bench 300 python bench.py --peers-only bulk --reps 50 --out "$LOG/bench"
 step model 560 python tools/bench_model.py --hf --batches 1 --tokens 64 --hf-fuse --hf-pack \
     --hf-variants bf16,int4,w4a16 --json "$LOG/model-hf-b1.json"
+step moeblock 400 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --fallback --busy 0.5,1,2 --profile --out '$LOG/moe-block' \
+    && python tools/bench_moe.py --tokens 1,4,16,64 --compile --out '$LOG/moe-block-compiled'"
 step moe 560 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --out '$LOG/moe-block' && python tools/bench_model.py \
     --hf --arch qwen3-moe --batches 1 --tokens 32 --hf-fuse --hf-no-step --hf-variants bf16,w4a16 --json '$LOG/moe-hf.json'"
 step load 560 python tools/bench_load.py --device cuda --loader from_pretrained --fuse --pack --layers 32 --hidden 4096 \

@@ -635,8 +635,14 @@ def test_gpu_forward_is_sync_free_capturable_and_the_cpu_bits(mode):
         xc.copy_(torch.randn(tokens, 128).bfloat16())
         graph.replay()
         assert torch.equal(captured, gpu(xc, ic, wc))
-        # the same formula on the GPU: within the stages' bound of the CPU result (sums in another order)
-        torch.testing.assert_close(out.cpu(), want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+        # the GPU takes the experts' kernel (exact products, alpha at the end) where the CPU's fallback rounds
+        # the weights first: within bf16 rounding in w4a16; in w4a4 an ulp can move an activation across an
+        # e2m1 rounding boundary, so there the whole output is compared by norm
+        if mode == "w4a16":
+            torch.testing.assert_close(out.cpu(), want, rtol=2 ** -6, atol=2 ** -7 * want.abs().max().item())
+        else:
+            rel = float((out.cpu().double() - want.double()).norm() / want.double().norm())
+            assert rel < 2 ** -5, rel
 
 
 @pytest.mark.gpu
