@@ -80,7 +80,37 @@ def layer_of(name):
     return ".".join(parts[:2]) or "(layer)"
 
 
-def measure(variant, layers, calls, device, per_layer):
+def reduce_overhead_host(step, args, calls, top):
+    """Under ``torch.compile(mode="reduce-overhead")`` (CUDA-graph trees), the host time of one step from a
+    synced start until it returns (the GPU idle meanwhile: what a loop with a sync each token exposes), the
+    median over ``calls``, and cProfile's ``top`` functions by own time over those calls."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    times = []
+    prof = cProfile.Profile()
+    with torch.no_grad():
+        for _ in range(3):  # warm-up, recording, first replays
+            compiled(*args)
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            prof.enable()
+            compiled(*args)
+            prof.disable()
+            times.append(time.perf_counter() - t0)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    torch._dynamo.reset()
+    return {"host_us": round(1e6 * statistics.median(times), 1), "host_profile": text.getvalue()}
+
+
+def measure(variant, layers, calls, device, per_layer, host=0):
     import torch
 
     cfg, model = build(variant, layers, device)
@@ -96,7 +126,14 @@ def measure(variant, layers, calls, device, per_layer):
         out["layer_guards"] = sum(c.values())
     torch._dynamo.reset()
 
+    seen = {}
+
     def stored(gm, example_inputs):  # runs the graph once; every later call returns those outputs
+        tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+        # inputs that are not static (parameters, buffers, module tensor attributes): the CUDA-graph trees
+        # check and copy these on every replay
+        seen["inputs"] = len(tensors)
+        seen["dynamic_inputs"] = [tuple(t.shape) for t in tensors if not hasattr(t, "_dynamo_static_input_type")]
         outs = gm(*example_inputs)
         return lambda *a: outs
 
@@ -109,6 +146,11 @@ def measure(variant, layers, calls, device, per_layer):
             compiled(*args)
             times.append(time.perf_counter() - t0)
     out["dynamo_us"] = round(1e6 * statistics.median(times), 1)
+    if host and device != "cpu":
+        out.update(reduce_overhead_host(step, args, calls, host))
+    out["graph_inputs"] = seen["inputs"]
+    out["dynamic_inputs"] = len(seen["dynamic_inputs"])
+    out["dynamic_input_shapes"] = collections.Counter(map(str, seen["dynamic_inputs"])).most_common(6)
     torch._dynamo.reset()
     return out
 
@@ -121,6 +163,9 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--per-layer", action="store_true", help="also count layer 1's guards by module")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--host", type=int, default=0, metavar="TOP",
+                    help="on CUDA also the host time of a step under mode='reduce-overhead' (the GPU idle "
+                    "meanwhile) and cProfile's TOP functions by own time")
     args = ap.parse_args()
     names = args.variants.split(",")
     bad = [n for n in names if n not in VARIANTS]
@@ -129,14 +174,18 @@ def main():
     warnings.filterwarnings("ignore")
     rows = []
     for name in names:
-        rows.append(measure(name, args.layers, args.calls, args.device, args.per_layer))
+        rows.append(measure(name, args.layers, args.calls, args.device, args.per_layer, args.host))
+        prof = rows[-1].pop("host_profile", None)
         print(json.dumps(rows[-1]), flush=True)
+        if prof:
+            print(prof, flush=True)
     base = next((r for r in rows if r["variant"] == "bf16"), None)
-    print(f"\n| variant | guards ({args.layers} layers) | over bf16 | dynamo's part of a call (us) |")
-    print("|---|---|---|---|")
+    print(f"\n| variant | guards ({args.layers} layers) | over bf16 | dynamo's part of a call (us) | host of a "
+          "reduce-overhead step (us) |")
+    print("|---|---|---|---|---|")
     for r in rows:
         over = f"{100 * (r['guards'] / base['guards'] - 1):+.1f}%" if base else "-"
-        print(f"| {r['variant']} | {r['guards']:,} | {over} | {r['dynamo_us']} |")
+        print(f"| {r['variant']} | {r['guards']:,} | {over} | {r['dynamo_us']} | {r.get('host_us', '-')} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
