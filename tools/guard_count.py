@@ -135,6 +135,8 @@ def measure(variant, layers, calls, device, per_layer, host=0):
         seen["inputs"] = len(tensors)
         seen["dynamic_inputs"] = [tuple(t.shape) for t in tensors if not hasattr(t, "_dynamo_static_input_type")]
         outs = gm(*example_inputs)
+        # tensors the graph returns (the CUDA-graph trees rebuild each on every replay)
+        seen["outputs"] = sum(isinstance(o, torch.Tensor) for o in (outs if isinstance(outs, (list, tuple)) else [outs]))
         return lambda *a: outs
 
     compiled = torch.compile(step, backend=stored, fullgraph=True)
@@ -149,6 +151,7 @@ def measure(variant, layers, calls, device, per_layer, host=0):
     if host and device != "cpu":
         out.update(reduce_overhead_host(step, args, calls, host))
     out["graph_inputs"] = seen["inputs"]
+    out["graph_outputs"] = seen["outputs"]
     out["dynamic_inputs"] = len(seen["dynamic_inputs"])
     out["dynamic_input_shapes"] = collections.Counter(map(str, seen["dynamic_inputs"])).most_common(6)
     torch._dynamo.reset()
