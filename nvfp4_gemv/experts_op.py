@@ -15,7 +15,7 @@ of the sum of |terms|); the CPU path rounds the float64 result once.
 import torch
 
 from .launch import MAX_K, MAX_PLANS, KernelCache, current_device, current_stream, fail, sm_count
-from .library import eager
+from .library import eager, fast_autograd
 from .reference import reference_product
 from .w4a16 import MAX_TOKENS
 
@@ -164,6 +164,9 @@ def _experts_gemv_op(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w_scal
 def _experts_gemv_fake(x, ids, w, w_scale, alpha, n_tok, busy):
     g, m, _ = check_args(x, ids, w, w_scale, alpha, n_tok)
     return x.new_empty((g * n_tok, m))
+
+
+fast_autograd(_experts_gemv_op)
 
 
 def experts_gemv(x, ids, w, w_scale, alpha, n_tok, busy=1):

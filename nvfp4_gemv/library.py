@@ -40,3 +40,70 @@ def through_library(check, op, args, op_out=None, out=None):
         return op(*args)
     op_out(*args[:-1], out)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The ops' autograd kernel on CUDA and the CPU
+# ----------------------------------------------------------------------------------------------------
+
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+
+
+class _NoBackward(torch.autograd.Function):
+    """Carries an op's result with a backward that raises: the ops are inference-only, and a gradient
+    through them must be an error, never silently missing."""
+
+    @staticmethod
+    def forward(ctx, name, out, *inputs):
+        ctx.name = name
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{ctx.name}: no backward (the NVFP4 ops are inference-only); run the model under "
+                           "torch.no_grad() or detach the inputs")
+
+
+def fast_autograd(op_def):
+    """Registers the autograd kernel of a functional ``torch.library.custom_op`` (``op_def``) on CUDA and the
+    CPU: a plain call (no input that autograd tracks, plain tensors, no dispatch mode, jit or functorch) runs
+    the op's own function at once; anything else goes below autograd to the op's other kernels (fake
+    tensors, modes), with a backward that raises where an input requires grad.
+
+    Why: custom_op's autograd kernel and its device kernel are each a Python layer over the dispatcher;
+    together about 9.5 us a call on the CPU against 2.7 us for this one kernel (measured 2026-12-06), and
+    torch.compile's generated code calls the op through the dispatcher on every call of a step that is not
+    replayed from a CUDA graph (128 GEMV calls a Llama-3-8B step: about 0.85 ms of host time)."""
+    import warnings
+
+    opov = op_def._opoverload
+    fn = op_def._init_fn
+    name = op_def._qualname  # "nvfp4::gemv"
+
+    def kernel(*args):
+        plain = True
+        tracked = False
+        grad = _grad()
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if type(a) not in PLAIN:
+                    plain = False
+                if grad and a.requires_grad:
+                    tracked = True
+        if plain and not tracked and not (_modes() or _jit() or _functorch()):
+            return fn(*args)
+        with _below_autograd():
+            out = opov(*args)
+        if tracked and isinstance(out, torch.Tensor) and out.is_floating_point():
+            out = _NoBackward.apply(name, out, *[a for a in args if isinstance(a, torch.Tensor) and a.requires_grad])
+        return out
+
+    lib = torch.library.Library(op_def._namespace, "IMPL")
+    with warnings.catch_warnings():  # ("Overriding a previously registered kernel": custom_op's, on purpose)
+        warnings.simplefilter("ignore")
+        for key in ("AutogradCUDA", "AutogradCPU"):
+            lib.impl(op_def._name, kernel, key)
+    _libs.append(lib)  # (a Library deregisters its kernels when collected)
+
+
+_libs = []

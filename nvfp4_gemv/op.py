@@ -25,7 +25,7 @@ from . import packed
 from . import w4a16_plan
 from .mma import compile_mma
 from .op_route import route
-from .library import eager, through_library
+from .library import eager, fast_autograd, through_library
 from .reference import OUT_DTYPES, check_args, fail_gemv, reference_product, unswizzle_scales
 from .tokens import compile_tokens
 from .tokens_bulk import compile_tokens_bulk
@@ -255,6 +255,9 @@ def _gemv_fake(x, x_scale, w, w_scale, alpha, out_dtype):
     return x.new_empty((n, m), dtype=out_dtype, device=w.device)
 
 
+fast_autograd(_gemv_op)
+
+
 @torch.library.custom_op("nvfp4::gemv_out", mutates_args=("out",))
 def _gemv_out_op(x: torch.Tensor, x_scale: Optional[torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
                  alpha: Optional[torch.Tensor], out: torch.Tensor) -> None:
@@ -350,6 +353,9 @@ def _gemv_packed_op(x: torch.Tensor, w_packed: torch.Tensor, alpha: Optional[tor
 def _gemv_packed_fake(x, w_packed, alpha, out_dtype):
     n, m, _ = packed.check_packed_args(x, w_packed, alpha, out_dtype)
     return x.new_empty((n, m), dtype=out_dtype, device=w_packed.device)
+
+
+fast_autograd(_gemv_packed_op)
 
 
 @torch.library.custom_op("nvfp4::gemv_packed_out", mutates_args=("out",))

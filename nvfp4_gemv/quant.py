@@ -32,7 +32,7 @@ weight fewer times than the W4A4 op would (``linear.W4A4_VIA_W4A16_FROM``).
 import torch
 
 from .launch import warn_once
-from .library import eager, through_library
+from .library import eager, fast_autograd, through_library
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -237,6 +237,9 @@ def _quantize_fake(x, global_scale):
             x.new_empty((rows, k // BLOCK), dtype=torch.float8_e4m3fn))
 
 
+fast_autograd(_quantize_op)
+
+
 def quantize(x, global_scale):
     """NVFP4 quantization of activations with ModelOpt's semantics (this module's docstring, exactly).
 
@@ -274,6 +277,9 @@ def _quantize_dequantized_op(x: torch.Tensor, global_scale: torch.Tensor) -> tor
 def _quantize_dequantized_fake(x, global_scale):
     check_quantize_args(x, global_scale, "quantize_dequantized")
     return x.new_empty(x.shape)
+
+
+fast_autograd(_quantize_dequantized_op)
 
 
 def quantize_dequantized(x, global_scale):
