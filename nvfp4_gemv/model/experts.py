@@ -562,7 +562,7 @@ class NVFP4Experts(torch.nn.Module):
                           f"experts' kernel takes 1..{DECODE_MAX_TOKENS}) or expert shapes it does not take "
                           "(rows M % 128 == 0, K % 64 == 0, contiguous): the experts run through dequantize + "
                           "bmm or torch._grouped_mm (bf16), several times the NVFP4 bytes' read time "
-                          "(nvfp4_gemv/model/experts.py, 'Cost of this fallback')")
+                          "(nvfp4_gemv/model/experts.py, 'Cost of the fallback')")
         if self._mode == "w4a4" and self.gate_up_input_scale is None:
             raise ValueError("NVFP4Experts: mode 'w4a4' needs input scales (None here): load or quantize with "
                              "them, or use mode 'w4a16'")
