@@ -5,7 +5,7 @@ torch.compile, with an exact CPU path.
     out[g * NT + n, :] = alpha[e] * x[g * NT + n, :] @ (w[e] * ws[e]).T     for e = ids[g] >= 0, n < NT
 
 Groups with a negative id are skipped: on CUDA their rows of ``out`` are not written (whatever was in memory),
-on the CPU they are zeros. The caller (``nvfp4_gemv.model.experts``) builds the groups on the device: no host
+on the CPU they are NaN (so that a caller that reads them shows it). The caller (``nvfp4_gemv.model.experts``) builds the groups on the device: no host
 sync here, fixed shapes, CUDA-graph capturable.
 
 Error bound (CUDA): the W4A16 kernel's (``w4a16``: half an ulp of the output plus (K / (16 W) + W + 3) * 2^-22
@@ -144,7 +144,8 @@ def _run(x, ids, w, w_scale, alpha, n_tok, busy):
 def _cpu(x, ids, w, w_scale, alpha, n_tok, dims):
     """The exact path: each group's rows through the op's float64 reference, rounded once."""
     g, m, k = dims
-    out = torch.zeros((g * n_tok, m), dtype=x.dtype, device=x.device)
+    # rows of groups without an expert: NaN, as unknown as the kernel's unwritten rows (a caller must not read them)
+    out = torch.full((g * n_tok, m), float("nan"), dtype=x.dtype, device=x.device)
     for grp, e in enumerate(ids.tolist()):
         if e >= 0:
             rows = slice(grp * n_tok, (grp + 1) * n_tok)

@@ -50,6 +50,10 @@ FUSE = "nvfp4_gemv/model/fuse.py"
 CHECKPOINT = "nvfp4_gemv/model/checkpoint.py"
 PACKED = "nvfp4_gemv/packed.py"
 TP = "nvfp4_gemv/model/tp.py"
+EXPERTS = "nvfp4_gemv/model/experts.py"
+EXPERTS_OP = "nvfp4_gemv/experts_op.py"
+EXPERTS_KERNEL = "nvfp4_gemv/experts_kernel.py"
+LIBRARY = "nvfp4_gemv/library.py"
 
 # (name, file, old, new, tests, gpu)
 MUTANTS = [
@@ -444,6 +448,33 @@ MUTANTS = [
     ("tp: a loaded experts shard's down columns taken from the first rank's", TP,
      "(slice(None), slice(rank * i // per, (rank + 1) * i // per))", "(slice(None), slice(0, i // per))",
      ["tests/model/test_tp.py"], False),
+    # -- the experts' decode path (CPU: the groups and the op's exact path; GPU: the kernel) --
+    ("experts: a slot's place counted from the first slot, not its expert's", EXPERTS,
+     "place = (pos - first) % nt", "place = pos % nt", ["tests/model/test_experts_kernel.py"], False),
+    ("experts: the slots' rows not put back in slot order", EXPERTS, "    at[order] = row  # each", "    at = row  # each",
+     ["tests/model/test_experts_kernel.py"], False),
+    ("experts: too few groups for the sentinel's slots", EXPERTS, "n_groups = min(s, e + 1 + s // nt)",
+     "n_groups = min(s, e + s // nt)", ["tests/model/test_experts_kernel.py"], False),
+    ("experts: one token's invalid slots not masked", EXPERTS,
+     "    c = torch.where(valid.unsqueeze(1), c, torch.zeros((), dtype=c.dtype, device=c.device))\n    return c.sum(dim=0",
+     "    return c.sum(dim=0", ["tests/model/test_experts_kernel.py"], False),
+    ("experts op: a group's rows read from the first group's", EXPERTS_OP,
+     "            xr = x if x.shape[0] == 1 else x[rows]", "            xr = x[:n_tok]",
+     ["tests/model/test_experts_kernel.py"], False),
+    ("experts kernel: a group's x rows not offset", EXPERTS_KERNEL, "x_ptr + tok * x_rs,", "x_ptr,",
+     ["tests/model/test_experts_kernel.py"], True),
+    ("experts kernel: the expert's scales not offset", EXPERTS_KERNEL, "ws_ptr + rows * ws_rs,", "ws_ptr,",
+     ["tests/model/test_experts_kernel.py"], True),
+    ("experts kernel: a group without an expert computed with expert 0", EXPERTS_KERNEL, "        if e >= 0:  # (the same",
+     "        e = cutlass.max(e, 0)\n        if e >= 0:  # (the same", ["tests/model/test_experts_kernel.py"], True),
+    ("experts op: the shared x row read with a row stride", EXPERTS_OP, "0 if shared else 2 * k", "2 * k",
+     ["tests/model/test_experts_kernel.py"], True),
+    # -- the ops' autograd kernel (CPU) --
+    ("library: a tracked input's result without the raising backward", LIBRARY,
+     "        if tracked and isinstance(out, torch.Tensor) and out.is_floating_point():", "        if False:",
+     ["tests/op/test_torch_op.py"], False),
+    ("library: the fast autograd kernel not registered", LIBRARY, '        for key in ("AutogradCUDA", "AutogradCPU"):',
+     "        for key in ():", ["tests/op/test_torch_op.py"], False),
     # -- the packed layout (CPU) --
     ("packed: a group's scale bytes before its w", PACKED, "out[:, :, 512:].view(", "out[:, :, :64].view(",
      ["tests/op/test_packed.py"], False),
