@@ -126,8 +126,10 @@ def _run(x, ids, w, w_scale, alpha, n_tok, busy):
     if not w.is_cuda:
         return _cpu(x, ids, w, w_scale, alpha, n_tok, check_args(x, ids, w, w_scale, alpha, n_tok))
     # (addresses: their alignment is in the key, checked once a plan)
-    key = (x.shape, x.dtype, ids.shape, w.shape, w.device, w_scale.dtype, n_tok, busy,
-           (x.data_ptr() | w.data_ptr()) % 16, w_scale.data_ptr() % 2)
+    key = (x.shape, x.stride(), x.dtype, ids.shape, ids.stride(), ids.dtype, w.shape, w.stride(), w.dtype, w.device,
+           w_scale.shape, w_scale.stride(), w_scale.dtype, alpha.shape, alpha.stride(), alpha.dtype, n_tok, busy,
+           (x.data_ptr() | w.data_ptr()) % 16, w_scale.data_ptr() % 2,
+           tuple(t.device for t in (x, ids, w_scale, alpha)))
     plan = _plans.get(key)
     if plan is None:
         dims = check_args(x, ids, w, w_scale, alpha, n_tok)

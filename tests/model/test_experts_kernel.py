@@ -343,3 +343,17 @@ def test_bad_arguments_are_named():
             experts_gemv(*args)
     with pytest.raises(TypeError, match="argument 'alpha': expected a torch.Tensor"):
         experts_gemv(x, ids, w, ws, 1.0, 1)
+
+
+@CUDA
+def test_cuda_plan_validates_metadata_it_has_not_seen():
+    """A plan is kept per metadata: a call whose alpha (or any tensor's shape, stride, dtype) differs from the
+    cached plan's is validated again, never launched on the old plan."""
+    gen = torch.Generator().manual_seed(0)
+    w, ws, a = (t.cuda() for t in random_weights(gen, 4, 128, 64))
+    x, ids = torch.zeros(2, 64, dtype=torch.bfloat16, device="cuda"), torch.zeros(2, dtype=torch.int32, device="cuda")
+    experts_gemv(x, ids, w, ws, a, 1)
+    with pytest.raises(ValueError, match="argument 'alpha'"):
+        experts_gemv(x, ids, w, ws, a[:3], 1)
+    with pytest.raises(ValueError, match="argument 'ids'"):
+        experts_gemv(x, ids.long(), w, ws, a, 1)
