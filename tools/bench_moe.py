@@ -97,19 +97,14 @@ def kernels_only(experts, x, idx):
     """A no-argument callable running just the experts' two kernel launches (gate/up, then down on stand-in
     activations) for this routing, as ``decode_forward`` groups it."""
     from nvfp4_gemv.experts_op import experts_gemv
-    from nvfp4_gemv.model.experts import busy_groups, group_size, slot_groups
+    from nvfp4_gemv.model.experts import busy_groups, decode_groups, group_size
 
     t, k = idx.shape
     (w1, s1, a1, _), (w2, s2, a2, _) = experts._mats()
     e = w1.shape[0]
     nt = group_size(t, k, e)
     busy = busy_groups(t, k, e, nt)
-    if t == 1:
-        gid, xg = idx.reshape(-1).to(torch.int32), x.contiguous()
-    else:
-        order, row, gid, _ = slot_groups(idx, e, nt)
-        xg = x.new_zeros((gid.shape[0] * nt, x.shape[1]))
-        xg[row] = x[order // k]
+    xg, gid, _, _ = decode_groups(x, idx, e, nt)
     hid = torch.randn(gid.shape[0] * nt, w2.shape[2] * 2, device=x.device).to(x.dtype)
     return lambda: (experts_gemv(xg, gid, w1, s1, a1, nt, busy), experts_gemv(hid, gid, w2, s2, a2, nt, busy))
 

@@ -55,6 +55,7 @@ import re
 
 import torch
 
+from ..experts_op import can_implement, experts_gemv
 from ..launch import warn_once
 from .linear import MODES, _X_DTYPES
 from ..quant import BLOCK, _quantize_rows, dequantize, e2m1_decode, quantize_weight
@@ -137,9 +138,7 @@ def grouped_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
     g = _products(xs, ids, route, *gate_up)
     i = g.shape[1] // 2
     d = _products(act_fn(g[:, :i]) * g[:, i:], ids, route, *down)
-    c = d.to(torch.float32) * top_k_weights.reshape(-1, 1).to(torch.float32)
-    c = torch.where(valid.unsqueeze(1), c, torch.zeros((), dtype=c.dtype, device=c.device))
-    return c.reshape(t, k, h).sum(dim=1).to(x.dtype)
+    return combine(d, top_k_weights, valid, x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -154,8 +153,6 @@ def experts_kernel_takes(t, gate_up, down):
     """Whether a call of ``t`` tokens takes the experts' kernel (metadata only): decode-sized, and both
     matrices in shapes and layouts it takes (``experts_op.can_implement``; contiguous, as loaded: a TP shard's
     slice of them is not)."""
-    from ..experts_op import can_implement
-
     if t > DECODE_MAX_TOKENS:
         return False
     for w, ws, alpha, _ in (gate_up, down):
@@ -208,70 +205,67 @@ def busy_groups(t, k, e, nt):
     return max(1, min(t * k, round(hit + max(0, t * k - hit * nt) / nt)))
 
 
+def decode_groups(x, top_k_index, e, nt, x_scale=None):
+    """What the experts' first launch reads for a call: ``(xg, gid, at, valid)`` with ``xg`` [G * nt, H] the
+    groups' token rows (``x_scale``: each quantized with its expert's input scale, mode w4a4), ``gid`` int32
+    [G] each group's expert (-1: none), ``at`` [S] each slot's row of the launches' results in slot order
+    (None: row s is slot s), ``valid`` [S] whether a slot's id is in [0, E). One token skips the sort: its
+    k slots are the groups in slot order (a token's experts are distinct; a repeated one is read again) and,
+    without ``x_scale``, every group reads x's one row."""
+    ids = top_k_index.reshape(-1)
+    if x.shape[0] == 1:
+        valid = (ids >= 0) & (ids < e)
+        gid = torch.where(valid, ids, torch.full((), -1, dtype=ids.dtype, device=ids.device)).to(torch.int32)
+        if x_scale is not None:
+            x = quantize_dequantized_rows(x.expand(ids.shape[0], -1), x_scale[ids.clamp(0, e - 1)])
+        return x.contiguous(), gid, None, valid
+    order, row, gid, valid = slot_groups(top_k_index, e, nt)
+    xs = x[order // top_k_index.shape[1]]
+    if x_scale is not None:
+        xs = quantize_dequantized_rows(xs, x_scale[ids[order].clamp(0, e - 1)])
+    xg = x.new_zeros((gid.shape[0] * nt, x.shape[1]))  # (rows past a group's slots: never read back)
+    xg[row] = xs
+    at = torch.empty_like(row)
+    at[order] = row
+    return xg, gid, at, valid
+
+
 def decode_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
     """``grouped_forward`` through the experts' kernel (``experts_op``): the slots sorted by expert into
-    groups of at most ``group_size`` token rows (``slot_groups``), x's rows copied into their places (rows
-    of a group past its slots are zeros), gate/up then ``act_fn(gate) * up`` then down, each one launch
-    that reads every expert hit once a group, and the combine of ``grouped_forward``. Sync-free.
+    groups of at most ``group_size`` token rows (``decode_groups``), gate/up then ``act_fn(gate) * up`` then
+    down, each one launch that reads every expert hit once a group, and the combine of ``grouped_forward``.
+    Sync-free.
 
     Its products differ from the fallback's: exact products of x and the NVFP4 weights summed in fp32, alpha
     applied once at the end (the W4A16 kernel's bound), where the fallback rounds each weight times alpha to
     x's dtype first."""
-    from ..experts_op import experts_gemv
-
     t, h = x.shape
     k = top_k_index.shape[1]
     e = gate_up[0].shape[0]
     nt = group_size(t, k, e)
     busy = busy_groups(t, k, e, nt)
-    if t == 1:
-        return _one_token(x, top_k_index, top_k_weights, gate_up, down, act_fn, busy)
-    order, row, gid, valid = slot_groups(top_k_index, e, nt)
-    n_rows = gid.shape[0] * nt
-    xs = x[order // k]
     w, ws, alpha, x_scale = gate_up
-    if x_scale is not None:  # mode w4a4: x on the NVFP4 grid of its expert's input scale
-        sid = top_k_index.reshape(-1)[order].clamp(0, e - 1)
-        xs = quantize_dequantized_rows(xs, x_scale[sid])
-    xg = x.new_zeros((n_rows, h))
-    xg[row] = xs
+    xg, gid, at, valid = decode_groups(x, top_k_index, e, nt, x_scale)
     g = experts_gemv(xg, gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy)
     i = g.shape[1] // 2
     hid = act_fn(g[:, :i]) * g[:, i:]
     w, ws, alpha, x_scale = down
-    if x_scale is not None:
-        rid = gid.clamp(min=0).long().repeat_interleave(nt)
-        hid = quantize_dequantized_rows(hid, x_scale[rid])
+    if x_scale is not None:  # (rows of groups without an expert: any scale, never read back)
+        hid = quantize_dequantized_rows(hid, x_scale[gid.clamp(min=0).long().repeat_interleave(nt)])
     d = experts_gemv(hid.contiguous(), gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy)
-    at = torch.empty_like(row)
-    at[order] = row  # each slot's row, in slot order
-    c = d[at].to(torch.float32) * top_k_weights.reshape(-1, 1).to(torch.float32)
-    c = torch.where(valid.unsqueeze(1), c, torch.zeros((), dtype=c.dtype, device=c.device))
-    return c.reshape(t, k, h).sum(dim=1).to(x.dtype)
+    if at is not None:
+        d = d[at]
+    return combine(d, top_k_weights, valid, x.dtype)
 
 
-def _one_token(x, top_k_index, top_k_weights, gate_up, down, act_fn, busy):
-    """``decode_forward`` of one token: each slot its own group in slot order (no sort; a token's experts
-    are distinct, but a repeated one is simply read again), every group reading x's one row."""
-    from ..experts_op import experts_gemv
-
-    e = gate_up[0].shape[0]
-    ids = top_k_index.reshape(-1)
-    valid = (ids >= 0) & (ids < e)
-    gid = torch.where(valid, ids, torch.full((), -1, dtype=ids.dtype, device=ids.device)).to(torch.int32)
-    sid = ids.clamp(0, e - 1)
-    w, ws, alpha, x_scale = gate_up
-    xg = x if x_scale is None else quantize_dequantized_rows(x.expand(ids.shape[0], -1), x_scale[sid])
-    g = experts_gemv(xg.contiguous(), gid, w, ws.view(torch.float8_e4m3fn), alpha, 1, busy)
-    i = g.shape[1] // 2
-    hid = act_fn(g[:, :i]) * g[:, i:]
-    w, ws, alpha, x_scale = down
-    if x_scale is not None:
-        hid = quantize_dequantized_rows(hid, x_scale[sid])
-    d = experts_gemv(hid.contiguous(), gid, w, ws.view(torch.float8_e4m3fn), alpha, 1, busy)
+def combine(d, top_k_weights, valid, dtype):
+    """Each token's output from its slots' down products ``d`` [T * k, H] (slot order): one fp32 sum over
+    its slots of ``d * weight``, a slot whose id is not in [0, E) adding nothing (its row of ``d`` may hold
+    anything), rounded to ``dtype``."""
+    t, k = top_k_weights.shape
     c = d.to(torch.float32) * top_k_weights.reshape(-1, 1).to(torch.float32)
     c = torch.where(valid.unsqueeze(1), c, torch.zeros((), dtype=c.dtype, device=c.device))
-    return c.sum(dim=0, keepdim=True).to(x.dtype)
+    return c.reshape(t, k, -1).sum(dim=1).to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ give. Plans the model cannot take are refused by name at sharding time. A tiny Q
 plan: attention sharded, the experts (which the plan does not name) whole on every rank, logits as unsharded.
 """
 
+import contextlib
 import copy
 import os
 import warnings
@@ -141,10 +142,23 @@ def _report(errfile, rank, e):
         f.write(f"rank {rank}: {e!r}\n{traceback.format_exc()}")
 
 
-def _worker(rank, world, init, errfile, cases):
+@contextlib.contextmanager
+def _rank(rank, world, init, errfile):
+    """This process as rank ``rank`` of a gloo group of ``world``: a failure inside is written to ``errfile``
+    for _spawn (with the rank) and raised; the group is destroyed at the end."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
+        yield
+    except BaseException as e:  # noqa: BLE001 (reported to the parent with its rank)
+        _report(errfile, rank, e)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank, world, init, errfile, cases):
+    with _rank(rank, world, init, errfile):
         for mode, fuse, pack in cases:
             ref = _quantized(mode, fuse, pack)
             model = _quantized(mode, fuse, pack)  # the same model again (seeded), to shard
@@ -163,11 +177,6 @@ def _worker(rank, world, init, errfile, cases):
             assert stats["rowwise"] == 2 * DIMS["num_hidden_layers"] and stats["colwise"] > 0, stats
             _assert_logits_agree(logits, want, mode, world, rank, f"tp{world} {mode} fuse={fuse} pack={pack}",
                                  f"row-wise outputs equal to unsharded: {stats['rowwise_equal']}/{stats['rowwise']}")
-    except BaseException as e:  # noqa: BLE001 (reported to the parent with its rank)
-        _report(errfile, rank, e)
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawn(world, cases, tmp_path, worker=None, *args):
@@ -302,9 +311,7 @@ def _moe_quantized(mode):
 
 
 def _moe_worker(rank, world, init, errfile, cases):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
+    with _rank(rank, world, init, errfile):
         from nvfp4_gemv.model.tp import default_plan
 
         layers = MOE["num_hidden_layers"]
@@ -339,11 +346,6 @@ def _moe_worker(rank, world, init, errfile, cases):
             # as for the Llama; the router's top-k can flip on an ulp only where two experts' scores tie that closely
             _assert_logits_agree(logits, want, mode, world, rank,
                                  f"moe tp{world} {mode} experts {'sharded' if shard_experts else 'whole'}")
-    except BaseException as e:  # noqa: BLE001 (reported to the parent with its rank)
-        _report(errfile, rank, e)
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_tp2_qwen3_moe_shards_attention_keeps_the_experts_whole_and_matches_unsharded(tmp_path):
@@ -376,14 +378,12 @@ def test_experts_plans_the_model_cannot_take_are_refused_by_name(plan, world, ex
 # -- from_pretrained(tp_plan=...): each rank reads its shards only --------------------------------------
 
 
-def _count_reads(restore=None):
-    """``(read, real)``: ``Checkpoint.read`` patched (in this rank's process) to note the bytes each tensor
-    arrives with in ``read`` ({key: bytes}); ``_count_reads(real)`` puts it back."""
+@contextlib.contextmanager
+def _counting_reads():
+    """``Checkpoint.read`` patched (in this rank's process) to note the bytes each tensor arrives with in the
+    dict it yields ({key: bytes}); put back at the end."""
     from nvfp4_gemv.model import checkpoint
 
-    if restore is not None:
-        checkpoint.Checkpoint.read = restore
-        return None
     read, real = {}, checkpoint.Checkpoint.read
 
     def counting(self, keys, device, each=None, slices=None):
@@ -392,16 +392,16 @@ def _count_reads(restore=None):
             return each(k, t)
         return real(self, keys, device, each=count, slices=slices)
     checkpoint.Checkpoint.read = counting
-    return read, real
+    try:
+        yield read
+    finally:
+        checkpoint.Checkpoint.read = real
 
 
 def _load_worker(rank, world, init, errfile, path, cases):
     from nvfp4_gemv import from_pretrained
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    read, real = _count_reads()
-    try:
+    with _rank(rank, world, init, errfile), _counting_reads() as read:
         for mode, fuse, pack in cases:
             read.clear()
             model = from_pretrained(path, mode=mode, device="cpu", fuse=fuse, pack=pack, tp_plan="auto")
@@ -425,12 +425,6 @@ def _load_worker(rank, world, init, errfile, path, cases):
             with torch.no_grad():
                 assert torch.equal(logits, whole(_ids()).logits), "loaded shards differ from shard_model's"
             assert stats["rowwise"] == 2 * DIMS["num_hidden_layers"], stats
-    except BaseException as e:  # noqa: BLE001 (reported to the parent with its rank)
-        _report(errfile, rank, e)
-        raise
-    finally:
-        _count_reads(real)
-        dist.destroy_process_group()
 
 
 def _export(tmp_path, mode):
@@ -449,10 +443,7 @@ def _moe_load_worker(rank, world, init, errfile, path, cases):
     from nvfp4_gemv import from_pretrained
     from nvfp4_gemv.model.tp import default_plan
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    read, real = _count_reads()
-    try:
+    with _rank(rank, world, init, errfile), _counting_reads() as read:
         for mode in cases:
             read.clear()
             whole = from_pretrained(path, mode=mode, device="cpu", fuse=False)
@@ -476,12 +467,6 @@ def _moe_load_worker(rank, world, init, errfile, path, cases):
             with torch.no_grad():
                 assert torch.equal(logits, whole(_ids()).logits), "loaded shards differ from shard_model's"
             assert stats["experts"] == MOE["num_hidden_layers"], stats
-    except BaseException as e:  # noqa: BLE001 (reported to the parent with its rank)
-        _report(errfile, rank, e)
-        raise
-    finally:
-        _count_reads(real)
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])

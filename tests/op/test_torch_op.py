@@ -148,17 +148,32 @@ def test_each_functional_op_has_our_one_layer_autograd_kernel_on_cuda_and_the_cp
 
 
 def test_a_plain_call_runs_the_function_once_and_other_calls_go_below_autograd(monkeypatch):
-    """The fast kernel runs the op's function for plain untracked tensors; a tracked input goes through the
-    op's own kernels and gets a backward that raises; a fake tensor the fake kernel."""
+    """The fast kernel runs the op's function for plain untracked tensors (never going below autograd); a
+    tracked input goes through the op's own kernels and gets a backward that raises; a fake tensor the fake
+    kernel."""
+    import contextlib
+
+    import nvfp4_gemv.library as library
+
+    below = []
+    real = library._below_autograd
+
+    @contextlib.contextmanager
+    def counted():
+        below.append(1)
+        with real():
+            yield
+
+    monkeypatch.setattr(library, "_below_autograd", counted)
     x, xs, w, ws, a = u8_ops(1, 128, 128)
     xb = torch.randn(1, 128).bfloat16()
     with torch.no_grad():
         want = torch.ops.nvfp4.gemv(xb, None, w, ws, a, torch.bfloat16)
-    assert not want.requires_grad
+    assert not want.requires_grad and below == [], "a plain call went below autograd"
     xg = torch.randn(1, 128, requires_grad=True)
     got = torch.ops.nvfp4.gemv(xg.bfloat16(), None, w, ws, a, torch.bfloat16)
-    assert got.requires_grad and torch.equal(got.detach(), torch.ops.nvfp4.gemv(xg.detach().bfloat16(), None, w, ws,
-                                                                                a, torch.bfloat16))
+    assert got.requires_grad and below == [1]
+    assert torch.equal(got.detach(), torch.ops.nvfp4.gemv(xg.detach().bfloat16(), None, w, ws, a, torch.bfloat16))
     with pytest.raises(RuntimeError, match="nvfp4::gemv: no backward"):
         got.float().sum().backward()
     with FakeTensorMode() as mode:
