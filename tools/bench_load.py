@@ -13,7 +13,9 @@ times with the files in the page cache (a first read warms it, untimed):
 * ``load``: ``load_modelopt`` into a model built from the export's config.json (the build is timed apart:
   it is the user's, not the loader's), with ``--mode``, ``--fuse``, ``--pack``.
 
-Prints both and their difference; ``--json PATH`` writes them.
+Prints both and their difference; ``--json PATH`` writes them. ``--generate N`` then decodes N tokens with
+the last loaded model (``nvfp4_gemv.generate``, greedy, a CUDA graph on a GPU) and reports ms a token, the
+peak device memory of load and decode together, and whether every logit of the first step is finite.
 
     python tools/bench_load.py                         # CPU, Llama-3.2-1B shapes
     python tools/bench_load.py --device cuda --layers 32 --hidden 4096 --intermediate 14336 --heads 32 \\
@@ -43,14 +45,17 @@ def config(args):
                                     tie_word_embeddings=args.tie, max_position_embeddings=256)
 
 
-def _random_(module, gen):
-    """transformers' Llama init, roughly: normal(0, 0.02) matrices, ones for the norms' vectors."""
+def _random_(module, gens):
+    """transformers' Llama init, roughly: normal(0, 0.02) matrices, ones for the norms' vectors. The values
+    are drawn on each parameter's device (one seeded generator a device type): the CPU draws Llama-3-70B's
+    69e9 values in minutes, a GPU in a second."""
     with torch.no_grad():
         for p in module.parameters():
             if p.dim() == 1:
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen).mul_(0.02).to(p.dtype))
+                gen = gens.setdefault(p.device.type, torch.Generator(device=p.device).manual_seed(0))
+                p.copy_(torch.randn(p.shape, generator=gen, device=p.device).mul_(0.02).to(p.dtype))
 
 
 def export(args, device, path):
@@ -63,12 +68,12 @@ def export(args, device, path):
     from nvfp4_gemv.model.linear import kernel_takes
 
     cfg = config(args)
-    gen = torch.Generator().manual_seed(0)
+    gens = {}
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     for layer in model.model.layers:
         layer.to_empty(device=device)
-        _random_(layer, gen)
+        _random_(layer, gens)
         if args.mode == "w4a4":  # one input scale for every linear the kernels take
             scales = {n: 0.01 for n, m in layer.named_modules()
                       if isinstance(m, torch.nn.Linear) and kernel_takes(m.in_features, m.out_features, "w4a4")}
@@ -77,9 +82,10 @@ def export(args, device, path):
             quantize_model(layer)
         layer.to("cpu")
     rest = [model.model.embed_tokens, model.model.norm] + ([] if args.tie else [model.lm_head])
-    for m in rest:
-        m.to_empty(device="cpu")
-        _random_(m, gen)
+    for m in rest:  # drawn on the device too (Llama-3-70B's embedding and lm_head are 2.1e9 values)
+        m.to_empty(device=device)
+        _random_(m, gens)
+        m.to("cpu")
     if args.tie:
         model.tie_weights()
     model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)  # its buffers were built on meta
@@ -102,6 +108,31 @@ def read_all(path, device):
     return n
 
 
+def decode(model, n, device, base):
+    """``nvfp4_gemv.generate`` of ``n`` greedy tokens after an 8-token prompt: a first call (its capture), then
+    a timed second; the peak device memory over both, from ``base``; and whether the prompt's logits are
+    all finite (random weights: the tokens themselves mean nothing)."""
+    import nvfp4_gemv
+
+    ids = torch.arange(1, 9, device=device).unsqueeze(0)
+    with torch.no_grad():
+        finite = bool(torch.isfinite(model(ids).logits).all())
+        t0 = time.perf_counter()
+        out = nvfp4_gemv.generate(model, ids, n)
+        first = time.perf_counter() - t0
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        again = nvfp4_gemv.generate(model, ids, n)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    assert out.shape == (1, 8 + n) and torch.equal(out, again), "greedy decode differs between two calls"
+    return {"decode_tokens": n, "decode_ms_per_token": dt / n * 1e3, "first_call_s": first,
+            "logits_finite": finite, "peak_decode_bytes":
+                torch.cuda.max_memory_allocated() - base if device.type == "cuda" else None}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cpu")
@@ -120,7 +151,11 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dir", default=None, help="export folder (default: a temporary one, removed at the end)")
     p.add_argument("--json", default=None)
+    p.add_argument("--generate", type=int, default=0, metavar="N",
+                   help="then decode N tokens with the last loaded model (nvfp4_gemv.generate, greedy)")
     args = p.parse_args(argv)
+    if args.generate < 0:
+        p.error(f"--generate: expected a number of tokens >= 0, got {args.generate}")
     from nvfp4_gemv import load_modelopt
 
     device = torch.device(args.device)
@@ -132,7 +167,7 @@ def main(argv=None):
         nbytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
         read_all(path, device)  # warms the page cache (untimed)
         reads, builds, loads, peaks = [], [], [], []
-        for _ in range(args.reps):
+        for rep in range(args.reps):
             t0 = time.perf_counter()
             read_all(path, device)
             reads.append(time.perf_counter() - t0)
@@ -161,12 +196,16 @@ def main(argv=None):
             loads.append(time.perf_counter() - t0)
             if device.type == "cuda":
                 peaks.append(torch.cuda.max_memory_allocated() - base)
-            del fresh
+            if rep < args.reps - 1:
+                del fresh
         r = {"device": str(device), "bytes": nbytes, "export_s": t_export, "read_s": statistics.median(reads),
              "build_s": statistics.median(builds), "load_s": statistics.median(loads), "reads": reads,
              "loads": loads, "args": vars(args), "torch": torch.__version__,
              "peak_device_bytes": max(peaks) if peaks else None}
         r["over_read_s"] = r["load_s"] - r["read_s"]
+        if args.generate:
+            r.update(decode(fresh, args.generate, device, base if device.type == "cuda" else 0))
+        del fresh
         print(f"{nbytes / 1e9:.2f} GB of safetensors on {device}: read {r['read_s']:.2f} s "
               f"({nbytes / r['read_s'] / 1e9:.2f} GB/s), load_modelopt {r['load_s']:.2f} s "
               f"(+{r['over_read_s']:.2f} s over the read; {args.loader}, mode {args.mode}, fuse {args.fuse}, "
@@ -174,6 +213,12 @@ def main(argv=None):
               + (f"{r['peak_device_bytes'] / 1e9:.2f} GB ({r['peak_device_bytes'] / nbytes:.3f}x the bytes); "
                  if peaks else "n/a; ") +
               f"the model's build {r['build_s']:.2f} s apart; medians of {args.reps}", flush=True)
+        if args.generate:
+            print(f"generate: {args.generate} tokens at {r['decode_ms_per_token']:.2f} ms a token (the first call, "
+                  f"its capture included: {r['first_call_s']:.2f} s); first step's logits finite: "
+                  f"{r['logits_finite']}; peak device memory of load and decode "
+                  + (f"{r['peak_decode_bytes'] / 1e9:.2f} GB ({r['peak_decode_bytes'] / nbytes:.3f}x the bytes)"
+                     if device.type == "cuda" else "n/a"), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(r, f, indent=1)

@@ -9,7 +9,8 @@
 # 300-case fuzz, ~5 processes) and the measurements bench
 # (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1), moeblock (the MoE block
 # alone: the kernel, the fallback, other launch shapes; eager and compiled), moe (the MoE block and
-# Qwen3-30B-A3B's decode), load (from_pretrained of a Llama-3-8B-shaped export onto the GPU), each one call
+# Qwen3-30B-A3B's decode), load (from_pretrained of a Llama-3-8B-shaped export onto the GPU, then 16 tokens),
+# load70 (the same at Llama-3-70B's shapes, 43 GB: an H200's target; needs 43 GB of disk and of CPU memory), each one call
 # under 10 minutes. Prints each step's last lines.
 # The pytest step runs the tests marked gpu (the CPU tests run in CI and locally); ALL=1 runs every test.
 # SHARDS=N runs the suite as N concurrent pytest processes, one set of files each (logs pytest-shardI.txt;
@@ -99,4 +100,6 @@ step moeblock 400 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --fallba
 step moe 560 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --out '$LOG/moe-block' && python tools/bench_model.py \
     --hf --arch qwen3-moe --batches 1 --tokens 32 --hf-fuse --hf-no-step --hf-variants bf16,w4a16 --json '$LOG/moe-hf.json'"
 step load 560 python tools/bench_load.py --device cuda --loader from_pretrained --fuse --pack --layers 32 --hidden 4096 \
-    --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256 --json "$LOG/load-8b.json"
+    --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256 --generate 16 --json "$LOG/load-8b.json"
+step load70 560 python tools/bench_load.py --device cuda --loader from_pretrained --fuse --pack --layers 80 --hidden 8192 \
+    --intermediate 28672 --heads 64 --kv-heads 8 --vocab 128256 --reps 1 --generate 16 --json "$LOG/load-70b.json"

@@ -22,3 +22,16 @@ def test_tiny_run_loads_and_reports_the_cost_over_the_read(tmp_path, extra, caps
     assert r["over_read_s"] == r["load_s"] - r["read_s"]
     assert json.loads(out.read_text())["args"]["mode"] == ("w4a4" if "w4a4" in extra else "w4a16")
     assert ("from_pretrained" if "from_pretrained" in extra else "load_modelopt") in capsys.readouterr().out
+
+
+def test_generate_decodes_with_the_loaded_model_and_reports_its_time(tmp_path, capsys):
+    r = bench_load.main(["--layers", "1", "--hidden", "128", "--intermediate", "256", "--heads", "4",
+                         "--kv-heads", "2", "--vocab", "256", "--reps", "1", "--loader", "from_pretrained",
+                         "--generate", "3"])
+    assert r["decode_tokens"] == 3 and r["decode_ms_per_token"] > 0 and r["logits_finite"] is True
+    assert "generate: 3 tokens" in capsys.readouterr().out
+
+
+def test_negative_generate_is_refused_by_name():
+    with pytest.raises(SystemExit):
+        bench_load.main(["--generate", "-1"])
