@@ -50,22 +50,6 @@ TWO_POW_28 = 268435456.0
 MAX_GROUPS = 8  # accumulators and loads in flight of a thread grow with it (registers)
 
 
-def pick_groups(m, sms, ctas_per_sm=1):
-    """Groups of 8 rows a CTA owns at a time (<= ``MAX_GROUPS``): the least work on the busiest CTA, counted
-    as rounds x (groups + 2), the 2 for what a tile costs besides its groups (decoding x, the partials'
-    sum); ties to more groups a CTA. A model: the H200 measurements ran what it picks (7 groups for M = 7168,
-    4 for 4096 on 132 SMs; other counts not measured); without the 2, M = 14336 on 148 SMs would take one
-    group in 13 rounds."""
-    total = m // 8
-    slots = sms * ctas_per_sm
-
-    def cost(gr):
-        tiles = -(-total // gr)
-        return -(-tiles // slots) * (gr + 2), -gr
-
-    return min(range(1, MAX_GROUPS + 1), key=cost)
-
-
 class Nvfp4GemvMma(OpLaunch):
     """The op's tensor-core kernel; one instance per (K, tokens, groups, layouts, epilogue, tuning)."""
 

@@ -34,6 +34,21 @@ class OpLaunch:
         self.op_body(w_ptr, x_ptr, ws_ptr, xs_ptr, out_ptr, alpha_ptr, m, w_rs, ws_rs, x_rs, xs_rs, out_rs)
 
 
+def pick_groups(m, slots, counts):
+    """The count of 8-row groups a CTA owns at a time, among ``counts``, with the least work on the busiest of
+    ``slots`` CTAs running at once: rounds x (groups + 2), the 2 for what a tile costs besides its groups
+    (decoding x, the partials' sum); ties to more groups. Both op kernels' routes ask it with their own
+    candidates (``op_route``: 1..8; ``w4a16_route.w4a16_groups``: the registers' cap, even counts for
+    ``w_a``). Without the 2, M = 14336 on 148 SMs would take one group in 13 rounds."""
+    total = m // 8
+
+    def cost(gr):
+        tiles = -(-total // gr)
+        return -(-tiles // slots) * (gr + 2), -gr
+
+    return min(counts, key=cost)
+
+
 def compile_op(op, options=None, tvm_ffi=None):
     """``(op, compiled)`` for one of the op's kernels (no GPU needed when ``options`` names ``--gpu-arch``)."""
     i64, i32 = cutlass.Int64(0), cutlass.Int32(1)

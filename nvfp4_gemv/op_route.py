@@ -17,7 +17,8 @@ dp4a kernel, except the tensor-core kernel's ``groups``.
 
 from dataclasses import dataclass
 
-from .mma import Nvfp4GemvMma, pick_groups
+from .mma import MAX_GROUPS, Nvfp4GemvMma
+from .op_kernel import pick_groups
 from .tokens import Nvfp4GemvTokens
 from .tokens_bulk import Nvfp4GemvTokensBulk
 
@@ -80,6 +81,13 @@ class OpRoute:
         return 15 if self.kernel == "bulk" else 1
 
 
+def mma_groups(m, sms):
+    """Groups of 8 rows a CTA of the tensor-core kernel owns at a time, 1..``MAX_GROUPS`` (``pick_groups``'
+    model: the H200 measurements ran what it picks, 7 groups for M = 7168 and 4 for 4096 on 132 SMs; other
+    counts not measured)."""
+    return pick_groups(m, sms, range(1, MAX_GROUPS + 1))
+
+
 def route(n, m, k, sms, copyable, tuning=()):
     """The ``OpRoute`` for ``n`` tokens of x against an [m, k] weight on ``sms`` SMs; ``copyable``: w's
     scales are plain with 16-byte row strides (what bulk copies need). ``tuning``: a caller's
@@ -95,7 +103,7 @@ def route(n, m, k, sms, copyable, tuning=()):
     auto = not named and use_bulk(n, m, k) and copyable
     bulk = not mma and bool(auto if forced is None else forced)
     forced = forced is not None and bulk
-    groups = tuning.pop("groups", None) or pick_groups(m, sms)
+    groups = tuning.pop("groups", None) or mma_groups(m, sms)
     if mma:
         g = -(-n // -(-n // MMA_TOKENS))
         if not Nvfp4GemvMma.can_implement(k, g, groups, **tuning):

@@ -1,12 +1,13 @@
 """Which build of the W4A16 kernel (``w4a16.Nvfp4GemvW4A16``) a shape takes: ``route(n_tok, m, k, sms, tuning,
 packed)`` gives a launch's frozen ``W4A16Route`` (as ``op_route.route`` gives the W4A4 op's ``OpRoute``), from
 ``default_tuning(n_tok, m, sms, k)``, the rules (threads, CTAs a SM, groups, where x lives, which decode),
-and ``pick_groups``, the groups of 8 rows a CTA owns. Each rule was measured on H200 (DSL 4.3.5); the timings behind them are in
+and ``w4a16_groups``, the groups of 8 rows a CTA owns. Each rule was measured on H200 (DSL 4.3.5); the timings behind them are in
 docs/results.md ("Measurements behind the tuning rules"), the why in docs/design.md ("W4A16"). Host-only.
 """
 
 from dataclasses import dataclass
 
+from .op_kernel import pick_groups
 from .ptx import SMEM_A_SM
 from .w4a16 import MAX_GROUPS, W_A_TOKENS, Nvfp4GemvW4A16
 
@@ -21,22 +22,16 @@ FOUR_WARPS_TILES = 5  # ... where the 2-group tiles are at least this many a SM 
 LONG_K_PAIR_VALUES = 32768  # 2 tokens on many rows past SHARED_X_VALUES: 2 CTAs of 4 groups up to this N x K
 
 
-def pick_groups(n_tok, m, sms, even=False, cap=None):
-    """Groups of 8 rows a CTA owns at a time: as many as fill the SMs evenly (up to ``cap``), counting a round
-    of tiles as ``groups + 2``. ``cap``: by default what the registers hold without ``across`` (a lane holds
+def w4a16_groups(n_tok, m, sms, even=False, cap=None):
+    """Groups of 8 rows a CTA owns at a time: as many as fill the SMs evenly (up to ``cap``; ``pick_groups``'
+    rounds x (groups + 2)). ``cap``: by default what the registers hold without ``across`` (a lane holds
     ``5 * groups`` words of ``w`` and 16 of ``x`` per 8 tokens, twice: the slice computed and the next in
     flight; with 8 warps 4 groups spill at 25-32 tokens, sm_90a, DSL 4.3.5, hence 2 there, and 6 and 4 at
     9-16 and 17-24 tokens); the route passes its own (``default_tuning``). ``even``: only even counts (``w_a``
     pairs the groups; M is a multiple of 128, so 16 groups at least)."""
     if cap is None:
         cap = MAX_GROUPS if n_tok <= 8 else 6 if n_tok <= 16 else 4 if n_tok <= 24 else 2
-    total = m // 8
-
-    def cost(gr):
-        tiles = -(-total // gr)
-        return -(-tiles // sms) * (gr + 2), -gr
-
-    return min(range(2 if even else 1, min(cap, total) + 1, 2 if even else 1), key=cost)
+    return pick_groups(m, sms, range(2 if even else 1, min(cap, m // 8) + 1, 2 if even else 1))
 
 
 def default_tuning(n_tok, m, sms, k):
@@ -50,7 +45,7 @@ def default_tuning(n_tok, m, sms, k):
     tokens from 1920 rows where two fit: 16-warp CTAs, two a SM, x in shared memory. 2 tokens on many rows
     with 16384 < N x K <= 32768: two CTAs of 4 groups, x in shared memory. Otherwise x in registers with
     ``across`` from 2 tokens; from 9 tokens x is the A operand and a CTA takes as many groups as the registers
-    hold (``pick_groups``), 16 warps of up to 4 on rows of at most two rounds, or one 16-warp CTA with x in
+    hold (``w4a16_groups``), 16 warps of up to 4 on rows of at most two rounds, or one 16-warp CTA with x in
     shared memory (9..16 tokens on many rows from K = 4096 where N x K <= 65536; at K = 2048 9..32 tokens).
     Every rule was measured faster where it applies, on H200: the timings, and where each was slower,
     in docs/results.md, "Measurements behind the tuning rules"."""
@@ -107,7 +102,7 @@ def default_tuning(n_tok, m, sms, k):
     # stack); 9..16 tokens on rows whose 4-group tiles fill at most two rounds: 16 warps of up to 4 groups
     # (6 spill at 128 registers a thread)
     if n_tok <= 16 and k >= 2048 and m // 32 <= 2 * sms:
-        return {"threads": 512, "x_smem": 0, "across": 1, "groups": pick_groups(n_tok, m, sms, cap=4)}
+        return {"threads": 512, "x_smem": 0, "across": 1, "groups": w4a16_groups(n_tok, m, sms, cap=4)}
     if n_tok * k <= MANY_TOKENS_X_VALUES and (k == ONE_SLICE_K or (n_tok <= 16 and k >= FEW_ROWS_MIN_K)):
         # 9..16 tokens on the many rows past that from K = 4096, up to the measured N x K (x and the partials 160 KB
         # of the SM's shared memory at 16 x 4096, one CTA): x read once a CTA from shared memory instead of once a
@@ -115,8 +110,8 @@ def default_tuning(n_tok, m, sms, k):
         # 17..32 tokens on any rows (at K = 2048 N x K is always within the bound), of as many groups as fill
         # the SMs, 2 to 4. Not past K = 2048 for 17..32 tokens (slower or level there: one rule for K = 2048)
         return {"threads": 512, "x_smem": 1, "across": 1,
-                "groups": 4 if n_tok <= 16 else max(2, pick_groups(n_tok, m, sms, cap=4))}
-    return {"threads": 256, "x_smem": 0, "across": 1, "groups": pick_groups(n_tok, m, sms, cap=MAX_GROUPS)}
+                "groups": 4 if n_tok <= 16 else max(2, w4a16_groups(n_tok, m, sms, cap=4))}
+    return {"threads": 256, "x_smem": 0, "across": 1, "groups": w4a16_groups(n_tok, m, sms, cap=MAX_GROUPS)}
 
 
 @dataclass(frozen=True)
@@ -134,7 +129,7 @@ def route(n_tok, m, k, sms, tuning=(), packed=False):
     build (``default_tuning``) under a caller's ``tuning`` pairs, the packed weight layout where ``packed``.
     :raises ValueError: for a build the kernel cannot take (``Nvfp4GemvW4A16.can_implement``)."""
     tune = {**default_tuning(n_tok, m, sms, k), **dict(tuning), **({"packed": 1} if packed else {})}
-    groups = tune.pop("groups", None) or pick_groups(n_tok, m, sms, even=bool(tune.get("w_a")))
+    groups = tune.pop("groups", None) or w4a16_groups(n_tok, m, sms, even=bool(tune.get("w_a")))
     if not Nvfp4GemvW4A16.can_implement(k, n_tok, groups, **tune):
         try:  # the kernel's own reason
             Nvfp4GemvW4A16(k, n_tok, groups, True, False, True, True, **tune)

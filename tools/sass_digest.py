@@ -154,13 +154,16 @@ W4A16_TOKENS = [1, 2, 3, 4, 6, 8, 9, 16, 17, 32]
 
 def w4a16_configs(arch):
     """``[(label, build)]``: the W4A16 builds that ``default_tuning`` routes the shapes above to on ``arch``'s
-    SM count (from ``nvfp4_gemv.w4a16_route`` since issue 57, ``nvfp4_gemv.w4a16`` before)."""
+    SM count (from ``nvfp4_gemv.w4a16_route`` since issue 57, ``nvfp4_gemv.w4a16`` before; ``pick_groups`` was renamed ``w4a16_groups``)."""
     from nvfp4_gemv.w4a16 import compile_w4a16
 
     try:
-        from nvfp4_gemv.w4a16_route import default_tuning, pick_groups
+        from nvfp4_gemv.w4a16_route import default_tuning, w4a16_groups as pick_groups
     except ImportError:
-        from nvfp4_gemv.w4a16 import default_tuning, pick_groups
+        try:
+            from nvfp4_gemv.w4a16_route import default_tuning, pick_groups
+        except ImportError:
+            from nvfp4_gemv.w4a16 import default_tuning, pick_groups
     sms, keys = SMS[arch], set()
     for m, k in W4A16_WEIGHTS:
         for n in W4A16_TOKENS:

@@ -143,7 +143,7 @@ def test_op_bulk_kernel_compiles_without_gpu(arch, k, tokens, tune, blocked, tmp
     ("sm_100a", 4160, 32, 7, ("--tune", "threads=256,x_smem=0,across=1")),
     ("sm_100a", 64, 3, 2, ("--f16", "--tune", "threads=256,x_smem=0,w_a=1,across=1"))])
 def test_w4a16_kernel_compiles_without_gpu_and_without_spills(arch, k, tokens, groups, extra, tmp_path):
-    """The W4A16 kernel as the op routes it (``w4a16_route.default_tuning``, ``pick_groups``' caps): no stack frame
+    """The W4A16 kernel as the op routes it (``w4a16_route.default_tuning``, ``w4a16_groups``' caps): no stack frame
     (the one-token builds of many rows included: with ``dec`` and ``xpair`` they no longer keep an epilogue
     address on the stack, as the build without them did at 128 registers a thread; five CTAs a SM hold a
     thread to 51 registers)."""

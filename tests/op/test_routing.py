@@ -1,13 +1,14 @@
 """The op's routing and the tensor-core kernel's tiling, without a GPU: which kernel a call takes
 (``op_route.route`` and its rules ``use_mma``, ``use_bulk``), the bulk-copy kernel's CTAs a SM and rows a
-thread (``bulk_tuning``) and how many 8-row groups a CTA owns (``mma.pick_groups``)."""
+thread (``bulk_tuning``) and how many 8-row groups a CTA owns (``op_route.mma_groups``)."""
 
 import pytest
 
 import dataclasses
 
 from nvfp4_gemv import op_route as op
-from nvfp4_gemv.mma import MAX_GROUPS, pick_groups
+from nvfp4_gemv.mma import MAX_GROUPS
+from nvfp4_gemv.op_route import mma_groups
 from nvfp4_gemv.op_route import OpRoute, route
 
 
@@ -27,7 +28,7 @@ from nvfp4_gemv.op_route import OpRoute, route
 def test_route_names_the_kernel_tokens_a_launch_and_its_build(n, m, k, copyable, tuning, want):
     r = route(n, m, k, 132, copyable, tuning)
     assert isinstance(r, OpRoute) and (r.kernel, r.tokens, r.tuning, r.forced) == want
-    assert r.groups == pick_groups(m, 132) and r.ws_mask == (15 if r.kernel == "bulk" else 1)
+    assert r.groups == mma_groups(m, 132) and r.ws_mask == (15 if r.kernel == "bulk" else 1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.kernel = "tokens"
 
@@ -80,13 +81,13 @@ def test_bulk_copy_kernel_configuration_as_measured(n, m, k, tuning):
 @pytest.mark.parametrize("m,sms,groups", [(7168, 132, 7), (4096, 132, 4), (2048, 132, 2), (128, 132, 1),
                                           (14336, 148, 7)])
 def test_groups_of_the_measured_shapes(m, sms, groups):
-    assert pick_groups(m, sms) == groups
+    assert mma_groups(m, sms) == groups
 
 
 @pytest.mark.parametrize("sms", [1, 78, 114, 132, 148])
 @pytest.mark.parametrize("m", [128, 384, 1152, 4096, 7168, 28672, 131072])
 def test_groups_fit_m_and_balance_the_ctas(m, sms):
-    gr = pick_groups(m, sms)
+    gr = mma_groups(m, sms)
     assert 1 <= gr <= MAX_GROUPS and 8 * gr <= m
     rounds = -(-(-(-(m // 8) // gr)) // sms)
     best = min(-(-(-(-(m // 8) // g)) // sms) * (g + 2) for g in range(1, MAX_GROUPS + 1))

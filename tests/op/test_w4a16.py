@@ -252,7 +252,7 @@ def test_the_route_takes_every_token_count_row_count_and_k(sms):
         for m in (128, 1920, 2048, 4096, 4224, 4352, 7168, 28672, 57344):
             for n in range(1, 33):
                 tune = dict(w4a16_route.default_tuning(n, m, sms, k))
-                groups = tune.pop("groups", None) or w4a16_route.pick_groups(n, m, sms, even=bool(tune.get("w_a")))
+                groups = tune.pop("groups", None) or w4a16_route.w4a16_groups(n, m, sms, even=bool(tune.get("w_a")))
                 w4a16.Nvfp4GemvW4A16(k, n, groups, True, False, True, True, **tune)
 
 
@@ -300,7 +300,7 @@ def test_from_nine_tokens_the_tiles_take_as_many_groups_as_the_registers_hold(n,
     if n <= 16 and m // 32 > 2 * 132 and (k >= 4096 or k == 2048) and n * k <= 65536:  # shared x (tests above)
         threads, groups = 512, 4
     if n > 16 and k == 2048:  # x in shared memory (test above)
-        threads, groups = 512, max(2, w4a16_route.pick_groups(n, m, 132, cap=4))
+        threads, groups = 512, max(2, w4a16_route.w4a16_groups(n, m, 132, cap=4))
     assert (tune["threads"], tune["groups"], tune["across"]) == (threads, groups, 1), tune
     # what 16 warps of 128 registers hold without a stack (sm_90a, tests/leaderboard/test_compile.py)
     assert tune["groups"] <= (4 if tune["threads"] == 512 else w4a16.MAX_GROUPS)
@@ -311,7 +311,7 @@ def test_from_nine_tokens_the_tiles_take_as_many_groups_as_the_registers_hold(n,
 def test_w_a_gets_an_even_group_count_within_the_rows(n, m):
     """``w_a`` pairs the groups (16 rows an MMA): the count the plan picks for it is even and never more than
     the rows hold; 7168 rows take 8 (112 tiles, one round) where the unrestricted count is 7."""
-    gr = w4a16_route.pick_groups(n, m, 132, even=True)
+    gr = w4a16_route.w4a16_groups(n, m, 132, even=True)
     assert gr % 2 == 0 and 2 <= gr <= min(8, m // 8)
     if m == 7168:
         assert gr == 8
@@ -319,9 +319,9 @@ def test_w_a_gets_an_even_group_count_within_the_rows(n, m):
 
 @pytest.mark.parametrize("n,cap", [(1, 8), (8, 8), (9, 6), (16, 6), (17, 4), (24, 4), (25, 2), (32, 2)])
 def test_groups_stay_within_what_the_registers_hold(n, cap):
-    assert all(1 <= w4a16_route.pick_groups(n, m, 132) <= cap for m in (128, 4096, 7168, 28672))
+    assert all(1 <= w4a16_route.w4a16_groups(n, m, 132) <= cap for m in (128, 4096, 7168, 28672))
     if cap == 8:  # 7168 rows: 128 tiles of 7 groups, one round on 132 SMs
-        assert w4a16_route.pick_groups(n, 7168, 132) == 7
+        assert w4a16_route.w4a16_groups(n, 7168, 132) == 7
 
 
 def test_kernel_refuses_what_it_cannot_take():
@@ -549,12 +549,12 @@ def test_bulk_is_refused_for_scales_off_sixteen_byte_rows(offset, monkeypatch):
 @pytest.mark.parametrize("packed", [False, True])
 def test_route_is_the_rules_build_as_a_frozen_config(packed):
     """``w4a16_route.route`` gives each launch's build as a frozen ``W4A16Route``: the rules' tuning
-    (``default_tuning``), the groups they name or ``pick_groups``, the packed layout where asked."""
+    (``default_tuning``), the groups they name or ``w4a16_groups``, the packed layout where asked."""
     for n, m, k in [(1, 28672, 4096), (2, 4096, 4096), (4, 2048, 8192), (8, 14336, 4096), (16, 4096, 2048),
                     (32, 57344, 8192)]:
         r = w4a16_route.route(n, m, k, 132, (), packed)
         tune = {**w4a16_route.default_tuning(n, m, 132, k), **({"packed": 1} if packed else {})}
-        groups = tune.pop("groups", None) or w4a16_route.pick_groups(n, m, 132, even=bool(tune.get("w_a")))
+        groups = tune.pop("groups", None) or w4a16_route.w4a16_groups(n, m, 132, even=bool(tune.get("w_a")))
         assert (r.tokens, r.groups, r.tuning) == (n, groups, tuple(sorted(tune.items())))
         assert hash(r) == hash(w4a16_route.route(n, m, k, 132, (), packed))
         with pytest.raises(dataclasses.FrozenInstanceError):
