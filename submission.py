@@ -1421,6 +1421,15 @@ lock = threading.RLock()  # compiles, executors, counters: one at a time
 _warned = set()
 
 
+def keep_plan(plans, key, plan):
+    """Files ``plan`` under ``key`` in an entry's plan cache (a dict) and returns it; past ``MAX_PLANS`` plans
+    the cache starts again (a plan is cheap to rebuild, a cache that only grows is not)."""
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+    return plan
+
+
 def fail(exc, name, expected, got, who="nvfp4_gemv"):
     """Raises ``exc`` naming the argument: ``"<who>: argument '<name>': expected <expected>, got <got>"``."""
     raise exc(f"{who}: argument '{name}': expected {expected}, got {got}")
@@ -2442,9 +2451,7 @@ def _new_plan(data, key):
     else:
         plan = _CutePlan(data, *shape)
     if key is not None:
-        if len(_plans) >= MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
+        keep_plan(_plans, key, plan)
     return plan
 
 

@@ -14,7 +14,7 @@ of the sum of |terms|); the CPU path rounds the float64 result once.
 
 import torch
 
-from .launch import MAX_K, MAX_PLANS, KernelCache, current_device, current_stream, fail, sm_count
+from .launch import MAX_K, KernelCache, current_device, current_stream, fail, keep_plan, sm_count
 from .library import eager, fast_autograd
 from .reference import reference_product
 from .w4a16 import MAX_TOKENS
@@ -136,10 +136,7 @@ def _run(x, ids, w, w_scale, alpha, n_tok, busy):
         if x.data_ptr() % 16 or w.data_ptr() % 16 or w_scale.data_ptr() % 2:
             _bad(ValueError, "x", "x and w at 16-byte aligned addresses, w_scale at an even one",
                  f"addresses {x.data_ptr():#x}, {w.data_ptr():#x}, {w_scale.data_ptr():#x}")
-        plan = ExpertsPlan(x, ids, w, n_tok, busy, dims)
-        if len(_plans) >= MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
+        plan = keep_plan(_plans, key, ExpertsPlan(x, ids, w, n_tok, busy, dims))
     return plan(x, ids, w, w_scale, alpha)
 
 

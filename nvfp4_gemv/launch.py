@@ -28,6 +28,15 @@ lock = threading.RLock()  # compiles, executors, counters: one at a time
 _warned = set()
 
 
+def keep_plan(plans, key, plan):
+    """Files ``plan`` under ``key`` in an entry's plan cache (a dict) and returns it; past ``MAX_PLANS`` plans
+    the cache starts again (a plan is cheap to rebuild, a cache that only grows is not)."""
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+    return plan
+
+
 def fail(exc, name, expected, got, who="nvfp4_gemv"):
     """Raises ``exc`` naming the argument: ``"<who>: argument '<name>': expected <expected>, got <got>"``."""
     raise exc(f"{who}: argument '{name}': expected {expected}, got {got}")

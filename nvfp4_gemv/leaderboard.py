@@ -35,7 +35,6 @@ from cuda.bindings.driver import CUstream
 from .bulk import Nvfp4GemvBulk
 from .launch import (
     MAX_K,
-    MAX_PLANS,
     KernelCache,
     RecentPlans,
     current_device,
@@ -43,6 +42,7 @@ from .launch import (
     device_info,
     dsl_compile,
     fail,
+    keep_plan,
     tile_counters,
 )
 from .tuning import as_config, make_op, pick_tuning
@@ -363,9 +363,7 @@ def _new_plan(data, key):
     else:
         plan = _CutePlan(data, *shape)
     if key is not None:
-        if len(_plans) >= MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
+        keep_plan(_plans, key, plan)
     return plan
 
 

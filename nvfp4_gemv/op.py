@@ -216,9 +216,7 @@ def _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype, key=None):
             fail_gemv(ValueError, "w", "a CUDA tensor for the CUDA path", f"a tensor on {w.device}")
         plan = _TokensPlan(x, x_scale, w, w_scale, alpha, out, out_dtype)
         if key is not None:
-            if len(_plans) >= launch.MAX_PLANS:
-                _plans.clear()
-            _plans[key] = plan
+            launch.keep_plan(_plans, key, plan)
     return plan(x, x_scale, w, w_scale, alpha, out, out_dtype)
 
 

@@ -7,7 +7,7 @@ op calls. The kernel is ``w4a16``, its routing ``w4a16_route``.
 
 import torch
 
-from .launch import MAX_PLANS, KernelCache, current_device, current_stream, sm_count
+from .launch import KernelCache, current_device, current_stream, keep_plan, sm_count
 from .packed import fail_packed
 from .reference import fail_gemv
 from .w4a16 import MAX_TOKENS, compile_w4a16
@@ -173,9 +173,7 @@ def run_cuda(x, w, w_scale, alpha, out, out_dtype, check_args):
         dims = check_args(x, None, w, w_scale, alpha, out_dtype, out)
         plan = W4A16Plan(x, w, w_scale, alpha, out, out_dtype, dims)
         if key is not None:
-            if len(_plans) >= MAX_PLANS:
-                _plans.clear()
-            _plans[key] = plan
+            keep_plan(_plans, key, plan)
     return plan(x, w, w_scale, alpha, out, out_dtype)
 
 
@@ -193,7 +191,5 @@ def run_cuda_packed(x, w_packed, alpha, out, out_dtype, check_args):
         n, m, k = check_args(x, w_packed, alpha, out_dtype, out)
         plan = W4A16Plan(x, w_packed, None, alpha, out, out_dtype, (n, m, k, False, False), packed=True)
         if key is not None:
-            if len(_plans) >= MAX_PLANS:
-                _plans.clear()
-            _plans[key] = plan
+            keep_plan(_plans, key, plan)
     return plan(x, w_packed, None, alpha, out, out_dtype)

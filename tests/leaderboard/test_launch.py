@@ -43,3 +43,12 @@ def test_launch_env_picks_the_build(env, want, monkeypatch):
 def test_objects_without_the_ffi_protocol_are_not_tvm_ffi():
     assert submission.tvm_ffi_function(object()) is None
     assert submission.launch_kind(object()) == "dsl"
+
+
+def test_a_plan_cache_starts_again_past_max_plans_and_keeps_the_newest():
+    plans = {}
+    for i in range(submission.MAX_PLANS):
+        assert submission.keep_plan(plans, i, str(i)) == str(i)
+    assert len(plans) == submission.MAX_PLANS
+    submission.keep_plan(plans, "new", "plan")
+    assert plans == {"new": "plan"}
