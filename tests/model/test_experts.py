@@ -23,6 +23,7 @@ from nvfp4_gemv import (CheckpointError, NVFP4Experts, NVFP4Linear, calibrate_ex
 from nvfp4_gemv import experts as experts_mod  # noqa: E402
 from nvfp4_gemv.model.experts import _products, grouped_forward, quantize_dequantized_rows  # noqa: E402
 from nvfp4_gemv.quant import quantize_dequantized  # noqa: E402
+from sync_free import no_syncs  # noqa: E402
 
 PROMPT = torch.tensor([[5, 17, 99, 3, 250, 42], [7, 7, 1, 200, 13, 64]])
 GEN = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
@@ -623,12 +624,8 @@ def test_gpu_forward_is_sync_free_capturable_and_the_cpu_bits(mode):
         gpu = copy.deepcopy(mod).cuda()
         xc, ic, wc = x.cuda(), idx.cuda(), w.cuda()
         gpu(xc, ic, wc)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_syncs():
             out = gpu(xc, ic, wc)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = gpu(xc, ic, wc)

@@ -11,6 +11,7 @@ from nvfp4_gemv.experts_op import can_implement, check_args, experts_gemv
 from nvfp4_gemv.model.experts import (DECODE_MAX_TOKENS, NVFP4Experts, busy_groups, decode_forward, group_size,
                                       experts_kernel_takes, quantize_dequantized_rows, slot_groups)
 from nvfp4_gemv.quant import dequantize
+from sync_free import no_syncs
 
 CUDA = pytest.mark.gpu
 
@@ -290,12 +291,8 @@ def test_cuda_forward_is_sync_free_capturable_and_compiles_without_a_break():
     mod = random_module(gen, 8, 256, 128, "w4a16").cuda()
     x, idx, w = torch.randn(4, 256).bfloat16().cuda(), torch.randint(0, 8, (4, 2)).cuda(), torch.rand(4, 2).cuda()
     first = mod(x, idx, w)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_syncs():
         again = mod(x, idx, w)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(first, again)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

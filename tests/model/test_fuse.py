@@ -14,6 +14,7 @@ import torch
 
 import nvfp4_gemv.model.linear as linear_mod
 from nvfp4_gemv import NVFP4Linear, fuse_linears, quantize_model, quantize_weight
+from sync_free import no_syncs
 
 ALONE_RUNS = set(linear_mod._ALONE_RUNS.values())  # the paths of a module computing alone
 
@@ -492,12 +493,8 @@ def test_gpu_fused_block_matches_its_parts_without_syncs_and_in_a_graph(mode, n)
     x = x_of(n, hidden=4096).cuda()
     want = [plain.q_proj(x), plain.k_proj(x), plain.v_proj(x), plain.gate_proj(x), plain.up_proj(x)]
     fused(x)  # warm up (compiles, plans)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_syncs():
         got = [fused.q_proj(x), fused.k_proj(x), fused.v_proj(x), fused.gate_proj(x), fused.up_proj(x)]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     for name, g, w in zip(("q", "k", "v", "gate", "up"), got, want):
         # different row counts may route to different kernels: each within the op's bound of the exact
         # sum, so within 2 ulps of each other (the ulp of the larger magnitude)

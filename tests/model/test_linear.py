@@ -10,6 +10,7 @@ from nvfp4_gemv import (NVFP4Linear, calibrate_input_scales, dequantize, gemv_re
 from nvfp4_gemv.model.convert import name_matches
 from nvfp4_gemv.model.linear import kernel_takes
 from nvfp4_gemv.reference import round_to
+from sync_free import no_syncs
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -528,12 +529,8 @@ def call_without_syncs_and_in_a_graph(mod, x):
     """``mod(x)`` after a warm-up call (compiles, plans), under ``set_sync_debug_mode("error")``; a CUDA graph
     of the call must replay the same result. :return: the result."""
     mod(x)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_syncs():
         out = mod(x)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static = mod(x)

@@ -10,6 +10,7 @@ import torch
 import inputs
 import nvfp4_gemv
 from nvfp4_gemv import gemv, op
+from sync_free import no_syncs
 
 pytestmark = pytest.mark.gpu
 
@@ -97,15 +98,18 @@ def test_runs_on_the_current_stream():
     assert_exact(args, out, 4096)
 
 
+def test_no_syncs_raises_on_a_sync_and_resets_the_mode():
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        with no_syncs():
+            torch.ones(1, device="cuda").item()
+    assert torch.cuda.get_sync_debug_mode() == 0
+
+
 def test_new_plan_and_launch_never_sync():
     args = inputs.op_inputs(2, 384, 1024, seed=7)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_syncs():
         out = gemv(*args)
         out2 = gemv(*args)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert_exact(args, out, 1024)
     assert torch.equal(out, out2)

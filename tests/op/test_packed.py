@@ -14,6 +14,7 @@ import torch
 
 from nvfp4_gemv import NVFP4Linear, fuse_linears, gemv, gemv_packed, pack_weight, quantize_model, unpack_weight
 from w4a16_inputs import w4a16_exact, w4a16_inputs, w4a16_violations
+from sync_free import no_syncs
 
 cuda = pytest.mark.gpu
 
@@ -364,13 +365,9 @@ def test_gpu_a_cuda_graph_replays_the_packed_kernel_and_validation_never_syncs()
     p = pack_weight(w, ws)
     out = torch.empty(4, 512, dtype=torch.bfloat16, device="cuda")
     gemv_packed(x, p, a, out=out)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_syncs():
         gemv_packed(x, p, a, out=out)
         gemv_packed(x, p[128:256], a)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         gemv_packed(x, p, a, out=out)

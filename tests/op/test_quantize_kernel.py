@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nvfp4_gemv import quant, quant_kernel
+from sync_free import no_syncs
 
 pytestmark = pytest.mark.gpu
 
@@ -111,12 +112,9 @@ def test_the_dequantized_op_runs_its_kernel_in_a_cuda_graph_without_syncs(monkey
     assert calls == [1] and first.dtype == x.dtype and first.shape == x.shape
     assert torch.equal(first, quant.quantize_dequantized_reference(x, gs))
     g = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_syncs():
         with torch.cuda.graph(g):
             out = quant.quantize_dequantized(x, gs)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     x.copy_(torch.randn_like(x) * 100)
     out.fill_(7.0)
     g.replay()

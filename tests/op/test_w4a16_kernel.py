@@ -8,6 +8,7 @@ import torch
 
 from nvfp4_gemv import gemv, w4a16_plan, w4a16_route
 from w4a16_inputs import w4a16_exact, w4a16_inputs, w4a16_violations
+from sync_free import no_syncs
 
 pytestmark = pytest.mark.gpu
 
@@ -307,12 +308,8 @@ def test_prefill_sized_n_never_syncs_and_is_capturable():
     x, _, w, ws, a = w4a16_inputs(n, 256, 2048, 31)
     out = torch.empty(n, 256, dtype=torch.bfloat16, device="cuda")
     gemv(x, None, w, ws, a, out=out)  # the plan, outside
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_syncs():
         gemv(x, None, w, ws, a, out=out)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         gemv(x, None, w, ws, a, out=out)
