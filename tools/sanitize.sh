@@ -2,7 +2,7 @@
 # compute-sanitizer over the configuration pick_tuning chooses for every task.yml shape (benchmarks
 # included) and three shapes of the streaming kernel's wide scale loads (each case names its kernel class):
 # memcheck (plus fuzz shapes), racecheck (shared memory: CTA barriers, the bulk kernel's mbarriers, the wide
-# loads' per-warp scratch) and synccheck.
+# loads' per-warp scratch) and synccheck; the experts' grouped kernel under memcheck (in `all`) and racecheck.
 # Usage: tools/sanitize.sh   (needs a GPU and compute-sanitizer on PATH)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,4 +11,5 @@ run() { "$SAN" --tool "$1" --error-exitcode 9 --target-processes all python3 too
 run memcheck all
 run racecheck task
 run synccheck task
+run racecheck experts  # (memcheck all ran its cases)
 echo "compute-sanitizer: memcheck, racecheck and synccheck clean"

@@ -2,7 +2,8 @@
 streaming kernel's wide scale loads, each named with the kernel class and configuration ``pick_tuning`` gives
 it; `all` = those plus fuzz shapes; `wide` = the three alone. All add the cases of the op's kernels
 (``nvfp4_gemv.gemv``); `w4a16` = the W4A16 and quantize cases alone, `bulk` = W4A16's bulk builds alone,
-`packed` = the W4A16 kernel on packed weights (``gemv_packed``) alone."""
+`packed` = the W4A16 kernel on packed weights (``gemv_packed``) alone; `experts` = the experts' grouped kernel
+(``experts_op.experts_gemv``) alone, which `all` runs too."""
 
 import os
 import sys
@@ -30,9 +31,10 @@ fuzz = [(128, 64, 1), (1152, 960, 5), (640, 2752, 3), (128, 32768, 2), (3968, 16
 wide = [(4096, 1024, 2), (2048, 3072, 2), (1024, 4096, 4)]
 # `task` = every task.yml shape (benchmarks included) and the wide ones, with the configuration pick_tuning gives it
 section = sys.argv[1] if sys.argv[1:] else ""
-shapes = {"all": task + wide + fuzz, "task": task + wide, "wide": wide, "w4a16": [], "bulk": [], "packed": []}.get(section)
+shapes = {"all": task + wide + fuzz, "task": task + wide, "wide": wide, "w4a16": [], "bulk": [], "packed": [],
+          "experts": []}.get(section)
 if shapes is None:
-    raise SystemExit("usage: sanitize_cases.py all|task|wide|w4a16|bulk|packed")
+    raise SystemExit("usage: sanitize_cases.py all|task|wide|w4a16|bulk|packed|experts")
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 for m, k, l in shapes:
     for cpu_scales in (False, True):
@@ -49,7 +51,7 @@ for m, k, l in shapes:
             print(f"{m}x{k}x{l} cpu_scales={cpu_scales} {kernel} {dict(tuning)} {call}: "
                   f"{'ok' if ok else 'MISMATCH ' + msg}", flush=True)
             assert ok
-if section in ("w4a16", "bulk", "packed"):  # only the W4A16 (bulk: its bulk builds; packed: packed weights) and
+if section in ("w4a16", "bulk", "packed", "experts"):  # only the W4A16 (bulk: its bulk builds; packed: packed weights) and
     shapes = None                           # quantize kernels (below)
 # the op for model code: both kernels (tokens: dp4a with x in shared memory; mma: tensor cores, partials summed
 # in shared memory after a barrier), plain and blocked scales, a tile moved back (M / 8 not a multiple of groups)
@@ -102,7 +104,7 @@ from nvfp4_gemv import quant  # noqa: E402
 # (its last piece ends where the buffer does)
 from nvfp4_gemv import gemv_packed, pack_weight  # noqa: E402
 
-for n, m, k, rows in () if section == "bulk" else ((1, 512, 4096, None), (1, 4352, 2048, None), (1, 28672, 4096, None),
+for n, m, k, rows in () if section in ("bulk", "experts") else ((1, 512, 4096, None), (1, 4352, 2048, None), (1, 28672, 4096, None),
                                                    (2, 4352, 8192, None), (12, 8576, 4096, None),
                                                    (32, 1152, 1024, None), (3, 1024, 2048, 128)):
     x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n + m + 2, dtype=torch.float16 if n == 12 else torch.bfloat16)
@@ -114,7 +116,7 @@ for n, m, k, rows in () if section == "bulk" else ((1, 512, 4096, None), (1, 435
     bad, msg = w4a16_violations(out, *w4a16_exact(x, w, ws, a))
     print(f"w4a16 packed N={n} {wp.shape[0]}x{k}: {'ok' if bad == 0 else 'MISMATCH ' + msg}", flush=True)
     assert bad == 0
-for n, m, k, dtype, blocked in () if section in ("bulk", "packed") else ((1, 512, 4096, torch.bfloat16, False), (1, 4352, 2048, torch.bfloat16, False),
+for n, m, k, dtype, blocked in () if section in ("bulk", "packed", "experts") else ((1, 512, 4096, torch.bfloat16, False), (1, 4352, 2048, torch.bfloat16, False),
                                 (2, 4352, 2048, torch.float16, False), (2, 4352, 8256, torch.bfloat16, False),
                                 (1, 2048, 4096, torch.bfloat16, False), (3, 2048, 4160, torch.float16, True),
                                 (6, 2048, 4160, torch.bfloat16, True), (12, 8576, 4096, torch.float16, False),
@@ -132,7 +134,7 @@ from nvfp4_gemv import w4a16_plan  # noqa: E402
 from nvfp4_gemv.reference import check_args  # noqa: E402
 
 late = {"threads": 256, "w_a": 1, "x_smem": 1, "xpair": 1, "late": 1, "dec": 1, "groups": 2, "ctas": 4}
-for n, m, k, tune in () if section == "packed" else ((1, 17536, 4096, {**late, "bulk": 2, "span": 2}),
+for n, m, k, tune in () if section in ("packed", "experts") else ((1, 17536, 4096, {**late, "bulk": 2, "span": 2}),
                                                     (2, 17536, 3072, {**late, "late": 0, "bulk": 3})):
     x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n + m + 1)
     out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -143,7 +145,7 @@ for n, m, k, tune in () if section == "packed" else ((1, 17536, 4096, {**late, "
     bad, msg = w4a16_violations(out, *w4a16_exact(x, w, ws, a))
     print(f"w4a16 bulk N={n} {m}x{k}: {'ok' if bad == 0 else 'MISMATCH ' + msg}", flush=True)
     assert bad == 0
-for rows, k, dtype in () if section in ("bulk", "packed") else ((3, 4096, torch.bfloat16), (5, 1024, torch.float16)):
+for rows, k, dtype in () if section in ("bulk", "packed", "experts") else ((3, 4096, torch.bfloat16), (5, 1024, torch.float16)):
     x = torch.randn(rows, 2 * k, dtype=dtype, device="cuda")[:, k:]
     gs = torch.tensor([7.0], device="cuda")
     q, s = quant.quantize(x, gs)
@@ -155,3 +157,19 @@ for rows, k, dtype in () if section in ("bulk", "packed") else ((3, 4096, torch.
     ok = torch.equal(xd, quant.quantize_dequantized_reference(x, gs))
     print(f"quantize_dequantized {rows}x{k} {dtype}: {'ok' if ok else 'MISMATCH'}", flush=True)
     assert ok
+
+# the experts' grouped kernel: the fuzz's first 16 cases (1-16 experts, 128-512 rows, K 64-2048 with K % 128 == 64,
+# 1-32 token rows a group, empty groups, repeated experts, one x row every group reads, rows that cancel),
+# each against float64 within the kernel's bound
+if section in ("all", "experts"):
+    from model.test_experts_kernel import check_within_bound, exact, fuzz_case  # noqa: E402
+
+    from nvfp4_gemv.experts_op import experts_gemv  # noqa: E402
+
+    for seed in range(16):
+        (x, ids, w, ws, alpha, nt, busy), _ = fuzz_case(seed, "cuda")
+        ref, absum = exact(x, ids, w, ws, alpha, nt)
+        y = experts_gemv(*[a.cuda() if isinstance(a, torch.Tensor) else a for a in (x, ids, w, ws, alpha, nt, busy)])
+        torch.cuda.synchronize()
+        check_within_bound(y.cpu(), ref, absum, x.shape[1], f"experts case {seed}")
+        print(f"experts case {seed}: E={w.shape[0]} {w.shape[1]}x{x.shape[1]} nt={nt} ids={ids.tolist()}: ok", flush=True)
