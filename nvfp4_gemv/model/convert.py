@@ -1,23 +1,17 @@
 """A whole model's linears to NVFP4: ``quantize_model`` swaps each ``nn.Linear`` the kernels take for an
 ``NVFP4Linear`` (and MoE experts for ``NVFP4Experts``), fusing sibling linears where asked;
-``calibrate_input_scales`` records the activations' amax for mode "w4a4"; ``name_matches`` is the name
-pattern rule both use. The layer itself is ``linear.NVFP4Linear``.
+``calibrate_input_scales`` records the activations' amax for mode "w4a4" (both pick modules by
+``select.name_matches``). The layer itself is ``linear.NVFP4Linear``.
 """
 
-import fnmatch
 import warnings
 
 import torch
 
+from .experts_convert import quantize_experts
 from .linear import MODES, NVFP4Linear, _scalar, kernel_takes
+from .select import name_matches, run_with_pre_hooks
 from ..quant import E2M1_MAX, E4M3_MAX, quantize_weight
-
-
-def name_matches(name, patterns):
-    """Whether a module's qualified name matches one of ``patterns``: equal to it, ending in ``"." +
-    pattern`` (so ``"lm_head"`` matches ``"lm_head"`` and ``"model.lm_head"``, ``"mlp.down_proj"`` every
-    layer's), or matching it as an ``fnmatch`` glob (``"*.self_attn.*"``, ``"model.layers.0.*"``)."""
-    return any(name == p or name.endswith("." + p) or fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def _quantizable(model, skip, mode):
@@ -64,7 +58,7 @@ def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None, fu
         skip = (skip,)
     targets = _quantizable(model, skip, mode)
     scales = dict(input_scales or {})
-    from .experts_convert import quantize_experts  # MoE experts (3-d weights): built and checked here, set with the linears
+    # MoE experts (3-d weights): built and checked here, set with the linears
     experts, skip_used = quantize_experts(model, mode, skip, scales)  # (takes their input_scales out of scales)
     _warn_unmatched(model, tuple(p for p in skip if p not in skip_used), scales, targets)
     if mode == "w4a4":
@@ -157,18 +151,6 @@ def _fusable_groups(model, targets, scales):
                     continue
             out.append(names)
     return out
-
-
-def run_with_pre_hooks(model, forward_loop, hooks):
-    """``forward_loop(model)`` without autograd, with the forward pre-hooks ``[(module, fn)]`` registered for
-    it and removed after, also when it raises."""
-    handles = [m.register_forward_pre_hook(fn) for m, fn in hooks]
-    try:
-        with torch.no_grad():
-            forward_loop(model)
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def calibrate_input_scales(model, forward_loop, skip=("lm_head",)):

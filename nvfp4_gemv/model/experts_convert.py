@@ -6,7 +6,7 @@ per-expert checkpoint tensors (``ExpertFields``, ``plan_experts``). The module a
 
 import torch
 
-from .convert import name_matches, run_with_pre_hooks
+from .select import name_matches, run_with_pre_hooks
 from .experts import _KEY, ALIASES, FIELDS, PROJS, NVFP4Experts, is_experts_module
 from .linear import _scalar
 from ..quant import E2M1_MAX, E4M3_MAX
@@ -132,14 +132,10 @@ def plan_experts(modules, keys, entries, fmt, mode, who):
     model (``modules``: its named modules; a transformers experts module or an ``NVFP4Experts``) that the
     checkpoint's ``keys`` hold per-expert tensors of (``"{module}.{e}.{gate_proj|up_proj|down_proj|w1|w3|w2}.
     {field}"``), checked on the headers (``entries``) as ``NVFP4Experts.from_modelopt`` takes them.
-    ``fmt``: a ModelOpt ``QuantConfig`` or a loader's format object (``pretrained.ModelOptFormat``,
+    ``fmt``: a loader's format object (``modelopt.ModelOptFormat``,
     ``compressed_tensors.CompressedTensorsConfig``). Raises ``CheckpointError`` naming the tensor."""
     from .checkpoint import fail
 
-    if not hasattr(fmt, "layer_keys"):
-        from .pretrained import ModelOptFormat
-
-        fmt = ModelOptFormat(fmt)
     prefixes = {}
     for k in keys:
         m = _KEY.match(k.rpartition(".")[0])

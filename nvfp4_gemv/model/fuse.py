@@ -97,8 +97,6 @@ class Siblings:
         GEMV, or, where the parts' kernels (chosen from mode and layout) differ from the owner's, a path
         that ends the group at its next call. Called by every part's ``_choose``, so that the compiled
         step is guarded on which function each part holds, not on every part's kernel."""
-        from .linear import _PART_RUNS, _run_mixed
-
         if not all("_buffers" in p.__dict__ and "_mode" in p.__dict__ for p in self.parts):
             return  # (unpickling, some part's state not there yet: restored() chooses once the last arrives)
         owner = self.owner
@@ -154,7 +152,7 @@ class Siblings:
         become dynamo guards evaluated on every call of the compiled model: there the group relies on
         what ends it eagerly (a buffer replaced or a mode changed re-chooses the parts' paths, on which
         the compiled code is guarded, ``choose_runs``): ``take_traced``. ``i`` comes with the part's path
-        function (``linear._PART_RUNS``)."""
+        function (``_PART_RUNS``)."""
         if not self.active:  # dissolved while torch.compile traced: the parts' paths are chosen now
             for p in self.parts:
                 p._choose()
@@ -230,16 +228,66 @@ def take_traced(sib, part, x, x2, i):
     return r[2][i]
 
 
+# What a fused group's parts run (``Siblings.choose_runs`` sets a part's ``_run``): plain functions of (module,
+# x), as the layer's own paths are (``linear``), so that a traced forward is guarded on which function a
+# module holds, not on the state it was chosen from.
+
+
+def as_rows(x):
+    """x [..., K] as K-contiguous rows [R, K] the kernels read (16-byte aligned)."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    # a view at an odd offset: the kernels read 16-byte aligned rows (traced code has no addresses; its
+    # own allocations are aligned)
+    if not torch.compiler.is_compiling() and x2.data_ptr() % 16:
+        x2 = x2.clone()
+    return x2
+
+
+def _run_mixed(mod, x):
+    """A fused group's part while the parts' kernels differ (``Siblings.choose_runs``): the group ends here,
+    and this part computes alone."""
+    sib = mod._siblings
+    if sib is not None and sib.active:
+        sib.dissolve("its modules' modes differ")
+    elif sib is not None and not torch.compiler.is_compiling():  # ended while traced: the paths are chosen now
+        for p in sib.parts:
+            p._choose()
+    x2 = as_rows(x)
+    out = mod._product(x2)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _part_run(i):
+    def run(mod, x):
+        """A fused group's ``i``-th part: its columns of the group's one GEMV."""
+        x2 = as_rows(x)
+        out = None
+        if x2.shape[0]:
+            sib = mod._siblings
+            out = take_traced(sib, mod, x, x2, i) if torch.compiler.is_compiling() else sib.take(mod, x, x2, i)
+        if out is None:  # the group ended (its path is re-chosen), or no rows
+            out = mod._product(x2)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+    run.__name__ = run.__qualname__ = f"_run_part{i}"
+    return run
+
+
+# one function a part's index: the index is known from which function runs (no guard on an attribute);
+# each a module-level name too, so that a pickled module (torch.save of a whole model) finds it
+_PART_RUNS = tuple(_part_run(i) for i in range(16))
+globals().update({f.__name__: f for f in _PART_RUNS})
+
+
 def _groups(model, groups):
     """``(qualified group name, parent, [(child name, module)])`` for each parent whose children of one
     group are all ``NVFP4Linear``, not yet fused, in the parent's registration order."""
-    from .linear import NVFP4Linear
-
     out = []
     for pname, parent in model.named_modules():
         kids = dict(parent.named_children())
         for names in groups:
-            if not all(isinstance(kids.get(n), NVFP4Linear) and kids[n]._why_not_fusable() is None for n in names):
+            # a module that can join a group answers _why_not_fusable (NVFP4Linear: None when it can)
+            if not all(hasattr(kids.get(n), "_why_not_fusable") and kids[n]._why_not_fusable() is None
+                       for n in names):
                 continue
             order = [n for n in kids if n in names]  # the owner is the first registered (it moves first)
             parts = [(n, kids[n]) for n in order]
@@ -253,8 +301,6 @@ def _groups(model, groups):
 
 def _compatible(parts):
     """Why one GEMV cannot serve these parts (metadata only), or None."""
-    from .linear import _PART_RUNS
-
     if len(parts) > len(_PART_RUNS):
         return f"more than {len(_PART_RUNS)} parts"
     first = parts[0]

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .fuse import _PART_BUFFERS, FUSED_BUFFERS, take_traced
+from .fuse import _PART_BUFFERS, _PART_RUNS, FUSED_BUFFERS, _run_mixed, as_rows
 from ..op import gemv, gemv_packed
 from ..packed import pack_weight, packed_takes, unpack_weight
 from ..reference import check_args
@@ -499,18 +499,8 @@ class NVFP4Linear(torch.nn.Module):
 # forward is guarded on which function a module holds, not on the attributes it was chosen from.
 
 
-def _rows(x):
-    """x [..., K] as K-contiguous rows [R, K] the kernels read (16-byte aligned)."""
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    # a view at an odd offset: the kernels read 16-byte aligned rows (traced code has no addresses; its
-    # own allocations are aligned)
-    if not torch.compiler.is_compiling() and x2.data_ptr() % 16:
-        x2 = x2.clone()
-    return x2
-
-
 def _alone(mod, x, kernel, bias):
-    x2 = _rows(x)
+    x2 = as_rows(x)
     if not x2.shape[0]:
         return x.new_empty((*x.shape[:-1], mod.weight.shape[0]))
     out = kernel(mod, x2, False)
@@ -553,41 +543,6 @@ def _run_needs_input_scale(mod, x):
     _kernel_needs_input_scale(mod, x, False)
 
 
-def _run_mixed(mod, x):
-    """A fused group's part while the parts' kernels differ (``Siblings.choose_runs``): the group ends here,
-    and this part computes alone."""
-    sib = mod._siblings
-    if sib is not None and sib.active:
-        sib.dissolve("its modules' modes differ")
-    elif sib is not None and not torch.compiler.is_compiling():  # ended while traced: the paths are chosen now
-        for p in sib.parts:
-            p._choose()
-    x2 = _rows(x)
-    out = mod._product(x2)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-def _part_run(i):
-    def run(mod, x):
-        """A fused group's ``i``-th part (``nvfp4_gemv.model.fuse``): its columns of the group's one GEMV."""
-        x2 = _rows(x)
-        out = None
-        if x2.shape[0]:
-            sib = mod._siblings
-            out = take_traced(sib, mod, x, x2, i) if torch.compiler.is_compiling() else sib.take(mod, x, x2, i)
-        if out is None:  # the group ended (its path is re-chosen), or no rows
-            out = mod._product(x2)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-    run.__name__ = run.__qualname__ = f"_run_part{i}"
-    return run
-
-
-# one function a part's index: the index is known from which function runs (no guard on an attribute);
-# each a module-level name too, so that a pickled module (torch.save of a whole model) finds it
-_PART_RUNS = tuple(_part_run(i) for i in range(16))
-globals().update({f.__name__: f for f in _PART_RUNS})
-
-
 # The kernels read the module's buffers from ``_buffers`` itself: ``mod.weight`` would go through
 # ``Module.__getattr__``, which a traced forward guards on three dicts' types, on every compiled call.
 
@@ -620,6 +575,9 @@ def _kernel_w4a4(mod, x2, fused):
 def _kernel_needs_input_scale(mod, x2, fused):
     raise ValueError("NVFP4Linear: mode 'w4a4' needs 'input_scale' (None here): set it, or use mode 'w4a16'")
 
+
+# a fused part's paths lived here before they moved to fuse.py: a whole module pickled then names them here
+globals().update({f.__name__: f for f in (*_PART_RUNS, _run_mixed)})
 
 # the alone paths' names before 2026-12-06: a whole module pickled then names them (its __setstate__ chooses
 # its path again, so any function does here)

@@ -651,3 +651,11 @@ def test_a_fused_group_that_cannot_run_says_so_also_for_no_rows():
         for rows in (0, 2):
             with pytest.raises(ValueError, match="needs 'input_scale'"):
                 m(x_of(rows, hidden=m.in_features))
+
+
+def test_the_part_paths_keep_their_old_names_in_linear_for_pickles_made_before_they_moved():
+    from nvfp4_gemv.model import fuse
+
+    for i, run in enumerate(fuse._PART_RUNS):
+        assert getattr(linear_mod, f"_run_part{i}") is run is getattr(fuse, f"_run_part{i}")
+    assert linear_mod._run_mixed is fuse._run_mixed
