@@ -1,5 +1,5 @@
 """The model side of nvfp4_gemv, one concern a module: ``linear`` (``NVFP4Linear``, one layer), ``fuse``
-(one GEMV for a group of sibling layers), ``convert`` (``quantize_model``, ``calibrate_input_scales``: whole
+(one GEMV for a group of sibling layers), ``select`` (which modules a name pattern picks), ``convert`` (``quantize_model``, ``calibrate_input_scales``: whole
 models), ``experts`` / ``experts_convert`` (MoE experts: the module, and their quantize, calibration and load
 plan), ``awq`` (ModelOpt's pre-quant scales), ``checkpoint`` / ``modelopt`` / ``compressed_tensors`` /
 ``pretrained`` / ``hf_quantizer`` (checkpoint formats and the loaders), ``generation`` (``generate``) and
@@ -8,5 +8,5 @@ never the other way. Public names are imported from ``nvfp4_gemv``; ``nvfp4_gemv
 flat names of these modules from before this sub-package stay importable (aliases made there).
 """
 
-MODULES = ("linear", "fuse", "convert", "experts", "experts_convert", "awq", "checkpoint", "modelopt",
+MODULES = ("linear", "fuse", "select", "convert", "experts", "experts_convert", "awq", "checkpoint", "modelopt",
            "compressed_tensors", "pretrained", "hf_quantizer", "generation", "tp")
