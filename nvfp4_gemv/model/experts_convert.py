@@ -132,7 +132,7 @@ def plan_experts(modules, keys, entries, fmt, mode, who):
     model (``modules``: its named modules; a transformers experts module or an ``NVFP4Experts``) that the
     checkpoint's ``keys`` hold per-expert tensors of (``"{module}.{e}.{gate_proj|up_proj|down_proj|w1|w3|w2}.
     {field}"``), checked on the headers (``entries``) as ``NVFP4Experts.from_modelopt`` takes them.
-    ``fmt``: a loader's format object (``modelopt.ModelOptFormat``,
+    ``fmt``: a loader's format object (``modelopt_format.ModelOptFormat``,
     ``compressed_tensors.CompressedTensorsConfig``). Raises ``CheckpointError`` naming the tensor."""
     from .checkpoint import fail
 

@@ -35,7 +35,8 @@ def detect_format(path, who=WHO):
     """The quantization format of checkpoint folder ``path``: a ``ModelOptFormat`` or a
     ``CompressedTensorsConfig``; anything else raises ``CheckpointError`` saying what it is."""
     from .compressed_tensors import CompressedTensorsConfig
-    from .modelopt import ModelOptFormat, parse_quant_config
+    from .modelopt import parse_quant_config
+    from .modelopt_format import ModelOptFormat
 
     path = check_folder(path, who)
     hf = os.path.join(path, QUANT_CONFIG)
@@ -79,7 +80,7 @@ class Plan:
 
 def _rename(msg, prefix, fmt):
     """A message of ``NVFP4Linear.from_modelopt`` with the layer's tensor names as the checkpoint has them."""
-    from .modelopt import MODELOPT_FIELDS
+    from .modelopt_format import MODELOPT_FIELDS
 
     for field in MODELOPT_FIELDS:
         msg = msg.replace(f"tensor '{field}'", f"tensor '{fmt.checkpoint_name(prefix, field)}'")
