@@ -557,9 +557,10 @@ def bench_hf(args, device):
             swapped, peer_err = swap_int4(model) if device.type == "cuda" else ([], None)
         elif variant != "bf16" and not any(isinstance(m, NVFP4Linear) for m in model.modules()):
             sample = torch.randint(1, model.config.vocab_size, (1, prompt_len), device=device)
-            scales = calibrate_input_scales(model, lambda m: m(input_ids=sample))
+            skip = () if args.hf_lm_head else ("lm_head",)  # lm_head bf16 unless --hf-lm-head
+            scales = calibrate_input_scales(model, lambda m: m(input_ids=sample), skip=skip)
             scales.update(calibrate_expert_input_scales(model, lambda m: m(input_ids=sample)))  # MoE experts
-            quantize_model(model, mode="w4a16", input_scales=scales, fuse=args.hf_fuse,  # lm_head stays bf16
+            quantize_model(model, mode="w4a16", skip=skip, input_scales=scales, fuse=args.hf_fuse,
                            pack=args.hf_pack)
         if variant in ("w4a16", "w4a4"):  # one quantized model, both modes (its layers keep the input scales)
             for m in model.modules():
@@ -569,7 +570,8 @@ def bench_hf(args, device):
         for b in args.batches:
             row = {"variant": variant, "batch": b, "weight_GB": mem / 1e9, "capture": args.hf_capture,
                    "fused": bool(args.hf_fuse) and variant in ("w4a16", "w4a4"),
-                   "packed": bool(args.hf_pack) and variant in ("w4a16", "w4a4")}
+                   "packed": bool(args.hf_pack) and variant in ("w4a16", "w4a4"),
+                   "lm_head": bool(args.hf_lm_head) and variant in ("w4a16", "w4a4")}
             if peer_err is not None:
                 row["peer_rel_err"] = peer_err
             try:
@@ -625,9 +627,9 @@ def bench_hf(args, device):
     cfg = model.config
     meta = {"arch": args.arch, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
             "prompt_len": prompt_len, "decode_tokens": tokens, "capture": args.hf_capture, "fuse": bool(args.hf_fuse),
-            "pack": bool(args.hf_pack),
-            "note": "random weights; greedy; static cache; lm_head and embeddings bf16; generate timings include "
-                    "the prefill of the prompt and, for nvfp4_gemv.generate, the capture of its graph"}
+            "pack": bool(args.hf_pack), "lm_head": bool(args.hf_lm_head),
+            "note": "random weights; greedy; static cache; embeddings bf16, lm_head too unless lm_head; generate "
+                    "timings include the prefill of the prompt and, for nvfp4_gemv.generate, the capture of its graph"}
     return {"meta": meta, "rows": rows}
 
 
@@ -664,7 +666,8 @@ def profile_text(row):
 
 
 def label(row):
-    return (" fused" if row.get("fused") else "") + (" packed" if row.get("packed") else "")
+    return (" fused" if row.get("fused") else "") + (" packed" if row.get("packed") else "") + (
+        " +lm_head" if row.get("lm_head") else "")
 
 
 def hf_table(result):
@@ -745,6 +748,8 @@ def parse_args(argv=None):
                    help="--hf: quantize_model(fuse=True): one GEMV for q/k/v and one for gate/up a layer")
     p.add_argument("--hf-pack", action="store_true",
                    help="--hf: quantize_model(pack=True): weights in the W4A16 kernel's packed layout (w4a16 only)")
+    p.add_argument("--hf-lm-head", action="store_true",
+                   help="--hf: our variants quantize lm_head too (quantize_model(skip=()); bf16 by default)")
     p.add_argument("--tokens", type=int, default=None, help="--hf decode tokens timed (default 64, --quick 16)")
     p.add_argument("--w4a4-via-w4a16", type=int, default=None, metavar="N",
                    help="mode w4a4 from N tokens through quantize_dequantized and the W4A16 op "

@@ -7,7 +7,8 @@
 # synccheck 26 s, the W4A16 fuzz 91 s as six processes.
 # STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop,fuzzw4a16 (default all), experts (its GPU tests and
 # 300-case fuzz, ~5 processes) and the measurements bench
-# (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1), moeblock (the MoE block
+# (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1), modellm (the same, lm_head
+# in NVFP4 too, beside bf16), moeblock (the MoE block
 # alone: the kernel, the fallback, other launch shapes; eager and compiled), moe (the MoE block and
 # Qwen3-30B-A3B's decode), load (from_pretrained of a Llama-3-8B-shaped export onto the GPU, then 16 tokens),
 # load70 (the same at Llama-3-70B's shapes, 43 GB: an H200's target; needs 43 GB of disk and of CPU memory), each one call
@@ -95,6 +96,8 @@ step fuzzw4a16 200 python tools/fuzz_op.py --cases 300 --w4a16 --jobs 6
 step bench 300 python bench.py --peers-only bulk --reps 50 --out "$LOG/bench"
 step model 560 python tools/bench_model.py --hf --batches 1 --tokens 64 --hf-fuse --hf-pack \
     --hf-variants bf16,int4,w4a16 --json "$LOG/model-hf-b1.json"
+step modellm 560 python tools/bench_model.py --hf --batches 1 --tokens 64 --hf-fuse --hf-pack --hf-lm-head \
+    --hf-variants bf16,w4a16 --json "$LOG/model-hf-b1-lmhead.json"
 step moeblock 400 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --fallback --busy 0.5,1,2 --profile --out '$LOG/moe-block' \
     && python tools/bench_moe.py --tokens 1,4,16,64 --compile --out '$LOG/moe-block-compiled'"
 step moe 560 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --out '$LOG/moe-block' && python tools/bench_model.py \

@@ -70,6 +70,19 @@ def test_hf_pack_runs_packed_layers_and_refuses_w4a4(capsys):
                                                      "--hf-pack"]), torch.device("cpu"))
 
 
+def test_hf_lm_head_quantizes_the_lm_head_too():
+    pytest.importorskip("transformers")
+    rows = {}
+    for extra in ([], ["--hf-lm-head"]):
+        args = bench_model.parse_args(["--hf", "--device", "cpu", "--tiny", "--batches", "1", "--tokens", "1",
+                                       "--hf-no-step", "--hf-generate", "ours_generate_ms", "--hf-variants", "w4a16", *extra])
+        r = bench_model.bench_hf(args, torch.device("cpu"))
+        rows[bool(extra)] = r["rows"][0]
+        assert r["meta"]["lm_head"] is bool(extra)
+    assert rows[True]["lm_head"] and not rows[False]["lm_head"]
+    assert rows[True]["weight_GB"] < rows[False]["weight_GB"]  # the lm_head's bf16 bytes replaced by NVFP4
+
+
 def test_w4a4_via_w4a16_sets_the_route_threshold_for_the_run(monkeypatch):
     import nvfp4_gemv.model.linear as lin
 
