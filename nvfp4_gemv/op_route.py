@@ -18,7 +18,7 @@ dp4a kernel, except the tensor-core kernel's ``groups``.
 from dataclasses import dataclass
 
 from .mma import MAX_GROUPS, Nvfp4GemvMma
-from .op_kernel import pick_groups
+from . import op_kernel
 from .tokens import Nvfp4GemvTokens
 from .tokens_bulk import Nvfp4GemvTokensBulk
 
@@ -85,7 +85,7 @@ def mma_groups(m, sms):
     """Groups of 8 rows a CTA of the tensor-core kernel owns at a time, 1..``MAX_GROUPS`` (``pick_groups``'
     model: the H200 measurements ran what it picks, 7 groups for M = 7168 and 4 for 4096 on 132 SMs; other
     counts not measured)."""
-    return pick_groups(m, sms, range(1, MAX_GROUPS + 1))
+    return op_kernel.pick_groups(m, sms, range(1, MAX_GROUPS + 1))
 
 
 def route(n, m, k, sms, copyable, tuning=()):

@@ -7,7 +7,7 @@ docs/results.md ("Measurements behind the tuning rules"), the why in docs/design
 
 from dataclasses import dataclass
 
-from .op_kernel import pick_groups
+from . import op_kernel
 from .ptx import SMEM_A_SM
 from .w4a16 import MAX_GROUPS, W_A_TOKENS, Nvfp4GemvW4A16
 
@@ -31,7 +31,7 @@ def w4a16_groups(n_tok, m, sms, even=False, cap=None):
     pairs the groups; M is a multiple of 128, so 16 groups at least)."""
     if cap is None:
         cap = MAX_GROUPS if n_tok <= 8 else 6 if n_tok <= 16 else 4 if n_tok <= 24 else 2
-    return pick_groups(m, sms, range(2 if even else 1, min(cap, m // 8) + 1, 2 if even else 1))
+    return op_kernel.pick_groups(m, sms, range(2 if even else 1, min(cap, m // 8) + 1, 2 if even else 1))
 
 
 def default_tuning(n_tok, m, sms, k):

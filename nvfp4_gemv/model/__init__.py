@@ -6,7 +6,8 @@ experts: the module, and their quantize, calibration and load plan), ``awq`` (Mo
 ``hf_quantizer`` (checkpoint formats and the loaders), ``generation`` (``generate``) and ``tp`` (tensor
 parallelism). They build on the kernel side (``nvfp4_gemv.op``, ``quant``, ``packed``, ...), never the other
 way. Public names are imported from ``nvfp4_gemv``; ``nvfp4_gemv.model.linear`` and the other flat names of
-these modules from before this sub-package stay importable (aliases made there).
+these modules from before this sub-package stay importable (aliases made there, for every module in
+``MODULES``).
 """
 
 MODULES = ("linear", "fuse", "select", "convert", "experts", "experts_convert", "awq", "checkpoint", "modelopt",

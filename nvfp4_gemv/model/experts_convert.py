@@ -136,6 +136,9 @@ def plan_experts(modules, keys, entries, fmt, mode, who):
     ``compressed_tensors.CompressedTensorsConfig``). Raises ``CheckpointError`` naming the tensor."""
     from .checkpoint import fail
 
+    if not hasattr(fmt, "layer_keys"):
+        raise TypeError(f"plan_experts: 'fmt': expected a loader's format object (modelopt_format.ModelOptFormat "
+                        f"wraps a ModelOpt QuantConfig), got {type(fmt).__name__}")
     prefixes = {}
     for k in keys:
         m = _KEY.match(k.rpartition(".")[0])

@@ -280,12 +280,15 @@ globals().update({f.__name__: f for f in _PART_RUNS})
 
 def _groups(model, groups):
     """``(qualified group name, parent, [(child name, module)])`` for each parent whose children of one
-    group are all ``NVFP4Linear``, not yet fused, in the parent's registration order."""
+    group can all join one (``NVFP4Linear`` and its subclasses), not yet fused, in the parent's registration
+    order."""
     out = []
     for pname, parent in model.named_modules():
         kids = dict(parent.named_children())
         for names in groups:
-            # a module that can join a group answers _why_not_fusable (NVFP4Linear: None when it can)
+            # a module that can join a group answers _why_not_fusable (None when it can) and has what the group
+            # reads of its parts: _siblings, in_features, mode, packed, weight, bias, input_scale and its
+            # buffers (NVFP4Linear; fuse imports no model module, so it asks rather than checks the class)
             if not all(hasattr(kids.get(n), "_why_not_fusable") and kids[n]._why_not_fusable() is None
                        for n in names):
                 continue

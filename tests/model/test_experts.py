@@ -656,3 +656,10 @@ def test_gpu_forward_warns_once_where_it_takes_the_dequantizing_fallback():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mod(x, idx, w)
+
+
+def test_plan_experts_names_a_format_it_cannot_read():
+    from nvfp4_gemv.model.experts_convert import plan_experts
+
+    with pytest.raises(TypeError, match="'fmt': expected a loader's format object"):
+        plan_experts({}, [], {}, object(), "w4a16", "load_modelopt")

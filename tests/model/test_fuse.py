@@ -175,9 +175,9 @@ def test_siblings_one_gemv_cannot_compute_stay_unfused(why, edit):
 
 
 def test_a_group_of_more_parts_than_part_paths_stays_unfused():
-    """A part's path is one of ``linear._PART_RUNS`` (16): a 17-part group stays unfused, a 16-part one fuses
+    """A part's path is one of ``fuse._PART_RUNS`` (16): a 17-part group stays unfused, a 16-part one fuses
     and gives its parts' results."""
-    from nvfp4_gemv.model.linear import _PART_RUNS
+    from nvfp4_gemv.model.fuse import _PART_RUNS
 
     names = tuple(f"p{i}" for i in range(len(_PART_RUNS) + 1))
     base = torch.nn.Module()

@@ -7,7 +7,7 @@ import torch
 
 from nvfp4_gemv import (NVFP4Linear, calibrate_input_scales, dequantize, gemv_reference, input_scale_from,
                         quantize_model, quantize_reference, quantize_weight)
-from nvfp4_gemv.model.convert import name_matches
+from nvfp4_gemv.model.select import name_matches
 from nvfp4_gemv.model.linear import kernel_takes
 from nvfp4_gemv.reference import round_to
 from sync_free import no_syncs
