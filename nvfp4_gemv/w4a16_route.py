@@ -1,8 +1,9 @@
 """Which build of the W4A16 kernel (``w4a16.Nvfp4GemvW4A16``) a shape takes: ``route(n_tok, m, k, sms, tuning,
 packed)`` gives a launch's frozen ``W4A16Route`` (as ``op_route.route`` gives the W4A4 op's ``OpRoute``), from
 ``default_tuning(n_tok, m, sms, k)``, the rules (threads, CTAs a SM, groups, where x lives, which decode),
-and ``w4a16_groups``, the groups of 8 rows a CTA owns. Each rule was measured on H200 (DSL 4.3.5); the timings behind them are in
-docs/results.md ("Measurements behind the tuning rules"), the why in docs/design.md ("W4A16"). Host-only.
+and ``w4a16_groups``, the groups of 8 rows a CTA owns. Each rule was measured on H200 (DSL 4.3.5); the timings
+behind them are in docs/results.md ("Measurements behind the tuning rules"), the why in docs/design.md
+("W4A16"). Host-only.
 """
 
 from dataclasses import dataclass

@@ -305,7 +305,8 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
         keys -= set(kv_ignored)
 
     modules = dict(model.named_modules(remove_duplicate=False))
-    moe = plan_experts(modules, keys, ckpt.entries, ModelOptFormat(cfg), mode, "load_modelopt")  # MoE experts' per-expert tensors
+    # MoE experts' per-expert tensors
+    moe = plan_experts(modules, keys, ckpt.entries, ModelOptFormat(cfg), mode, "load_modelopt")
     keys -= {k for fields in moe.values() for k, _ in fields.values()}
     # a quantized layer: one with a weight_scale, a weight_scale_2 or a uint8 weight (so that a layer that lacks
     # one of its tensors is reported as lacking it, not as tensors with no place)

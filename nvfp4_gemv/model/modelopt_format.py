@@ -14,7 +14,8 @@ MODELOPT_FIELDS = ("weight", "weight_scale", "weight_scale_2", "input_scale", "b
 
 class ModelOptFormat:
     """ModelOpt's layout (``modelopt.py``'s docstring) seen as ``compressed_tensors.CompressedTensorsConfig``
-    is (the loaders' format object, ``pretrained.detect_format``): which prefixes are quantized, their tensors under ``NVFP4Linear``'s names, the config's checks."""
+    is (the loaders' format object, ``pretrained.detect_format``): which prefixes are quantized, their
+    tensors under ``NVFP4Linear``'s names, the config's checks."""
 
     kind = "modelopt"
 

@@ -174,6 +174,14 @@ def test_siblings_one_gemv_cannot_compute_stay_unfused(why, edit):
     assert fuse_linears(m) == ["{gate_proj,up_proj}"], why
 
 
+def test_a_group_with_a_part_left_in_bf16_stays_unfused():
+    """fuse_linears asks each part whether it can join (``_why_not_fusable``); a plain ``nn.Linear`` cannot."""
+    m = one_global_scale(quantize_model(Block(), skip=("q_proj",)))
+    assert type(m.q_proj) is torch.nn.Linear
+    assert fuse_linears(m) == ["{gate_proj,up_proj}"]
+    assert m.k_proj._siblings is None and m.v_proj._siblings is None
+
+
 def test_a_group_of_more_parts_than_part_paths_stays_unfused():
     """A part's path is one of ``fuse._PART_RUNS`` (16): a 17-part group stays unfused, a 16-part one fuses
     and gives its parts' results."""
