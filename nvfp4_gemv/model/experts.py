@@ -200,9 +200,11 @@ def slot_groups(top_k_index, e, nt):
 
 def busy_groups(t, k, e, nt):
     """About how many groups have an expert: the experts t tokens of k distinct experts each hit (uniform
-    routing), plus the groups that tokens past nt an expert add."""
+    routing), plus the groups that tokens past nt an expert add; from 4 tokens, half that (twice the CTAs an
+    expert: measured faster at 4 and 16 tokens, slower at one; docs/results.md, the MoE block)."""
     hit = e * (1 - (1 - min(k, e) / e) ** t)
-    return max(1, min(t * k, round(hit + max(0, t * k - hit * nt) / nt)))
+    busy = hit + max(0, t * k - hit * nt) / nt
+    return max(1, min(t * k, round(busy / 2 if t >= 4 else busy)))
 
 
 def decode_groups(x, top_k_index, e, nt, x_scale=None):
