@@ -13,7 +13,7 @@ float64 sums, one rounding to the output dtype: ``reference.gemv_reference``).
 
 The op is ``torch.ops.nvfp4.gemv`` (and ``torch.ops.nvfp4.gemv_out`` for ``out=``), with fake
 implementations for tracing, so ``torch.compile(fullgraph=True)`` and CUDA graphs take it. Eager calls of
-``gemv`` on CUDA skip the dispatcher (``nvfp4_gemv.library``): a cached launch plan per tensor metadata.
+``gemv`` on CUDA skip the dispatcher (``nvfp4_gemv.library``): a cached launch plan per tensor metadata (``op_plan``).
 """
 
 from typing import Optional
@@ -21,212 +21,28 @@ from typing import Optional
 import torch
 
 from . import launch
+from . import op_plan
 from . import packed
-from . import w4a16_plan
-from .mma import compile_mma
-from .op_route import route
 from .library import eager, fast_autograd, through_library
-from .reference import OUT_DTYPES, check_args, fail_gemv, reference_product, unswizzle_scales
-from .tokens import compile_tokens
-from .tokens_bulk import compile_tokens_bulk
-
+from .reference import OUT_DTYPES, check_args, fail_gemv, reference_product
 
 
 # ----------------------------------------------------------------------------------------------------
-# Routing and launch plans
+# The product on w's device
 # ----------------------------------------------------------------------------------------------------
 
-_plans = {}
 # eager calls with a weight tensor of a recent call, whose tensors pass that plan's C++ guard (the same
 # metadata), skip the key
 _recent = launch.RecentPlans()
-
-
-_sm_count = launch.sm_count  # a module name, so that tests can stand in another SM count
-
-
-_kernels = launch.KernelCache(lambda key: {"mma": compile_mma, "tokens": compile_tokens,
-                                             "bulk": compile_tokens_bulk}[key[0]](*key[2:-1], **dict(key[-1])))
-
-
-def _get_kernel(device_index, key):
-    return _kernels.get(device_index, key)
-
-
-class _TokensPlan:
-    """What the tensors' metadata fixes for a launch (kernels, grid, strides, token groups), so that a
-    call only reads the data pointers and the stream."""
-
-    variants = ()  # (guard, hit): C++ checks of tensor sets with this plan's key (launch.RecentPlans)
-
-    def __init__(self, x, x_scale, w, w_scale, alpha, out, out_dtype, tuning=()):
-        n, m, k, xb, wb = check_args(x, x_scale, w, w_scale, alpha, out_dtype, out)
-        self.device = w.device
-        self.dev = w.device.index
-        self.out_shape = (n, m)
-        # what the tensors' metadata leaves out: which optional tensors come, the result's dtype without out
-        self.signature = (alpha is not None, out is not None, out_dtype)
-        # the result is allocated each call (torch.empty): a device tensor kept here would be allocated in a
-        # CUDA graph tree's pool where the plan is first made under torch.compile(mode="reduce-overhead"), and
-        # stay alive there untracked (which that mode refuses)
-        for t, name in ((x, "x"), (w, "w")):
-            if t.stride(1) != 1 or t.stride(0) % 16 or t.data_ptr() % 16:
-                fail_gemv(ValueError, name, "K-contiguous rows (stride(1) == 1) at 16-byte aligned addresses",
-                          f"strides {t.stride()} at address {t.data_ptr():#x}")
-        for t, name, blocked in ((x_scale, "x_scale", xb), (w_scale, "w_scale", wb)):
-            if not blocked and (t.stride(1) != 1 or t.stride(0) % 2 or t.data_ptr() % 2):
-                fail_gemv(ValueError, name, "K-contiguous scales (stride(1) == 1) at even addresses", f"strides {t.stride()}")
-        out_rs = m
-        if out is not None:
-            if out.stride(1) != 1 and m > 1:
-                fail_gemv(ValueError, "out", "unit stride along M", f"strides {out.stride()}")
-            out_rs = out.stride(0)
-        sms = _sm_count(self.dev)
-        r = route(n, m, k, sms, not wb and w_scale.stride(0) % 16 == 0, tuning)  # (nvfp4_gemv.op_route)
-        mma, g, groups, tuning = r.kernel == "mma", r.tokens, r.groups, r.tuning
-        self.ws_mask = r.ws_mask
-        self.args = (tuple(t for t in tuning if t[0] not in ("ctas", "rt")), mma, r.forced)
-        self.fallback = None
-        # blocked x scales: the kernel indexes tokens within one launch; rows below 32 of a tile are 16
-        # bytes apart, so a later group starts 16 * t0 bytes in; beyond that the plan unswizzles on the host
-        self.unswizzle_x = xb and g < n and n > 32
-        if self.unswizzle_x:
-            launch.warn_once("xs", "nvfp4_gemv.gemv: blocked x_scale for more than 32 tokens is unswizzled on the "
-                             "host each call (extra torch kernels): pass plain x_scale")
-            xb = False
-        tile = 512 * (-(-(k // 16) // 4))  # bytes of a 128-row tile of blocked scales
-        ws_rs = tile if wb else w_scale.stride(0)
-        xs_rs = tile if xb else (k // 16 if self.unswizzle_x else x_scale.stride(0))
-        self.k = k
-        self.launches = []
-        for t0 in range(0, n, g):
-            nt = min(g, n - t0)
-            if mma:
-                shape = (k, nt, groups, wb, xb, alpha is not None, out_dtype == torch.bfloat16,
-                         w.stride(0) == k // 2, not wb and w_scale.stride(0) == k // 16)
-                key = ("mma", self.dev, *shape, tuning)
-            else:
-                key = (r.kernel, self.dev, k, nt, wb, xb, alpha is not None,
-                       out_dtype == torch.bfloat16, tuning)
-            kern = _get_kernel(self.dev, key)
-            offsets = (t0 * x.stride(0), 16 * t0 if xb else t0 * xs_rs, t0 * out_rs * 2)
-            self.launches.append((kern, offsets, (m, w.stride(0), ws_rs, x.stride(0), xs_rs, out_rs * 2,
-                                                  kern.op.grid_x(m, sms))))
-
-    def __call__(self, x, x_scale, w, w_scale, alpha, out, out_dtype):
-        # addresses are not in the plan's key: checked on every call (the kernel reads 16-byte rows and
-        # 2-byte scale pairs; a misaligned read would fault and break the CUDA context)
-        px, pw, pxs, pws = x.data_ptr(), w.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr()
-        if (px | pw) & 15 or pxs & 1 or pws & self.ws_mask:
-            bad = [n for n, p, mask in (("x", px, 15), ("w", pw, 15), ("x_scale", pxs, 1), ("w_scale", pws, 1))
-                   if p & mask]
-            if not bad:  # w_scale even but off 16 bytes, under a bulk-copy plan
-                return self._unaligned(x, x_scale, w, w_scale, alpha, out, out_dtype)
-            fail_gemv(ValueError, bad[0], "16-byte aligned rows of x and w, even addresses of the scales",
-                      f"address {dict(x=px, w=pw, x_scale=pxs, w_scale=pws)[bad[0]]:#x}")
-        if self.unswizzle_x:
-            x_scale = unswizzle_scales(x_scale.view(torch.uint8), self.out_shape[0], self.k).contiguous()
-            pxs = x_scale.data_ptr()
-        if out is None:
-            out = torch.empty(self.out_shape, dtype=out_dtype, device=self.device)
-        pout = out.data_ptr()
-        pa = alpha.data_ptr() if alpha is not None else 0
-        dev_ok = launch.current_device() == self.dev
-        stream = launch.current_stream(self.dev)
-        for kern, (dx, dxs, dout), static in self.launches:
-            if kern.ffi is not None and dev_ok:
-                kern.ffi(pw, px + dx, pws, pxs + dxs, pout + dout, pa, *static, stream)
-            else:
-                with torch.cuda.device(self.dev):
-                    kern.launch_dsl((pw, px + dx, pws, pxs + dxs, pout + dout, pa, *static), stream)
-        return out
-
-    def hit_path(self, check):
-        """gemv's call for tensors with exactly this plan's metadata and signature: None where they differ
-        (``check``, the plan's guard, rejects them). One TVM-FFI launch is inlined; any other plan runs
-        ``self(...)``."""
-        has_alpha, has_out, dtype = self.signature
-        kern, (dx, dxs, dout), static = self.launches[0] if len(self.launches) == 1 else (None, (0, 0, 0), ())
-        ffi = kern.ffi if kern is not None and not self.unswizzle_x else None
-        dev, ws_mask, shape, device = self.dev, self.ws_mask, self.out_shape, self.device
-        get_device, stream, empty = launch.current_device, launch.current_stream, torch.empty
-
-        def call(x, x_scale, w, w_scale, alpha, out, out_dtype):
-            if (alpha is None) == has_alpha or (out is None) == has_out or (out is None and out_dtype != dtype):
-                return None
-            try:
-                # a strided nested tensor aborts the guard's stride read: tested first
-                if x.is_nested or x_scale.is_nested or w.is_nested or w_scale.is_nested:
-                    return None
-                if has_alpha:
-                    if alpha.is_nested or (has_out and out.is_nested):
-                        return None
-                    ok = check(x, x_scale, w, w_scale, alpha, out) if has_out else check(x, x_scale, w, w_scale, alpha)
-                elif has_out:
-                    ok = not out.is_nested and check(x, x_scale, w, w_scale, out)
-                else:
-                    ok = check(x, x_scale, w, w_scale)
-            except (TypeError, AttributeError):  # not tensors
-                return None
-            if not ok:
-                return None
-            px, pw, pxs, pws = x.data_ptr(), w.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr()
-            if ffi is None or (px | pw) & 15 or pxs & 1 or pws & ws_mask or get_device() != dev:
-                return self(x, x_scale, w, w_scale, alpha, out, dtype if out is None else out.dtype)
-            if out is None:
-                out = empty(shape, dtype=dtype, device=device)
-            ffi(pw, px + dx, pws, pxs + dxs, out.data_ptr() + dout, alpha.data_ptr() if has_alpha else 0,
-                *static, stream(dev))
-            return out
-
-        return call
-
-    def _unaligned(self, x, x_scale, w, w_scale, alpha, out, out_dtype):
-        """w_scale moved off 16 bytes since the plan chose the bulk-copy kernel (its address is no part of the
-        key): the dp4a kernel takes it, from a second plan."""
-        tuning, mma, forced = self.args
-        if forced:
-            fail_gemv(ValueError, "w_scale", "a 16-byte aligned address for the bulk-copy kernel", f"{w_scale.data_ptr():#x}")
-        if self.fallback is None:
-            launch.warn_once("ws16", "nvfp4_gemv.gemv: w_scale is not 16-byte aligned, so the bulk-copy kernel "
-                             "cannot copy it; the dp4a kernel runs instead (up to 1.3x slower at 2 tokens on H200)")
-            self.fallback = _TokensPlan(x, x_scale, w, w_scale, alpha, out, out_dtype,
-                                        tuning=tuple(sorted({**dict(tuning), "mma": int(mma), "bulk": 0}.items())))
-        return self.fallback(x, x_scale, w, w_scale, alpha, out, out_dtype)
-
-
-def _key(x, x_scale, w, w_scale, alpha, out, out_dtype):
-    """Everything a plan depends on; ``get_device()`` is -1 off CUDA, where no plan is ever made."""
-    return (x.shape, x.stride(), x.dtype, x.get_device(), x_scale.shape, x_scale.stride(), x_scale.dtype,
-            x_scale.get_device(), w.shape, w.stride(), w.dtype, w.get_device(), w_scale.shape, w_scale.stride(),
-            w_scale.dtype, w_scale.get_device(),
-            None if alpha is None else (alpha.shape, alpha.dtype, alpha.layout, alpha.get_device()),
-            None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()), out_dtype)
-
-
-def _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype, key=None):
-    if key is None:
-        try:
-            key = _key(x, x_scale, w, w_scale, alpha, out, out_dtype)
-        except (AttributeError, TypeError, RuntimeError, NotImplementedError):
-            key = None
-    plan = _plans.get(key)
-    if plan is None:
-        if w.device.type != "cuda":
-            fail_gemv(ValueError, "w", "a CUDA tensor for the CUDA path", f"a tensor on {w.device}")
-        plan = _TokensPlan(x, x_scale, w, w_scale, alpha, out, out_dtype)
-        if key is not None:
-            launch.keep_plan(_plans, key, plan)
-    return plan(x, x_scale, w, w_scale, alpha, out, out_dtype)
 
 
 def _run(x, x_scale, w, w_scale, alpha, out, out_dtype, dims=None):
     """The product on w's device: a cached plan on CUDA (validated when the plan is made), the exact reference
     elsewhere (validated here unless the caller passes ``check_args``' ``dims``)."""
     if w.is_cuda and x_scale is None:
-        return w4a16_plan.run_cuda(x, w, w_scale, alpha, out, out_dtype, check_args)
+        return op_plan.run_w4a16(x, w, w_scale, alpha, out, out_dtype)
     if w.is_cuda:
-        return _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype)
+        return op_plan.run_w4a4(x, x_scale, w, w_scale, alpha, out, out_dtype)
     if dims is None:
         dims = check_args(x, x_scale, w, w_scale, alpha, out_dtype, out)
     res = reference_product(dims, x, x_scale, w, w_scale, alpha, out_dtype)
@@ -299,7 +115,7 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
     if direct and x_scale is None and w.is_cuda:  # W4A16 (check_args names a missing x_scale for fp4 x)
         if out is not None and (not isinstance(out, torch.Tensor) or out.dtype not in OUT_DTYPES):
             fail_gemv(TypeError, "out", "a torch.bfloat16 or torch.float16 tensor", getattr(out, "dtype", type(out).__name__))
-        return w4a16_plan.run_cuda(x, w, w_scale, alpha, out, out_dtype if out is None else out.dtype, check_args)
+        return op_plan.run_w4a16(x, w, w_scale, alpha, out, out_dtype if out is None else out.dtype)
     if direct:
         hit = _recent.hits.get(id(w))
         res = hit(x, x_scale, w, w_scale, alpha, out, out_dtype) if hit is not None else None
@@ -308,13 +124,12 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
         if res is not None:
             return res
         try:
-            key = _key(x, x_scale, w, w_scale, alpha, out, out_dtype if out is None else out.dtype)
-            plan = _plans.get(key)
+            key = op_plan.w4a4_key(x, x_scale, w, w_scale, alpha, out, out_dtype if out is None else out.dtype)
+            plan = op_plan._plans.get(key)
         except (AttributeError, TypeError, RuntimeError, NotImplementedError):  # strides of nested, CSR, ...
             key = plan = None
         if plan is not None:
-            ts = (x, x_scale, w, w_scale) + ((alpha,) if alpha is not None else ()) + ((out,) if out is not None else ())
-            _recent.add(w, ts, plan)
+            _recent.add(w, op_plan.W4A4Plan.hit_tensors(x, x_scale, w, w_scale, alpha, out), plan)
             return plan(x, x_scale, w, w_scale, alpha, out, out_dtype if out is None else out.dtype)
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.dtype not in OUT_DTYPES:
@@ -324,7 +139,7 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
     if not direct or not w.is_cuda:
         return through_library(lambda: check_args(x, x_scale, w, w_scale, alpha, out_dtype, out), torch.ops.nvfp4.gemv,
                                (x, x_scale, w, w_scale, alpha, out_dtype), torch.ops.nvfp4.gemv_out, out)
-    return _gemv_cuda(x, x_scale, w, w_scale, alpha, out, out_dtype)
+    return op_plan.run_w4a4(x, x_scale, w, w_scale, alpha, out, out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -335,7 +150,7 @@ def gemv(x, x_scale, w, w_scale, alpha=None, out_dtype=torch.bfloat16, out=None)
 def _run_packed(x, w_packed, alpha, out, out_dtype, dims=None):
     """``_run`` for a packed weight (``dims``: ``packed.check_packed_args``' result, where the caller has it)."""
     if w_packed.is_cuda:
-        return w4a16_plan.run_cuda_packed(x, w_packed, alpha, out, out_dtype, packed.check_packed_args)
+        return op_plan.run_w4a16_packed(x, w_packed, alpha, out, out_dtype)
     n, m, k = dims if dims is not None else packed.check_packed_args(x, w_packed, alpha, out_dtype, out)
     w, ws = packed.unpack_weight(w_packed)
     return _run(x, None, w, ws, alpha, out, out_dtype, (n, m, k, False, False))  # the exact CPU reference

@@ -3,7 +3,7 @@ signature of 14 run-time values (six addresses, M, five row strides in bytes, th
 one compile call. A kernel class subclasses ``OpLaunch``, sets ``threads``, ``smem_bytes`` and
 ``min_blocks`` and writes ``op_body``; ``compile_op`` compiles an instance with the launch options of
 ``nvfp4_gemv.launch`` (TVM-FFI where it is installed). The host side that fills the 14 values is
-``nvfp4_gemv.op`` / ``w4a16_plan``.
+``nvfp4_gemv.op_plan``.
 """
 
 import cutlass

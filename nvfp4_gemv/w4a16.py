@@ -3,7 +3,7 @@
 This is the product Hopper serving runs for NVFP4 checkpoints (weight-only): ``x`` is taken as it is, no
 quantization. One kernel (``Nvfp4GemvW4A16``) serves 1..32 tokens a launch with ``w`` read once; more
 tokens launch once per group of at most 32. This module is the kernel; which build a shape takes is
-``w4a16_route``, the host's launch plans ``w4a16_plan``.
+``w4a16_route``, the host's launch plans ``op_plan``.
 
 Exact operands for the tensor cores (``mma.sync.m16n8k16``, fp32 accumulation):
 
@@ -15,17 +15,13 @@ Exact operands for the tensor cores (``mma.sync.m16n8k16``, fp32 accumulation):
   gives ``v * s * 2^-7``, in [2^-17, 21]: normal and exact. ``2^7`` scales the sum back. With ``dec``
   the same bits come from ``decode.scaled_bf16_chunk`` (a chunk at once, three operations a pair).
 
-An e4m3 NaN scale byte (0x7F, 0xFF) makes its row's outputs NaN on both paths, as in the reference.
-
 The products ``x * w'`` are then exact in fp32 (8 + 6 or 11 + 6 significant bits), for bf16 ``x`` as long as
-they stay in fp32's normal range (``|x| >= 2^-109``, far below any activation; ``|x| < 2^123``).
+they stay in fp32's normal range (``|x| >= 2^-109``, far below any activation; ``|x| < 2^123``). An e4m3 NaN
+scale byte (0x7F, 0xFF) makes its row's outputs NaN on both paths, as in the reference.
 
-``late`` (the one-token route of many rows): the weights decode unscaled (bf16 ``v * 2^-126``, 0.5 the
-subnormal 2^-127; f16 ``v * 2^-14``) and each MMA chain sums one scale block (x block-diagonal in the B
-operand, below), which one FFMA then multiplies by its scale (fp32, from the byte through f16). bf16 ``x`` is
-copied into shared memory times 2^72 (exact), so the products ``x v 2^-54`` and their scaled sums stay
-normal for ``|x|`` in [2^-62, 2^56) (fp16 ``x``: any finite value); ``2^54`` (fp16: ``2^14``) scales the
-sum back, folded into ``alpha`` (so bf16 ``alpha`` < 2^74 there; ModelOpt's is far below 1).
+``late`` (one token on many rows): the weights decode unscaled, an MMA chain sums one scale block and one FFMA
+scales it; bf16 ``x`` is copied times 2^72 (exact) so the sums stay normal for ``|x|`` in [2^-62, 2^56) (fp16:
+any); the 2^54 (fp16: 2^14) that scales them back is folded into ``alpha`` (bf16 ``alpha`` < 2^74 there).
 
 Error bound: the only roundings are the fp32 sums and the final store. A warp adds its ``K / (16 W)`` MMA
 results for an output in order (with ``chains=2`` as two interleaved sums, then one addition), then the ``W``
@@ -38,29 +34,15 @@ under the op's 2^-12. With ``late`` a block's 16 products pass 4 MMA accumulatio
 ``4 * 2^-22 + (K / (64 W) + W + 3) * 2^-24`` (2^-17.5 at K = 32768). The tests hold it to 2^-13 (random,
 cancelling and subnormal-scale inputs).
 
-Tiles: up to 8 tokens (``w_a``, the route) ``w`` is the A operand (two groups of 8 rows, 16 rows an MMA) and
-``x`` the B operand (8 token columns); from 9 tokens ``x`` is the A operand (16 token rows; a launch of more
-than 16 tokens has a second A tile) and ``w`` the B operand (8 rows of ``w``, "a group"). A slice is 128
-values of K: lane ``t = lane % 4`` of row ``g = lane // 4`` loads the row's 16-byte chunk ``4 * slice + t``
-(32 values, two scale blocks) and its two scale bytes. Within a block the four MMA k-steps take, in the slots
-``2t, 2t+1, 2t+8, 2t+9``, the value pairs ``(i, i + 4)`` of its two 8-value words: the dot product does not
-depend on the order of k, and ``x``'s operand (pairs built by ``prmt`` from its natural order) uses the same
-order.
-
-Work: a CTA owns ``groups`` groups (8 rows each) at a time; its ``W`` warps split K into slices (warp ``i``
-takes slices ``i, i + W, ...``), the loads of the next ``depth`` slices in flight in registers while one
-computes. ``x`` comes with ``w`` (registers), or, with ``x_smem`` where its N rows fit, from shared memory,
-copied there once per CTA (with ``xpair`` already in the MMA's pair order), ``xbatch`` 16-byte copies a thread
-in flight at a time. ``late``: B's column ``2t + b``
-holds lane ``t``'s block ``b`` and zeros elsewhere (lanes read their block, or 32 zero bytes, from a row
-padded with zeros to whole slices), so the chain of block ``b``'s 4 k-steps leaves each lane its own
-chunk's block sums for rows ``g`` and ``g + 8`` in C's columns ``2t`` and ``2t + 1``; the four lanes of a row
-add theirs by two shuffles at the end. ``across``: a tile's last ``depth`` slices load the next tile's first
-ones, so the loads run on between tiles. At the end the warps' partials
-meet in shared memory and are added in a fixed order. Where ``K % 128 == 64`` the last slice's lanes 2 and 3
-read lane 1's chunk again and take zeros for ``x``. Where a slice's instructions go and which pipe binds: docs/design.md, "W4A16".
-
-Measuring builds (``probe``, ``bulk``; never routed): docs/design.md, "W4A16".
+Tiles and work (the operands' k-order, ``late``'s block-diagonal B operand, ``across``, ``x_smem``; how a
+slice's instructions go: docs/design.md, "W4A16"): up to 8 tokens (``w_a``) ``w`` is the A operand (two
+groups of 8 rows) and ``x`` the B operand (8 token columns); from 9 tokens ``x`` is the A operand (16 token
+rows, a second tile past 16) and ``w`` the B operand (a group). A slice is 128 values of K: lane ``t`` of row
+``g`` loads the row's 16-byte chunk ``4 * slice + t`` and its two scale bytes. A CTA owns ``groups`` groups
+at a time; its ``W`` warps split K by slices with the next ``depth`` slices' loads in flight; ``x`` comes
+with ``w`` (registers) or, with ``x_smem``, from shared memory copied once a CTA; the warps' partials meet in
+shared memory in a fixed order. ``K % 128 == 64``: the last slice's lanes 2 and 3 read lane 1's chunk again
+and take zeros for ``x``. Measuring builds (``probe``, ``bulk``; never routed): the same section.
 
 Layouts: ``w`` [M, K/2] uint8 and ``x`` [N, K] K-contiguous with 16-byte aligned rows; ``ws`` plain [M, K/16]
 K-contiguous with even row strides, or 128x4 blocked; ``out`` [N, M] unit stride along M; ``alpha`` one fp32
@@ -150,13 +132,9 @@ class Nvfp4GemvW4A16(OpLaunch):
         self.late = bool(late)
         if self.late:
             self.x_row_bytes = 2 * k + (32 if k % 128 == 0 else 128)
-        # bulk (measuring build, not routed: slower, docs/results.md, "History"; x in shared memory, plain
-        # scales with 16-byte aligned rows): the CTA's warps take a "round" of W slices at a time (warp i slice
-        # i of it, as without); warp 0 keeps ``bulk`` stages of ``span`` rounds of the tile's rows in flight in
-        # shared memory, one cp.async.bulk a row for w (span x W x 64 bytes) and one for its scales (span x W x
-        # 8), counted on the stage's full mbarrier; each thread arrives on its empty one when it has used the
-        # stage. Rows padded so that a quarter warp's two rows of 16-byte reads fall in other banks (w: 64
-        # bytes more than a multiple of 128; scales: 16 more than a multiple of 32)
+        # bulk (measuring build, never routed; docs/design.md, "W4A16"): warp 0 keeps ``bulk`` stages of ``span``
+        # rounds of W slices in shared memory (a cp.async.bulk a row for w and one for its scales, on mbarriers);
+        # rows padded so that a quarter warp's two rows of 16-byte reads fall in other banks
         self.bulk = int(bulk or 0)
         self.span = int(span or 1)
         self.rows = 8 * groups
@@ -184,11 +162,7 @@ class Nvfp4GemvW4A16(OpLaunch):
         # xpair (x in shared memory): x stored there already in the MMA's pair order, the ``prmt`` pairs made
         # once a CTA when it is copied instead of once a slice a lane
         self.xpair = bool(xpair) and self.x_smem
-        # late (one token): the block scales multiply the MMA's fp32 block sums, not every decoded pair. x is
-        # the B operand block-diagonally: column 2t + b holds lane t's block b (zeros elsewhere), so a chain
-        # of 4 k-steps a block leaves each lane its own chunk's two block sums for rows g and g + 8, which it
-        # scales with the bytes it loaded: 4 FFMA a slice in place of 32 HMUL2. The weights decode unscaled
-        # (bf16 v * 2^-126, f16 v * 2^-14); bf16 x is copied times 2^72 so that the products stay normal.
+        # late (one token; the module docstring): block scales times the MMA's block sums, x block-diagonal in B
         if self.late and not (n_tok == 1 and self.w_a and self.x_smem and self.xpair):
             raise ValueError("nvfp4_gemv: late takes one token with w_a, x_smem and xpair")
         if self.late:
@@ -199,16 +173,12 @@ class Nvfp4GemvW4A16(OpLaunch):
         if self.across and self.depth > 1 and self.n_slices < self.depth * self.warps:
             raise ValueError(f"nvfp4_gemv: across at depth {self.depth} needs K > {128 * (self.depth * self.warps - 1)} "
                              f"(depth x warps slices), not {k}")
-        # xbatch (x in shared memory): copies of 16 bytes a thread has in flight while x is copied; unrolled,
-        # not one copy at a time each store waiting for its load (faster even at 1: ptxas hoists loads over
-        # stores by itself; docs/results.md, "History")
+        # xbatch (x in shared memory): 16-byte copies a thread has in flight while x is copied (unrolled)
         self.xbatch = XBATCH if xbatch is None else int(xbatch)
         if self.xbatch < 1:
             raise ValueError(f"nvfp4_gemv: xbatch={xbatch}: expected at least 1")
-        # probe (measuring builds, never routed; wrong results): 1 keeps the loads of w and its scales and drops
-        # everything that uses them (the decode, x, the MMAs: the words are XOR-folded into one sum); 2 keeps
-        # the arithmetic and drops those loads (words made from the slice and lane, so nothing folds away); 3 is 1
-        # without the scale loads
+        # probe (measuring builds, never routed; wrong results): 1 the loads of w and its scales only (XOR-folded
+        # into one sum), 2 the arithmetic only (words made from the slice and lane), 3 as 1 without the scales
         self.probe = int(probe or 0)
         if self.probe not in (0, 1, 2, 3):
             raise ValueError(f"nvfp4_gemv: probe={probe}: expected 0..3")

@@ -29,8 +29,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from nvfp4_gemv import NVFP4Experts  # noqa: E402
-from nvfp4_gemv.model import experts as experts_mod  # noqa: E402
-from nvfp4_gemv.model.experts import DECODE_MAX_TOKENS, busy_groups  # noqa: E402
+from nvfp4_gemv.model import experts_forward as experts_mod  # noqa: E402
+from nvfp4_gemv.model.experts_forward import DECODE_MAX_TOKENS, busy_groups  # noqa: E402
 
 QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
 TINY = dict(hidden_size=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
@@ -97,7 +97,7 @@ def kernels_only(experts, x, idx):
     """A no-argument callable running just the experts' two kernel launches (gate/up, then down on stand-in
     activations) for this routing, as ``decode_forward`` groups it."""
     from nvfp4_gemv.experts_op import experts_gemv
-    from nvfp4_gemv.model.experts import busy_groups, decode_groups, group_size
+    from nvfp4_gemv.model.experts_forward import busy_groups, decode_groups, group_size
 
     t, k = idx.shape
     (w1, s1, a1, _), (w2, s2, a2, _) = experts._mats()
@@ -149,6 +149,9 @@ def main():
         scales = (s.expand(e).clone(), (s / 8).expand(e).clone())
     ours.experts = NVFP4Experts.from_experts(ref.experts, mode=args.mode, input_scales=scales)
     if args.compile:
+        # both blocks share one forward (one code object), recompiled for each token count and busy factor:
+        # past dynamo's default limit of 8 the rest would run eagerly, unsaid
+        torch._dynamo.config.recompile_limit = 256
         ref, ours = torch.compile(ref), torch.compile(ours)
     time_fn = timer(device, reps)
     floor = None

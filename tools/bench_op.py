@@ -23,7 +23,7 @@ import inputs  # noqa: E402
 import reference  # noqa: E402
 from nvfp4_gemv import leaderboard  # noqa: E402
 from bench import busy_host_us, host_diff_us, read_ceiling, time_graph, time_leaderboard  # noqa: E402
-from nvfp4_gemv import gemv, op  # noqa: E402
+from nvfp4_gemv import gemv, op_plan  # noqa: E402
 
 
 def w_bytes(m, k):
@@ -53,7 +53,7 @@ def bench_shape(m, k, ns, reps):
         mm_out = torch.empty(n, m, dtype=torch.bfloat16, device="cuda")
         mm = time_leaderboard(lambda: torch.mm(x_bf16, w_bf16.t(), out=mm_out), reps)
         base = base or ours
-        launches = len(op._plans[next(reversed(op._plans))].launches)
+        launches = len(op_plan._plans[next(reversed(op_plan._plans))].launches)
         rows.append({"m": m, "k": k, "n": n, "ours_us": ours, "graph_us": graph, "vs_n1": ours / base,
                      "w_TBps": w_bytes(m, k) / ours / 1e6, "fp8_scaled_mm_us": fp8, "bf16_mm_us": mm,
                      "launches": launches, "ok": bad == 0, "check": msg})

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 import inputs  # noqa: E402
 from bench import time_graph, time_leaderboard  # noqa: E402
-from nvfp4_gemv import gemv, gemv_packed, pack_weight, w4a16_plan  # noqa: E402
+from nvfp4_gemv import gemv, gemv_packed, pack_weight, op_plan  # noqa: E402
 from w4a16_inputs import w4a16_exact, w4a16_inputs, w4a16_violations  # noqa: E402
 
 SHAPES = "6144x4096,4096x4096,28672x4096,4096x14336,8192x28672,7168x16384,4096x7168"
@@ -40,8 +40,8 @@ def install_plan(x, w, ws, a, out, tuning):
     if tuning:
         from nvfp4_gemv.reference import check_args
 
-        key = w4a16_plan._key(x, w, w_scale=ws, alpha=a, out=out, out_dtype=torch.bfloat16)
-        w4a16_plan._plans[key] = w4a16_plan.W4A16Plan(x, w, ws, a, out, torch.bfloat16,
+        key = op_plan.w4a16_key(x, w, w_scale=ws, alpha=a, out=out, out_dtype=torch.bfloat16)
+        op_plan._plans[key] = op_plan.W4A16Plan(x, w, ws, a, out, torch.bfloat16,
                                             check_args(x, None, w, ws, a, torch.bfloat16, out),
                                             tuning=tuple(sorted(tuning.items())))
 

@@ -40,7 +40,7 @@ MMA = "nvfp4_gemv/mma.py"
 TOK_BULK = "nvfp4_gemv/tokens_bulk.py"
 W4A16 = "nvfp4_gemv/w4a16.py"
 W4A16_ROUTE = "nvfp4_gemv/w4a16_route.py"
-W4A16_PLAN = "nvfp4_gemv/w4a16_plan.py"
+OP_PLAN = "nvfp4_gemv/op_plan.py"
 QUANT = "nvfp4_gemv/quant.py"
 QKERN = "nvfp4_gemv/quant_kernel.py"
 LINEAR = "nvfp4_gemv/model/linear.py"
@@ -51,6 +51,7 @@ CHECKPOINT = "nvfp4_gemv/model/checkpoint.py"
 PACKED = "nvfp4_gemv/packed.py"
 TP = "nvfp4_gemv/model/tp.py"
 EXPERTS = "nvfp4_gemv/model/experts.py"
+EXPERTS_FORWARD = "nvfp4_gemv/model/experts_forward.py"
 EXPERTS_OP = "nvfp4_gemv/experts_op.py"
 EXPERTS_KERNEL = "nvfp4_gemv/experts_kernel.py"
 LIBRARY = "nvfp4_gemv/library.py"
@@ -97,8 +98,9 @@ MUTANTS = [
      ["tests/op/test_contract.py"], False),
     ("guard: a scan's hit not filed under its anchor", LAUNCH, "                    if key in hits or len(hits) < self.SIZE:\n                        hits[key] = hit\n",
      "", ["tests/leaderboard/test_plan_guard.py"], False),
-    ("guard: alpha's layout not in gemv's key", OP, "(alpha.shape, alpha.dtype, alpha.layout, alpha.get_device())",
-     "(alpha.shape, alpha.dtype, alpha.get_device())", ["tests/leaderboard/test_plan_guard.py"], False),
+    ("guard: alpha's layout not in gemv's key", OP_PLAN,
+     "w_scale.stride(),\n            w_scale.dtype, w_scale.get_device(),\n            None if alpha is None else (alpha.shape, alpha.dtype, alpha.layout,",
+     "w_scale.stride(),\n            w_scale.dtype, w_scale.get_device(),\n            None if alpha is None else (alpha.shape, alpha.dtype,", ["tests/leaderboard/test_plan_guard.py"], False),
     ("launch: an odd sfb launched", ENTRY, "if (pa | pb) & 15 or psa & sfa_mask or psb & 1 or get_device() != dev:",
      "if (pa | pb) & 15 or psa & sfa_mask or get_device() != dev:", ["tests/leaderboard/test_plan_guard.py"], False),
     ("launch: another current device launched", ENTRY, "if (pa | pb) & 15 or psa & sfa_mask or psb & 1 or get_device() != dev:",
@@ -125,13 +127,13 @@ MUTANTS = [
      "        if not plain:\n            psa, psb", ["tests/leaderboard/test_plan_guard.py"], False),
     ("guard: tensor subclasses guarded", LAUNCH, "type(t) not in _GUARD_TYPES or t.is_nested", "t.is_nested",
      ["tests/leaderboard/test_plan_guard.py"], False),
-    ("guard: nested x reaches gemv's guard", OP, "if x.is_nested or x_scale.is_nested", "if x_scale.is_nested",
+    ("guard: nested x reaches gemv's guard", OP_PLAN, "if x.is_nested or x_scale.is_nested", "if x_scale.is_nested",
      ["tests/leaderboard/test_plan_guard.py"], False),
-    ("guard: gemv's plan for any out dtype", OP, " or (out is None and out_dtype != dtype):", ":",
+    ("guard: gemv's plan for any out dtype", OP_PLAN, " or (out is None and out_dtype != dtype):", ":",
      ["tests/leaderboard/test_plan_guard.py"], False),
-    ("guard: gemv's plan without its alpha", OP, "if (alpha is None) == has_alpha or ", "if ",
+    ("guard: gemv's plan without its alpha", OP_PLAN, "if (alpha is None) == has_alpha or ", "if ",
      ["tests/leaderboard/test_plan_guard.py"], False),
-    ("guard: gemv's out not guarded", OP,  # where the guard is made and both calls that check out
+    ("guard: gemv's out not guarded", OP_PLAN,  # where the guard is made and both calls that check out
      (" + ((out,) if out is not None else ())", "check(x, x_scale, w, w_scale, alpha, out) if has_out else",
       "not out.is_nested and check(x, x_scale, w, w_scale, out)"),
      ("", "check(x, x_scale, w, w_scale, alpha) if has_out else", "not out.is_nested and check(x, x_scale, w, w_scale)"),
@@ -233,7 +235,7 @@ MUTANTS = [
      True),
     ("op: alpha ignored in the kernel", TOK, "            alpha = ldg_f32(alpha_ptr)\n", "            alpha = cutlass.Float32(1.0)\n",
      ["tests/op/test_gemv_accuracy.py"], True),
-    ("op: second token group at the first's x", OP, "offsets = (t0 * x.stride(0),", "offsets = (0,",
+    ("op: second token group at the first's x", OP_PLAN, "offsets = (t0 * x.stride(0),", "offsets = (0,",
      ["tests/op/test_gemv_accuracy.py::test_token_groups_beyond_shared_memory"], True),
     ("mma: odd nibbles' signs lost in the decode", DECODE, '"and.b32 u, t, 0x8E8E8E8E;"', '"and.b32 u, t, 0x0E0E0E0E;"',
      ["tests/op/test_each_kernel.py"], True),
@@ -283,11 +285,11 @@ MUTANTS = [
      ["tests/op/test_w4a16.py"], False),
     ("w4a16: across below K = 1024", W4A16_ROUTE, 'across = {"across": 1} if k >= 1024 else {}',
      'across = {"across": 1}', ["tests/op/test_w4a16.py"], False),
-    ("w4a16: bulk taken for scales off 16-byte rows", W4A16_PLAN, "if wb or (w_scale.data_ptr() | ws_rs) & 15:",
+    ("w4a16: bulk taken for scales off 16-byte rows", OP_PLAN, "if wb or (w_scale.data_ptr() | ws_rs) & 15:",
      "if wb:", ["tests/op/test_w4a16.py"], False),
     ("w4a16: bulk with more rows than a warp has lanes", W4A16, "and self.row_s % 16 == 0 and self.rows <= 32)",
      "and self.row_s % 16 == 0)", ["tests/op/test_w4a16.py"], False),
-    ("w4a16: the dequantized plan without its address mask", W4A16_PLAN,
+    ("w4a16: the dequantized plan without its address mask", OP_PLAN,
      "        self.ws_mask = 1  # address bits of w_scale that must be 0 (checked each call; bulk's below)\n", "",
      ["tests/op/test_w4a16.py"], False),
     ("w4a16: bulk's stages counted without their rounds", W4A16, "and self.rounds % self.span == 0 and",
@@ -449,13 +451,13 @@ MUTANTS = [
      "(slice(None), slice(rank * i // per, (rank + 1) * i // per))", "(slice(None), slice(0, i // per))",
      ["tests/model/test_tp.py"], False),
     # -- the experts' decode path (CPU: the groups and the op's exact path; GPU: the kernel) --
-    ("experts: a slot's place counted from the first slot, not its expert's", EXPERTS,
+    ("experts: a slot's place counted from the first slot, not its expert's", EXPERTS_FORWARD,
      "place = (pos - first) % nt", "place = pos % nt", ["tests/model/test_experts_kernel.py"], False),
-    ("experts: the slots' rows not put back in slot order", EXPERTS, "    at[order] = row\n", "    at = row\n",
+    ("experts: the slots' rows not put back in slot order", EXPERTS_FORWARD, "    at[order] = row\n", "    at = row\n",
      ["tests/model/test_experts_kernel.py"], False),
-    ("experts: too few groups for the sentinel's slots", EXPERTS, "n_groups = min(s, e + 1 + s // nt)",
+    ("experts: too few groups for the sentinel's slots", EXPERTS_FORWARD, "n_groups = min(s, e + 1 + s // nt)",
      "n_groups = min(s, e + s // nt)", ["tests/model/test_experts_kernel.py"], False),
-    ("experts: invalid slots not masked in the combine", EXPERTS,
+    ("experts: invalid slots not masked in the combine", EXPERTS_FORWARD,
      "    c = torch.where(valid.unsqueeze(1), c, torch.zeros((), dtype=c.dtype, device=c.device))\n", "",
      ["tests/model/test_experts_kernel.py"], False),
     ("experts op: a group's rows read from the first group's", EXPERTS_OP,

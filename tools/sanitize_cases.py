@@ -55,7 +55,7 @@ if section in ("w4a16", "bulk", "packed", "experts"):  # only the W4A16 (bulk: i
     shapes = None                           # quantize kernels (below)
 # the op for model code: both kernels (tokens: dp4a with x in shared memory; mma: tensor cores, partials summed
 # in shared memory after a barrier), plain and blocked scales, a tile moved back (M / 8 not a multiple of groups)
-from nvfp4_gemv import op  # noqa: E402
+from nvfp4_gemv import op, op_plan  # noqa: E402
 
 # and the bulk-copy dp4a kernel (a tuning: mbarrier stages, partials in shared memory read by the producer)
 for n, m, k, mma, groups, blocked, bulk in () if shapes is None else ((4, 384, 2368, 0, None, False, 0), (16, 1152, 7168, 1, None, False, 0),
@@ -65,7 +65,7 @@ for n, m, k, mma, groups, blocked, bulk in () if shapes is None else ((4, 384, 2
     args = (x, inputs.blocked_scales(xs, n, k) if blocked else xs, w, inputs.blocked_scales(ws, m, k) if blocked else ws, a)
     tuning = tuple(sorted({"mma": mma, **({"groups": groups} if groups else {}), **({"bulk": 1} if bulk else {})}.items()))
     out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
-    plan = op._TokensPlan(*args, out, torch.bfloat16, tuning=tuning)
+    plan = op_plan.W4A4Plan(*args, out, torch.bfloat16, tuning=tuning)
     plan(*args, out, torch.bfloat16)
     torch.cuda.synchronize()
     exact, terms = inputs.op_exact(x, xs, w, ws, a)
@@ -130,7 +130,7 @@ for n, m, k, dtype, blocked in () if section in ("bulk", "packed", "experts") el
     assert bad == 0
 # bulk (a measuring build, not routed): its stages on mbarriers, warp 0 copying while the warps read, one token
 # (late, 4 CTAs of 2 groups, stages of 2 rounds) and 2 tokens (three stages of one round) over several tiles a CTA
-from nvfp4_gemv import w4a16_plan  # noqa: E402
+from nvfp4_gemv import op, op_plan  # noqa: E402
 from nvfp4_gemv.reference import check_args  # noqa: E402
 
 late = {"threads": 256, "w_a": 1, "x_smem": 1, "xpair": 1, "late": 1, "dec": 1, "groups": 2, "ctas": 4}
@@ -138,7 +138,7 @@ for n, m, k, tune in () if section in ("packed", "experts") else ((1, 17536, 409
                                                     (2, 17536, 3072, {**late, "late": 0, "bulk": 3})):
     x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n + m + 1)
     out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
-    plan = w4a16_plan.W4A16Plan(x, w, ws, a, out, torch.bfloat16, check_args(x, None, w, ws, a, torch.bfloat16, out),
+    plan = op_plan.W4A16Plan(x, w, ws, a, out, torch.bfloat16, check_args(x, None, w, ws, a, torch.bfloat16, out),
                            tuning=tuple(sorted(tune.items())))
     plan(x, w, ws, a, out, torch.bfloat16)
     torch.cuda.synchronize()

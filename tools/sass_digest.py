@@ -109,7 +109,7 @@ def op_configs(arch):
     """``[(label, build)]``: the op kernels that ``gemv``'s launch plans ask for, on ``arch``'s SM count."""
     import torch
 
-    from nvfp4_gemv import op, swizzled_scale_shape
+    from nvfp4_gemv import op_plan, swizzled_scale_shape
     from nvfp4_gemv.mma import Nvfp4GemvMma, compile_mma
     from nvfp4_gemv.tokens import Nvfp4GemvTokens, compile_tokens
     from nvfp4_gemv.tokens_bulk import Nvfp4GemvTokensBulk, compile_tokens_bulk
@@ -124,8 +124,8 @@ def op_configs(arch):
 
     cases = [(m, k, n, wb, xb, a, bf, True) for m, k in OP_WEIGHTS for n in OP_TOKENS for wb, xb in OP_LAYOUTS
              for a, bf in OP_EPILOGUES] + OP_EXTRA
-    saved = op._get_kernel, op._sm_count
-    op._get_kernel, op._sm_count = get_kernel, lambda device_index: SMS[arch]
+    saved = op_plan._get_kernel, op_plan._sm_count
+    op_plan._get_kernel, op_plan._sm_count = get_kernel, lambda device_index: SMS[arch]
     try:
         for m, k, n, wb, xb, alpha, bf16, dense in cases:
             x = torch.empty(n, k // 2, dtype=torch.uint8)
@@ -133,9 +133,9 @@ def op_configs(arch):
             xs = torch.empty(swizzled_scale_shape(n, k) if xb else (n, k // 16), dtype=torch.uint8)
             ws = torch.empty(swizzled_scale_shape(m, k) if wb else (m, k // 16), dtype=torch.uint8)
             a = torch.ones(1) if alpha else None
-            op._TokensPlan(x, xs, w, ws, a, None, torch.bfloat16 if bf16 else torch.float16)
+            op_plan.W4A4Plan(x, xs, w, ws, a, None, torch.bfloat16 if bf16 else torch.float16)
     finally:
-        op._get_kernel, op._sm_count = saved
+        op_plan._get_kernel, op_plan._sm_count = saved
     out = []
     for key in sorted(keys, key=repr):
         kind, args, tuning = key[0], key[2:-1], key[-1]

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 import inputs  # noqa: E402
 from bench import time_leaderboard  # noqa: E402
-from nvfp4_gemv import op  # noqa: E402
+from nvfp4_gemv import op_plan  # noqa: E402
 
 
 def main():
@@ -31,7 +31,7 @@ def main():
         for tuning in tunings:
             out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
             try:
-                plan = op._TokensPlan(*args, out, torch.bfloat16, tuning=tuning)
+                plan = op_plan.W4A4Plan(*args, out, torch.bfloat16, tuning=tuning)
             except (ValueError, TypeError) as e:
                 print(f"{m}x{k} N={n:2d} {dict(tuning)}: {e}")
                 continue

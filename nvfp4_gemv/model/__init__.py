@@ -10,5 +10,5 @@ these modules from before this sub-package stay importable (aliases made there, 
 ``MODULES``).
 """
 
-MODULES = ("linear", "fuse", "select", "convert", "experts", "experts_convert", "awq", "checkpoint", "modelopt",
-           "modelopt_format", "compressed_tensors", "pretrained", "hf_quantizer", "generation", "tp")
+MODULES = ("linear", "fuse", "select", "convert", "experts", "experts_forward", "experts_convert", "awq", "checkpoint",
+           "modelopt", "modelopt_format", "compressed_tensors", "pretrained", "hf_quantizer", "generation", "tp")

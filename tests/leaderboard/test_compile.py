@@ -177,7 +177,7 @@ def _experts_builds():
     I 14336) decode takes at 1, 4, 16 and 64 tokens (gate/up and down), as ``experts_op.launch_shape`` routes
     them on 132 SMs."""
     from nvfp4_gemv.experts_op import launch_shape
-    from nvfp4_gemv.model.experts import busy_groups, group_size
+    from nvfp4_gemv.model.experts_forward import busy_groups, group_size
 
     builds = set()
     for e, top, h, i in ((128, 8, 2048, 768), (8, 2, 4096, 14336)):

@@ -309,7 +309,7 @@ NESTED_CALLS = """
 import warnings
 warnings.simplefilter("ignore")
 import torch, inputs, submission
-from nvfp4_gemv import op
+from nvfp4_gemv import op, op_plan
 
 class Plan:
     variants = ()
@@ -325,7 +325,7 @@ for i in range(7):
 
 class OpPlan:
     variants = ()
-    hit_path = op._TokensPlan.hit_path
+    hit_path = op_plan.W4A4Plan.hit_path
     launches, unswizzle_x, dev, ws_mask, out_shape, device = [], False, -1, 1, None, None
     signature = (True, True, torch.bfloat16)
 
@@ -379,14 +379,14 @@ def test_malformed_calls_after_a_cached_plan_still_raise_naming_the_argument(mon
 
 
 def test_gemv_with_a_recent_calls_metadata_skips_the_key(monkeypatch):
-    from nvfp4_gemv import op
+    from nvfp4_gemv import op, op_plan
 
     calls = []
 
     class OpPlan:
         """The real hit path over a plan that launches nothing."""
         variants = ()
-        hit_path = op._TokensPlan.hit_path
+        hit_path = op_plan.W4A4Plan.hit_path
         launches, unswizzle_x, dev, ws_mask, out_shape, device = [], False, -1, 1, None, None
 
         def __init__(self, *signature):
@@ -398,12 +398,13 @@ def test_gemv_with_a_recent_calls_metadata_skips_the_key(monkeypatch):
 
     args = inputs.op_inputs(2, 128, 256, seed=1, device="cpu")
     out = torch.empty(2, 128, dtype=torch.float16)
-    key_of = op._key
-    monkeypatch.setattr(op, "_plans", {key_of(*args, None, torch.bfloat16): OpPlan(True, False, torch.bfloat16),
-                                       key_of(*args, out, torch.float16): OpPlan(True, True, torch.float16),
-                                       key_of(*args[:4], None, None, torch.bfloat16): OpPlan(False, False, torch.bfloat16)})
+    key_of = op_plan.w4a4_key
+    monkeypatch.setattr(op_plan, "_plans", {key_of(*args, None, torch.bfloat16): OpPlan(True, False, torch.bfloat16),
+                                            key_of(*args, out, torch.float16): OpPlan(True, True, torch.float16),
+                                            key_of(*args[:4], None, None, torch.bfloat16): OpPlan(False, False,
+                                                                                                   torch.bfloat16)})
     monkeypatch.setattr(op, "_recent", op.launch.RecentPlans())
-    monkeypatch.setattr(op, "_key", lambda *a: calls.append("key") or key_of(*a))
+    monkeypatch.setattr(op_plan, "w4a4_key", lambda *a: calls.append("key") or key_of(*a))
     fresh = [t.clone() for t in args]
     steps = [(lambda: op.gemv(*args), ["key", ("launch", torch.bfloat16)]),
              (lambda: op.gemv(*fresh), [("launch", torch.bfloat16)]),       # the newest plan
@@ -428,11 +429,11 @@ def test_gemv_with_a_recent_calls_metadata_skips_the_key(monkeypatch):
 def test_a_sparse_alpha_never_reaches_a_dense_alphas_plan(monkeypatch):
     """A COO tensor reports zero strides instead of raising: the key holds alpha's layout, so a sparse alpha
     of a cached plan's shape goes to the full validation (a TypeError naming alpha), never to the plan."""
-    from nvfp4_gemv import op
+    from nvfp4_gemv import op, op_plan
 
     class UnusablePlan:
         variants = ()
-        hit_path = op._TokensPlan.hit_path
+        hit_path = op_plan.W4A4Plan.hit_path
         launches, unswizzle_x, dev, ws_mask, out_shape, device = [], False, -1, 1, None, None
         signature = (True, False, torch.bfloat16)
 
@@ -440,7 +441,7 @@ def test_a_sparse_alpha_never_reaches_a_dense_alphas_plan(monkeypatch):
             pytest.fail("a sparse alpha reached the cached plan")
 
     args = list(inputs.op_inputs(2, 128, 256, seed=1, device="cpu"))
-    monkeypatch.setattr(op, "_plans", {op._key(*args, None, torch.bfloat16): UnusablePlan()})
+    monkeypatch.setattr(op_plan, "_plans", {op_plan.w4a4_key(*args, None, torch.bfloat16): UnusablePlan()})
     monkeypatch.setattr(op, "_recent", op.launch.RecentPlans())
     with pytest.raises(TypeError, match="'alpha'"):
         op.gemv(*args[:4], args[4].to_sparse())
@@ -451,7 +452,7 @@ def test_gemv_inlined_launch_passes_the_checked_tensors_pointers(monkeypatch):
     """gemv's TVM-FFI launch in the hit path, with a recorder for the launcher: w, x (+ the group's offset),
     w_scale, x_scale (+ offset), out (+ offset), alpha, the plan's static arguments, the stream; the result
     allocated from the plan's template where no out is given; an odd x_scale goes to the plan's own call."""
-    from nvfp4_gemv import launch, op
+    from nvfp4_gemv import launch, op, op_plan
 
     monkeypatch.setattr(launch, "current_device", lambda: 0)
     monkeypatch.setattr(launch, "current_stream", lambda dev: 1234)
@@ -462,7 +463,7 @@ def test_gemv_inlined_launch_passes_the_checked_tensors_pointers(monkeypatch):
 
     class Plan:
         variants = ()
-        hit_path = op._TokensPlan.hit_path
+        hit_path = op_plan.W4A4Plan.hit_path
         launches = [(Kern, (16, 2, 4), (7, 8))]
         unswizzle_x, dev, ws_mask = False, 0, 1
         signature = (True, False, torch.bfloat16)

@@ -20,8 +20,8 @@ import nvfp4_gemv  # noqa: E402
 from nvfp4_gemv import (CheckpointError, NVFP4Experts, NVFP4Linear, calibrate_expert_input_scales,  # noqa: E402
                         calibrate_input_scales, dequantize, from_pretrained, load_modelopt, quantize_model,
                         save_modelopt)
-from nvfp4_gemv import experts as experts_mod  # noqa: E402
-from nvfp4_gemv.model.experts import _products, grouped_forward, quantize_dequantized_rows  # noqa: E402
+from nvfp4_gemv.model import experts_forward as experts_mod  # noqa: E402
+from nvfp4_gemv.model.experts_forward import _products, grouped_forward, quantize_dequantized_rows  # noqa: E402
 from nvfp4_gemv.quant import quantize_dequantized  # noqa: E402
 from sync_free import no_syncs  # noqa: E402
 

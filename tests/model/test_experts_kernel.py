@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from nvfp4_gemv.experts_op import can_implement, check_args, experts_gemv
-from nvfp4_gemv.model.experts import (DECODE_MAX_TOKENS, NVFP4Experts, busy_groups, decode_forward, group_size,
-                                      experts_kernel_takes, quantize_dequantized_rows, slot_groups)
+from nvfp4_gemv.model.experts import NVFP4Experts
+from nvfp4_gemv.model.experts_forward import (DECODE_MAX_TOKENS, busy_groups, decode_forward, group_size,
+                                              experts_kernel_takes, quantize_dequantized_rows, slot_groups)
 from nvfp4_gemv.quant import dequantize
 from sync_free import no_syncs
 

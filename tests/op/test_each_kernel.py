@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import inputs
-from nvfp4_gemv import op
+from nvfp4_gemv import op_plan
 
 pytestmark = pytest.mark.gpu
 
@@ -27,7 +27,7 @@ def run_plan(args, kernel, out_dtype=torch.bfloat16, out=None, **tuning):
         tuning["bulk"] = int(kernel == "bulk")
     if kernel == "mma_async":  # the cp.async variant (a tuning, slower on H200): words through shared memory
         tuning["stages"] = 4
-    plan = op._TokensPlan(x, xs, w, ws, alpha, out, out.dtype, tuning=tuple(sorted(tuning.items())))
+    plan = op_plan.W4A4Plan(x, xs, w, ws, alpha, out, out.dtype, tuning=tuple(sorted(tuning.items())))
     plan(x, xs, w, ws, alpha, out, out.dtype)
     torch.cuda.synchronize()
     return out, plan
@@ -78,7 +78,7 @@ def test_blocked_x_scales_beyond_one_launch(kernel, n, monkeypatch):
     m, k = 256, 16384
     x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=n)
     args = (x, blocked(xs, n, k), w, ws, a)
-    monkeypatch.setattr(op.launch, "_warned", set())
+    monkeypatch.setattr(op_plan.launch, "_warned", set())
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         out, plan = run_plan(args, kernel)
@@ -142,7 +142,7 @@ def test_bulk_as_routed_with_four_rows_a_thread_over_many_tiles(n):
     m, k = 2048, 16384
     x, xs, w, ws, a = args = inputs.op_inputs(n, m, k, seed=40 + n)
     out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
-    plan = op._TokensPlan(x, xs, w, ws, a, out, out.dtype)
+    plan = op_plan.W4A4Plan(x, xs, w, ws, a, out, out.dtype)
     kern = plan.launches[0][0].op
     assert type(kern).__name__ == "Nvfp4GemvTokensBulk" and (kern.rt, kern.ctas) == (4, 1)
     assert -(-(m // kern.rows) // plan.launches[0][2][-1]) > kern.stages  # tiles of the busiest CTA

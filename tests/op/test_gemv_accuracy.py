@@ -9,7 +9,7 @@ import torch
 
 import inputs
 import nvfp4_gemv
-from nvfp4_gemv import gemv, op
+from nvfp4_gemv import gemv, op_plan
 from sync_free import no_syncs
 
 pytestmark = pytest.mark.gpu
@@ -32,7 +32,7 @@ def plain_of(args, k):
     """The same operands with plain scales (for the float64 check)."""
     x, xs, w, ws, alpha = args
     n, m = x.shape[0], w.shape[0]
-    un = lambda s, r: op.unswizzle_scales(s.view(torch.uint8), r, k).view(torch.float8_e4m3fn)  # noqa: E731
+    un = lambda s, r: op_plan.unswizzle_scales(s.view(torch.uint8), r, k).view(torch.float8_e4m3fn)  # noqa: E731
     return (x, un(xs, n) if xs.shape != (n, k // 16) else xs, w, un(ws, m) if ws.shape != (m, k // 16) else ws, alpha)
 
 
@@ -68,7 +68,7 @@ def test_token_groups_beyond_shared_memory(x_blocked):
     n = nvfp4_gemv.tokens.Nvfp4GemvTokens.max_tokens(k) + 5
     x, xs, w, ws, a = inputs.op_inputs(n, 256, k, seed=4)
     args = (x, blocked(xs, n, k) if x_blocked else xs, w, ws, a)
-    plan = op._TokensPlan(*args, None, torch.bfloat16)
+    plan = op_plan.W4A4Plan(*args, None, torch.bfloat16)
     assert len(plan.launches) == 2
     assert_exact(args, check(args), k)
 
@@ -190,7 +190,7 @@ def test_kernel_choice(n, m, k, expected):
     K >= 2048 for one token), the tensor-core kernel from 5 tokens on where its 8-row groups fill the GPU
     (op_route.use_mma), else the dp4a kernel."""
     x, xs, w, ws, a = inputs.op_inputs(n, m, k, seed=n)
-    plan = op._TokensPlan(x, xs, w, ws, a, None, torch.bfloat16)
+    plan = op_plan.W4A4Plan(x, xs, w, ws, a, None, torch.bfloat16)
     assert {type(kern.op).__name__ for kern, _, _ in plan.launches} == {expected}
     assert_exact((x, xs, w, ws, a), plan(x, xs, w, ws, a, None, torch.bfloat16), k)
 
@@ -199,7 +199,7 @@ def test_blocked_w_scales_take_the_dp4a_kernel():
     """Bulk copies read whole rows of w's plain scales: blocked scales go to the dp4a kernel."""
     x, xs, w, ws, a = inputs.op_inputs(2, 512, 2048, seed=3)
     wsb = inputs.blocked_scales(ws, 512, 2048)
-    plan = op._TokensPlan(x, xs, w, wsb, a, None, torch.bfloat16)
+    plan = op_plan.W4A4Plan(x, xs, w, wsb, a, None, torch.bfloat16)
     assert {type(kern.op).__name__ for kern, _, _ in plan.launches} == {"Nvfp4GemvTokens"}
     assert_exact((x, xs, w, ws, a), plan(x, xs, w, wsb, a, None, torch.bfloat16), 2048)
 
@@ -207,11 +207,11 @@ def test_blocked_w_scales_take_the_dp4a_kernel():
 def test_w_scale_off_16_bytes_takes_the_dp4a_kernel_with_a_warning(monkeypatch):
     """A w_scale at an even address that 16 does not divide (addresses are no part of a plan's key): the
     bulk plan hands such calls to a dp4a plan, warning once; aligned calls keep the bulk kernel; all exact."""
-    monkeypatch.setattr(op.launch, "_warned", set())
+    monkeypatch.setattr(op_plan.launch, "_warned", set())
     x, xs, w, ws, a = inputs.op_inputs(2, 512, 2048, seed=4)
     moved = inputs.misaligned(ws, 2)
     kernels = lambda plan: {type(kern.op).__name__ for kern, _, _ in plan.launches}  # noqa: E731
-    plan = op._TokensPlan(x, xs, w, moved, a, None, torch.bfloat16)
+    plan = op_plan.W4A4Plan(x, xs, w, moved, a, None, torch.bfloat16)
     assert kernels(plan) == {"Nvfp4GemvTokensBulk"}
     with pytest.warns(RuntimeWarning, match="16-byte aligned"):
         out = plan(x, xs, w, moved, a, None, torch.bfloat16)
@@ -236,7 +236,7 @@ def test_tuning_names_its_kernel(n, tuning, expected):
     """A kernel's own keys choose it over the routing (keys without ``bulk`` or ``mma`` are the dp4a
     kernel's); with none, the routing decides (8 tokens of 4096 rows: tensor cores)."""
     x, xs, w, ws, a = inputs.op_inputs(n, 4096, 2048, seed=5)
-    plan = op._TokensPlan(x, xs, w, ws, a, None, torch.bfloat16, tuning=tuning)
+    plan = op_plan.W4A4Plan(x, xs, w, ws, a, None, torch.bfloat16, tuning=tuning)
     assert {type(kern.op).__name__ for kern, _, _ in plan.launches} == {expected}
     assert_exact((x, xs, w, ws, a), plan(x, xs, w, ws, a, None, torch.bfloat16), 2048)
 
@@ -244,4 +244,4 @@ def test_tuning_names_its_kernel(n, tuning, expected):
 def test_tuning_naming_two_kernels_raises():
     x, xs, w, ws, a = inputs.op_inputs(2, 512, 2048, seed=6)
     with pytest.raises(ValueError, match="one kernel"):
-        op._TokensPlan(x, xs, w, ws, a, None, torch.bfloat16, tuning=(("bulk", 1), ("mma", 1)))
+        op_plan.W4A4Plan(x, xs, w, ws, a, None, torch.bfloat16, tuning=(("bulk", 1), ("mma", 1)))

@@ -69,3 +69,21 @@ def test_tensor_core_kernel_rejects_bad_configurations(tuning, word):
     args.update(tuning)
     with pytest.raises(ValueError, match=word):
         Nvfp4GemvMma(**args)
+
+
+@pytest.mark.parametrize("form", ["w4a4", "w4a16"])
+def test_cuda_plans_refuse_out_rows_that_overlap(form):
+    """Both launch plans (``op_plan``) check out's rows before any kernel is fetched: rows closer than M
+    apart would be written over each other by the CTAs of different tokens (here on CPU tensors, the checks
+    being metadata only)."""
+    from nvfp4_gemv import op_plan
+    from nvfp4_gemv.reference import check_args
+
+    x, xs, w, ws, a = ops(3, 256, 512)
+    out = torch.empty(3 * 256, dtype=torch.bfloat16).as_strided((3, 256), (128, 1))
+    with pytest.raises(ValueError, match="argument 'out': expected rows that do not overlap"):
+        if form == "w4a4":
+            op_plan.W4A4Plan(x, xs, w, ws, a, out, torch.bfloat16)
+        else:
+            xb = torch.ones(3, 512, dtype=torch.bfloat16)
+            op_plan.W4A16Plan(xb, w, ws, a, out, torch.bfloat16, check_args(xb, None, w, ws, a, torch.bfloat16, out))

@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import inputs
 import reference
-from nvfp4_gemv import gemv, gemv_reference, w4a16, w4a16_plan, w4a16_route
+from nvfp4_gemv import gemv, gemv_reference, w4a16, op_plan, w4a16_route
 from w4a16_inputs import w4a16_exact, w4a16_inputs
 
 
@@ -350,7 +350,7 @@ def test_dequantized_weights_are_exact_in_both_dtypes(blocked):
     _, _, w, ws, _ = w4a16_inputs(1, 256, 1024, seed=12, device="cpu", blocked=blocked)
     exact = w4a16_exact(torch.eye(1024, dtype=torch.bfloat16), w, ws, None, blocked)[0].T  # [M, K]
     for dtype in (torch.bfloat16, torch.float16):
-        got = w4a16_plan.dequantized(w, ws, 1024, blocked, dtype)
+        got = op_plan.dequantized(w, ws, 1024, blocked, dtype)
         assert got.dtype == dtype and torch.equal(got.double(), exact)
 
 
@@ -371,8 +371,8 @@ def test_every_routed_plan_builds_kernels_the_class_accepts(m, monkeypatch):
     """The plan's route for 1..40 tokens (no GPU: the kernel objects are built, not compiled, on 132 SMs):
     every launch's tuning is one ``Nvfp4GemvW4A16`` takes (``w_a`` with an even group count), ``w_a`` exactly
     up to 8 tokens, and at most 32 tokens a launch."""
-    monkeypatch.setattr(w4a16_plan, "_sm_count", lambda dev: 132)
-    monkeypatch.setattr(w4a16_plan, "_get_kernel", lambda dev, key: _FakeKernel(
+    monkeypatch.setattr(op_plan, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(op_plan, "_get_kernel", lambda dev, key: _FakeKernel(
         w4a16.Nvfp4GemvW4A16(key[2], key[3], key[4], key[5], key[6], key[7], key[8], **dict(key[9]))))
     from nvfp4_gemv.reference import check_args
 
@@ -381,7 +381,7 @@ def test_every_routed_plan_builds_kernels_the_class_accepts(m, monkeypatch):
     ws = torch.zeros(m, k // 16, dtype=torch.uint8).view(torch.float8_e4m3fn)
     for n in range(1, 41):
         x = torch.zeros(n, k, dtype=torch.bfloat16)
-        plan = w4a16_plan.W4A16Plan(x, w, ws, None, None, torch.bfloat16,
+        plan = op_plan.W4A16Plan(x, w, ws, None, None, torch.bfloat16,
                                check_args(x, None, w, ws, None, torch.bfloat16, None))
         ops = [kern.op for kern, _, _ in plan.launches]
         assert sum(op.n_tok for op in ops) == n and all(op.n_tok <= 32 for op in ops)
@@ -497,15 +497,15 @@ def test_a_prefill_sized_plan_checks_addresses_then_takes_the_dequantized_produc
     tested on the GPU)."""
     from nvfp4_gemv.reference import check_args
 
-    n, m, k = w4a16_plan.DEQUANT_MIN_TOKENS, 128, 256
+    n, m, k = op_plan.DEQUANT_MIN_TOKENS, 128, 256
     x = torch.zeros(n, k + 8, dtype=torch.bfloat16)
     w = torch.zeros(m, k // 2, dtype=torch.uint8)
     ws = torch.zeros(m, k // 16, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    plan = w4a16_plan.W4A16Plan(x[:, :k], w, ws, None, None, torch.bfloat16,
+    plan = op_plan.W4A16Plan(x[:, :k], w, ws, None, None, torch.bfloat16,
                            check_args(x[:, :k], None, w, ws, None, torch.bfloat16, None))
     assert plan.dequant and not plan.launches
     got = []
-    monkeypatch.setattr(w4a16_plan, "dequant_mm", lambda *args: got.append(args) or "product")
+    monkeypatch.setattr(op_plan, "dequant_mm", lambda *args: got.append(args) or "product")
     assert plan(x[:, :k], w, ws, None, None, torch.bfloat16) == "product" and got[0][6:] == (k, False)
     with pytest.raises(ValueError, match="argument 'x'"):
         plan(x[:, 4:k + 4], w, ws, None, None, torch.bfloat16)
@@ -519,8 +519,8 @@ def test_bulk_is_refused_for_scales_off_sixteen_byte_rows(offset, monkeypatch):
     strides) is refused before any launch."""
     from nvfp4_gemv.reference import check_args
 
-    monkeypatch.setattr(w4a16_plan, "_sm_count", lambda dev: 132)
-    monkeypatch.setattr(w4a16_plan, "_get_kernel", lambda dev, key: _FakeKernel(
+    monkeypatch.setattr(op_plan, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(op_plan, "_get_kernel", lambda dev, key: _FakeKernel(
         w4a16.Nvfp4GemvW4A16(key[2], key[3], key[4], key[5], key[6], key[7], key[8], **dict(key[9]))))
     m, k = 1152, 4096
     x = torch.zeros(1, k, dtype=torch.bfloat16)
@@ -532,17 +532,17 @@ def test_bulk_is_refused_for_scales_off_sixteen_byte_rows(offset, monkeypatch):
         ws = base[off: off + m * k // 16].view(m, k // 16).view(torch.float8_e4m3fn)
         args = (x, w, ws, None, None, torch.bfloat16, check_args(x, None, w, ws, None, torch.bfloat16, None))
         if ok:
-            plan = w4a16_plan.W4A16Plan(*args, tuning=tuple(sorted(tune.items())))
+            plan = op_plan.W4A16Plan(*args, tuning=tuple(sorted(tune.items())))
             assert plan.ws_mask == 15 and plan.launches[0][0].op.bulk == 2
             moved = base[off + offset: off + offset + m * k // 16].view(m, k // 16).view(torch.float8_e4m3fn)
             with pytest.raises(ValueError, match="argument 'w_scale'.*a multiple of 16"):
                 plan(x, w, moved, None, None, torch.bfloat16)
         else:
             with pytest.raises(ValueError, match="argument 'w_scale'.*16-byte aligned"):
-                w4a16_plan.W4A16Plan(*args, tuning=tuple(sorted(tune.items())))
+                op_plan.W4A16Plan(*args, tuning=tuple(sorted(tune.items())))
     wide = torch.zeros(m, k // 16 + 8, dtype=torch.uint8)[:, :k // 16].view(torch.float8_e4m3fn)  # rows 264 apart
     with pytest.raises(ValueError, match="argument 'w_scale'.*row stride 264"):
-        w4a16_plan.W4A16Plan(x, w, wide, None, None, torch.bfloat16, check_args(x, None, w, wide, None, torch.bfloat16, None),
+        op_plan.W4A16Plan(x, w, wide, None, None, torch.bfloat16, check_args(x, None, w, wide, None, torch.bfloat16, None),
                         tuning=tuple(sorted(tune.items())))
 
 

@@ -6,7 +6,7 @@ scale layouts, x and output dtypes, alpha, cancelling sums and subnormal scales.
 import pytest
 import torch
 
-from nvfp4_gemv import gemv, w4a16_plan, w4a16_route
+from nvfp4_gemv import gemv, op_plan, w4a16_route
 from w4a16_inputs import w4a16_exact, w4a16_inputs, w4a16_violations
 from sync_free import no_syncs
 
@@ -246,7 +246,7 @@ def test_a_nan_scale_byte_makes_its_row_nan_as_the_reference_does(dtype, nan_byt
 
 def test_many_tokens_take_launches_of_32_then_the_dequantized_product():
     check(70, 256, 1024, seed=21)  # three launches of 24 (a group of at most 32)
-    check(w4a16_plan.DEQUANT_MIN_TOKENS, 256, 1024, seed=22, slack=2.0 ** -12)  # dequantize + torch.mm
+    check(op_plan.DEQUANT_MIN_TOKENS, 256, 1024, seed=22, slack=2.0 ** -12)  # dequantize + torch.mm
 
 
 def test_results_do_not_depend_on_the_run():
@@ -285,8 +285,7 @@ def test_reduce_overhead_compile_captures_the_op(form, monkeypatch):
     from nvfp4_gemv import op
 
     torch._dynamo.reset()
-    monkeypatch.setattr(op, "_plans", {})
-    monkeypatch.setattr(w4a16_plan, "_plans", {})
+    monkeypatch.setattr(op_plan, "_plans", {})
     monkeypatch.setattr(op, "_recent", type(op._recent)())
     if form == "w4a16":
         x, xs, w, ws, a = w4a16_inputs(2, 384, 1024, 30)
@@ -304,7 +303,7 @@ def test_reduce_overhead_compile_captures_the_op(form, monkeypatch):
 def test_prefill_sized_n_never_syncs_and_is_capturable():
     """From DEQUANT_MIN_TOKENS on, w is dequantized by torch ops: none may copy from the host (a sync) or
     break a CUDA graph capture."""
-    n = w4a16_plan.DEQUANT_MIN_TOKENS
+    n = op_plan.DEQUANT_MIN_TOKENS
     x, _, w, ws, a = w4a16_inputs(n, 256, 2048, 31)
     out = torch.empty(n, 256, dtype=torch.bfloat16, device="cuda")
     gemv(x, None, w, ws, a, out=out)  # the plan, outside
@@ -380,7 +379,7 @@ def run_forced(tuning, n, m, k, seed, dtype, **kw):
     x, _, w, ws, a = w4a16_inputs(n, m, k, seed=seed, dtype=dtype, **kw)
     out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
     dims = check_args(x, None, w, ws, a, torch.bfloat16, out)
-    plan = w4a16_plan.W4A16Plan(x, w, ws, a, out, torch.bfloat16, dims, tuning=tuple(sorted(tuning.items())))
+    plan = op_plan.W4A16Plan(x, w, ws, a, out, torch.bfloat16, dims, tuning=tuple(sorted(tuning.items())))
     assert_built_as(plan, tuning)
     plan(x, w, ws, a, out, torch.bfloat16)
     torch.cuda.synchronize()
@@ -502,7 +501,7 @@ def test_bulk_refuses_scales_off_sixteen_byte_rows():
     off.copy_(ws)
     out = torch.empty(1, 1152, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="argument 'w_scale'"):
-        w4a16_plan.W4A16Plan(x, w, off, a, out, torch.bfloat16, check_args(x, None, w, off, a, torch.bfloat16, out),
+        op_plan.W4A16Plan(x, w, off, a, out, torch.bfloat16, check_args(x, None, w, off, a, torch.bfloat16, out),
                         tuning=tuple(sorted({**LATE, "groups": 2, "ctas": 4, "bulk": 2}.items())))
     got = gemv(x, None, w, off, a)
     exact, terms = w4a16_exact(x, w, off, a)
