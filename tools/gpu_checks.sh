@@ -17,7 +17,8 @@
 # SHARDS=N runs the suite as N concurrent pytest processes, one set of files each (logs pytest-shardI.txt;
 # at most one shard a test file), then the device-memory test alone. PART=k/m (with SHARDS) runs the k-th of
 # m parts of the files: on one H100 (16 cores) the whole suite as 8 shards passes 570 s (2026-12-06), so
-# run PART=1/2 and PART=2/2 in two calls (the experts' fuzz left out: the experts step runs it).
+# run PART=1/2 and PART=2/2 in two calls (the experts' fuzz left out: the experts step runs it). DEAL=N instead
+# deals the GPU tests' ids round-robin over N processes (the big files' tests spread over all of them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-${OUT:-gpu-logs}}
@@ -69,7 +70,24 @@ pytest_shards() {  # the suite split by file over $SHARDS processes (default 4; 
     tail -n 1 "$LOG/pytest-alone.txt"
     return $rc
 }
-if [[ ${SHARDS:-1} -gt 1 ]]; then
+pytest_dealt() {  # the suite's test ids dealt round-robin over $DEAL processes: balanced where files are not
+    local n=$DEAL rc=0 i pids=() ids=()
+    python -m pytest --collect-only -q -p no:cacheprovider -m gpu --deselect "$ALONE" --deselect "$FUZZ" tests \
+        2>/dev/null | grep '::' > "$LOG/ids.txt"
+    echo "$(wc -l < "$LOG/ids.txt") tests dealt over $n processes"
+    for ((i = 0; i < n; i++)); do
+        mapfile -t ids < <(awk -v n="$n" -v i="$i" '(NR - 1) % n == i' "$LOG/ids.txt")
+        python -m pytest -q -rs -p no:cacheprovider --durations=3 "${ids[@]}" > "$LOG/pytest-deal$i.txt" 2>&1 &
+        pids+=($!)
+    done
+    for ((i = 0; i < n; i++)); do wait "${pids[i]}" || rc=1; echo "deal $i: $(tail -n 1 "$LOG/pytest-deal$i.txt")"; done
+    python -m pytest -q -p no:cacheprovider "$ALONE" > "$LOG/pytest-alone.txt" 2>&1 || rc=1
+    echo "alone: $(tail -n 1 "$LOG/pytest-alone.txt")"
+    return $rc
+}
+if [[ -n ${DEAL:-} ]]; then
+    step pytest 570 bash -c "$(declare -f pytest_dealt); LOG='$LOG' DEAL=$DEAL ALONE='$ALONE' FUZZ='$FUZZ' pytest_dealt"
+elif [[ ${SHARDS:-1} -gt 1 ]]; then
     step pytest 570 bash -c "$(declare -f pytest_shards); LOG='$LOG' SHARDS=$SHARDS PART='${PART:-1/1}' ALL='${ALL:-}' ALONE='$ALONE' FUZZ='$FUZZ' pytest_shards"
 elif [[ -n ${ALL:-} ]]; then
     step pytest 570 python -m pytest -q -rs -p no:cacheprovider

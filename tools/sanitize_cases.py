@@ -3,7 +3,10 @@ streaming kernel's wide scale loads, each named with the kernel class and config
 it; `all` = those plus fuzz shapes; `wide` = the three alone. All add the cases of the op's kernels
 (``nvfp4_gemv.gemv``); `w4a16` = the W4A16 and quantize cases alone, `bulk` = W4A16's bulk builds alone,
 `packed` = the W4A16 kernel on packed weights (``gemv_packed``) alone; `experts` = the experts' grouped kernel
-(``experts_op.experts_gemv``) alone, which `all` runs too."""
+(``experts_op.experts_gemv``) alone, which `all` runs too; `model` = a tiny Llama's greedy decode with our
+layers (W4A16 fused and packed, W4A16, W4A4; eager, so that it runs without the caching allocator too:
+``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` gives each tensor its own allocation, where memcheck sees a read past
+it; with the cache it lands in the same segment, unseen)."""
 
 import os
 import sys
@@ -32,9 +35,25 @@ wide = [(4096, 1024, 2), (2048, 3072, 2), (1024, 4096, 4)]
 # `task` = every task.yml shape (benchmarks included) and the wide ones, with the configuration pick_tuning gives it
 section = sys.argv[1] if sys.argv[1:] else ""
 shapes = {"all": task + wide + fuzz, "task": task + wide, "wide": wide, "w4a16": [], "bulk": [], "packed": [],
-          "experts": []}.get(section)
+          "experts": [], "model": []}.get(section)
 if shapes is None:
-    raise SystemExit("usage: sanitize_cases.py all|task|wide|w4a16|bulk|packed|experts")
+    raise SystemExit("usage: sanitize_cases.py all|task|wide|w4a16|bulk|packed|experts|model")
+if section == "model":  # (session 66: an illegal address in the GPU suite after leaderboard tests, generate's test)
+    from model.test_generate import prompt, tiny_llama  # noqa: E402
+
+    from nvfp4_gemv import calibrate_input_scales, generate, quantize_model  # noqa: E402
+
+    ids = prompt(2, 5, "cuda")
+    for name, kw in (("w4a16 fused packed", dict(fuse=True, pack=True)), ("w4a16", {}), ("w4a4", dict(mode="w4a4"))):
+        m = tiny_llama(device="cuda")
+        if name == "w4a4":
+            kw["input_scales"] = calibrate_input_scales(m, lambda model: model(input_ids=ids))
+        quantize_model(m, **kw)
+        out = generate(m, ids, 12, cuda_graph=False)
+        torch.cuda.synchronize()
+        print(f"model {name}: generate eager, 12 tokens: {out.shape[1] - ids.shape[1]} new", flush=True)
+        assert out.shape == (2, 17)
+    sys.exit(0)
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 for m, k, l in shapes:
     for cpu_scales in (False, True):
