@@ -3,8 +3,9 @@ streaming kernel's wide scale loads, each named with the kernel class and config
 it; `all` = those plus fuzz shapes; `wide` = the three alone. All add the cases of the op's kernels
 (``nvfp4_gemv.gemv``); `w4a16` = the W4A16 and quantize cases alone, `bulk` = W4A16's bulk builds alone,
 `packed` = the W4A16 kernel on packed weights (``gemv_packed``) alone; `experts` = the experts' grouped kernel
-(``experts_op.experts_gemv``) alone, which `all` runs too; `model` = a tiny Llama's greedy decode with our
-layers (W4A16 fused and packed, W4A16, W4A4; eager, so that it runs without the caching allocator too:
+(``experts_op.experts_gemv``) alone, which `all` runs too; `model` = a tiny Llama's greedy decode, bf16 and with
+our layers (W4A16 fused and packed, W4A16, W4A4), by ``generate`` and by ``model.generate`` (eager and static
+cache as the GPU test that faulted; without CUDA graphs, so that it runs without the caching allocator too:
 ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` gives each tensor its own allocation, where memcheck sees a read past
 it; with the cache it lands in the same segment, unseen)."""
 
@@ -39,20 +40,24 @@ shapes = {"all": task + wide + fuzz, "task": task + wide, "wide": wide, "w4a16":
 if shapes is None:
     raise SystemExit("usage: sanitize_cases.py all|task|wide|w4a16|bulk|packed|experts|model")
 if section == "model":  # (session 66: an illegal address in the GPU suite after leaderboard tests, generate's test)
-    from model.test_generate import prompt, tiny_llama  # noqa: E402
+    from model.test_generate import hf, prompt, tiny_llama  # noqa: E402
 
     from nvfp4_gemv import calibrate_input_scales, generate, quantize_model  # noqa: E402
 
     ids = prompt(2, 5, "cuda")
-    for name, kw in (("w4a16 fused packed", dict(fuse=True, pack=True)), ("w4a16", {}), ("w4a4", dict(mode="w4a4"))):
+    for name, kw in (("bf16", None), ("w4a16 fused packed", dict(fuse=True, pack=True)), ("w4a16", {}),
+                     ("w4a4", dict(mode="w4a4"))):
         m = tiny_llama(device="cuda")
         if name == "w4a4":
             kw["input_scales"] = calibrate_input_scales(m, lambda model: model(input_ids=ids))
-        quantize_model(m, **kw)
-        out = generate(m, ids, 12, cuda_graph=False)
-        torch.cuda.synchronize()
-        print(f"model {name}: generate eager, 12 tokens: {out.shape[1] - ids.shape[1]} new", flush=True)
-        assert out.shape == (2, 17)
+        if kw is not None:
+            quantize_model(m, **kw)
+        for how, run in (("generate", lambda: generate(m, ids, 12, cuda_graph=False)),
+                         ("model.generate", lambda: hf(m, ids, 12))):
+            out = run()
+            torch.cuda.synchronize()
+            print(f"model {name}: {how}, eager: {out.shape[1] - ids.shape[1]} new tokens", flush=True)
+            assert out.shape == (2, 17)
     sys.exit(0)
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 for m, k, l in shapes:
