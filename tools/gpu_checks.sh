@@ -10,7 +10,8 @@
 # (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1), modellm (the same, lm_head
 # in NVFP4 too, beside bf16), moeblock (the MoE block
 # alone: the kernel, the fallback, other launch shapes; eager and compiled), moe (the MoE block and
-# Qwen3-30B-A3B's decode), load (from_pretrained of a Llama-3-8B-shaped export onto the GPU, then 16 tokens),
+# Qwen3-30B-A3B's decode), moeprofile (that model's compiled decode step, bf16 and ours: the synced loop, events,
+# host time and torch.profiler's top kernels, where a token's 9 ms go), load (from_pretrained of a Llama-3-8B-shaped export onto the GPU, then 16 tokens),
 # load70 (the same at Llama-3-70B's shapes, 43 GB: an H200's target; needs 43 GB of disk and of CPU memory), each one call
 # under 10 minutes. Prints each step's last lines.
 # The pytest step runs the tests marked gpu (the CPU tests run in CI and locally); ALL=1 runs every test.
@@ -123,6 +124,8 @@ step moeblock 400 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --fallba
     && python tools/bench_moe.py --tokens 1,4,16,64 --compile --out '$LOG/moe-block-compiled'"
 step moe 560 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --out '$LOG/moe-block' && python tools/bench_model.py \
     --hf --arch qwen3-moe --batches 1 --tokens 32 --hf-fuse --hf-no-step --hf-variants bf16,w4a16 --json '$LOG/moe-hf.json'"
+step moeprofile 560 python tools/bench_model.py --hf --arch qwen3-moe --batches 1 --tokens 16 --hf-fuse \
+    --hf-variants bf16,w4a16 --hf-profile 5 --hf-generate generate_ms --json "$LOG/moe-profile.json"
 step load 560 python tools/bench_load.py --device cuda --loader from_pretrained --fuse --pack --layers 32 --hidden 4096 \
     --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256 --generate 16 --json "$LOG/load-8b.json"
 step load70 560 python tools/bench_load.py --device cuda --loader from_pretrained --fuse --pack --layers 80 --hidden 8192 \
