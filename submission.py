@@ -1587,7 +1587,7 @@ def launch_options(options, tvm_ffi):
 class KernelCache:
     """Compiled kernels by a key of what changes their code: ``build(key)`` returns ``(op, compiled fn)``, run
     once a key under the module's lock (a second thread waits for the first's compile; compiles of every
-    cache, the leaderboard's, the op's, W4A16's and quantize's, one at a time); ``get`` wraps it as a
+    cache, the leaderboard's, the op's (both forms), quantize's and the experts', one at a time); ``get`` wraps it as a
     ``Kernel`` of the device and checks its fast launch path once."""
 
     def __init__(self, build):

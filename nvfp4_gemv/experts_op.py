@@ -5,7 +5,7 @@ torch.compile, with an exact CPU path.
     out[g * NT + n, :] = alpha[e] * x[g * NT + n, :] @ (w[e] * ws[e]).T     for e = ids[g] >= 0, n < NT
 
 Groups with a negative id are skipped: on CUDA their rows of ``out`` are not written (whatever was in memory),
-on the CPU they are NaN (so that a caller that reads them shows it). The caller (``nvfp4_gemv.model.experts``)
+on the CPU they are NaN (so that a caller that reads them shows it). The caller (``nvfp4_gemv.model.experts_forward``)
 builds the groups on the device: no host sync here, fixed shapes, CUDA-graph capturable.
 
 Error bound (CUDA): the W4A16 kernel's (``w4a16``: half an ulp of the output plus (K / (16 W) + W + 3) * 2^-22

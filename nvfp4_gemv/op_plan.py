@@ -15,6 +15,7 @@ alive there untracked (which that mode refuses).
 import torch
 
 from . import launch
+from .launch import current_device, current_stream
 from .mma import compile_mma
 from .op_route import route as w4a4_route
 from .packed import check_packed_args, fail_packed
@@ -41,13 +42,6 @@ def _get_kernel(device_index, key):
     return _kernels.get(device_index, key)
 
 
-def _check_rows(t, name, elem_bytes):
-    """The kernels read 16-byte rows of x and w: K-contiguous rows at 16-byte aligned addresses."""
-    if t.stride(1) != 1 or (t.shape[0] > 1 and (t.stride(0) * elem_bytes) % 16) or t.data_ptr() % 16:
-        fail_gemv(ValueError, name, "K-contiguous rows (stride(1) == 1) at 16-byte aligned addresses",
-                  f"strides {t.stride()} at address {t.data_ptr():#x}")
-
-
 def _out_row_stride(out, n, m):
     """The result's row stride in elements: ``out``'s (checked: unit stride along M, rows apart), else M."""
     if out is None:
@@ -59,27 +53,12 @@ def _out_row_stride(out, n, m):
     return out.stride(0)
 
 
-class _Plan:
-    """What both plans share: ``launches``, a list of ``(kernel, (x, x_scale, out byte offsets), the
-    launch's static arguments)``, run on the current stream of the plan's device."""
-
-    def _launch(self, pw, px, pws, pxs, pout, pa):
-        dev_ok = launch.current_device() == self.dev
-        stream = launch.current_stream(self.dev)
-        for kern, (dx, dxs, dout), static in self.launches:
-            if kern.ffi is not None and dev_ok:
-                kern.ffi(pw, px + dx, pws, pxs + dxs, pout + dout, pa, *static, stream)
-            else:
-                with torch.cuda.device(self.dev):
-                    kern.launch_dsl((pw, px + dx, pws, pxs + dxs, pout + dout, pa, *static), stream)
-
-
 # ----------------------------------------------------------------------------------------------------
 # W4A4: NVFP4 x
 # ----------------------------------------------------------------------------------------------------
 
 
-class W4A4Plan(_Plan):
+class W4A4Plan:
     """gemv's launches for NVFP4 x (``op_route``'s kernel, grid and token groups) for one set of tensor
     metadata; validates the tensors when made (``check_args``)."""
 
@@ -148,7 +127,15 @@ class W4A4Plan(_Plan):
             pxs = x_scale.data_ptr()
         if out is None:
             out = torch.empty(self.out_shape, dtype=out_dtype, device=self.device)
-        self._launch(pw, px, pws, pxs, out.data_ptr(), alpha.data_ptr() if alpha is not None else 0)
+        pout, pa = out.data_ptr(), alpha.data_ptr() if alpha is not None else 0
+        dev_ok = launch.current_device() == self.dev
+        stream = launch.current_stream(self.dev)
+        for kern, (dx, dxs, dout), static in self.launches:  # (written out in both plans: every call's path)
+            if kern.ffi is not None and dev_ok:
+                kern.ffi(pw, px + dx, pws, pxs + dxs, pout + dout, pa, *static, stream)
+            else:
+                with torch.cuda.device(self.dev):
+                    kern.launch_dsl((pw, px + dx, pws, pxs + dxs, pout + dout, pa, *static), stream)
         return out
 
     @staticmethod
@@ -240,7 +227,7 @@ def run_w4a4(x, x_scale, w, w_scale, alpha, out, out_dtype):
 # ----------------------------------------------------------------------------------------------------
 
 
-class W4A16Plan(_Plan):
+class W4A16Plan:
     """The W4A16 launches (``w4a16_route``'s builds, grids and token groups of at most 32) for one set of
     tensor metadata. ``dims`` comes from ``reference.check_args`` (``packed``: ``packed.check_packed_args``)."""
 
@@ -288,7 +275,7 @@ class W4A16Plan(_Plan):
             key = ("w4a16", self.dev, k, nt, r.groups, x.dtype == torch.bfloat16, wb, alpha is not None,
                    out_dtype == torch.bfloat16, r.tuning)
             kern = _get_kernel(self.dev, key)
-            self.launches.append((kern, (t0 * x_rs, 0, t0 * out_rs * 2),
+            self.launches.append((kern, (t0 * x_rs, t0 * out_rs * 2),
                                   (m, w.stride(0), ws_rs, x_rs, 0, out_rs * 2, kern.op.grid_x(m, sms))))
 
     def __call__(self, x, w, w_scale, alpha, out, out_dtype):
@@ -310,7 +297,15 @@ class W4A16Plan(_Plan):
             return dequant_mm(x, w, w_scale, alpha, out, out_dtype, self.k, self.wb)
         if out is None:
             out = torch.empty(self.out_shape, dtype=out_dtype, device=self.device)
-        self._launch(pw, px, pws, 0, out.data_ptr(), alpha.data_ptr() if alpha is not None else 0)
+        pout, pa = out.data_ptr(), alpha.data_ptr() if alpha is not None else 0
+        dev_ok = current_device() == self.dev
+        stream = current_stream(self.dev)
+        for kern, (dx, dout), static in self.launches:
+            if kern.ffi is not None and dev_ok:
+                kern.ffi(pw, px + dx, pws, 0, pout + dout, pa, *static, stream)
+            else:
+                with torch.cuda.device(self.dev):
+                    kern.launch_dsl((pw, px + dx, pws, 0, pout + dout, pa, *static), stream)
         return out
 
 

@@ -72,10 +72,17 @@ pytest_shards() {  # the suite split by file over $SHARDS processes (default 4; 
     return $rc
 }
 pytest_dealt() {  # the suite's test ids dealt round-robin over $DEAL processes: balanced where files are not
-    local n=$DEAL rc=0 i pids=() ids=()
-    python -m pytest --collect-only -q -p no:cacheprovider -m gpu --deselect "$ALONE" --deselect "$FUZZ" tests \
-        2>/dev/null | grep '::' > "$LOG/ids.txt"
-    echo "$(wc -l < "$LOG/ids.txt") tests dealt over $n processes"
+    local n=$DEAL rc=0 i pids=() ids=() total
+    if ! python -m pytest --collect-only -q -p no:cacheprovider -m gpu --deselect "$ALONE" --deselect "$FUZZ" tests \
+        > "$LOG/collect.txt" 2>&1; then  # a file that fails to import would lose its tests unsaid
+        echo "collection failed:"; tail -n 20 "$LOG/collect.txt"; return 1
+    fi
+    grep -E '^tests/.*::' "$LOG/collect.txt" > "$LOG/ids.txt"
+    total=$(wc -l < "$LOG/ids.txt")
+    ((total == 0)) && { echo "no GPU tests collected"; return 1; }
+    ((n < 1)) && n=1
+    ((n > total)) && n=$total  # a process dealt no ids would run the whole tree
+    echo "$total tests dealt over $n processes"
     for ((i = 0; i < n; i++)); do
         mapfile -t ids < <(awk -v n="$n" -v i="$i" '(NR - 1) % n == i' "$LOG/ids.txt")
         python -m pytest -q -rs -p no:cacheprovider --durations=3 "${ids[@]}" > "$LOG/pytest-deal$i.txt" 2>&1 &

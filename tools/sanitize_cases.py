@@ -154,7 +154,6 @@ for n, m, k, dtype, blocked in () if section in ("bulk", "packed", "experts") el
     assert bad == 0
 # bulk (a measuring build, not routed): its stages on mbarriers, warp 0 copying while the warps read, one token
 # (late, 4 CTAs of 2 groups, stages of 2 rounds) and 2 tokens (three stages of one round) over several tiles a CTA
-from nvfp4_gemv import op, op_plan  # noqa: E402
 from nvfp4_gemv.reference import check_args  # noqa: E402
 
 late = {"threads": 256, "w_a": 1, "x_smem": 1, "xpair": 1, "late": 1, "dec": 1, "groups": 2, "ctas": 4}

@@ -109,7 +109,14 @@ def op_configs(arch):
     """``[(label, build)]``: the op kernels that ``gemv``'s launch plans ask for, on ``arch``'s SM count."""
     import torch
 
-    from nvfp4_gemv import op_plan, swizzled_scale_shape
+    from nvfp4_gemv import swizzled_scale_shape
+
+    try:  # the W4A4 plan: op_plan.W4A4Plan since issue 57's last move, op._TokensPlan before (older trees)
+        from nvfp4_gemv import op_plan
+        plan_class = op_plan.W4A4Plan
+    except ImportError:
+        from nvfp4_gemv import op as op_plan
+        plan_class = op_plan._TokensPlan
     from nvfp4_gemv.mma import Nvfp4GemvMma, compile_mma
     from nvfp4_gemv.tokens import Nvfp4GemvTokens, compile_tokens
     from nvfp4_gemv.tokens_bulk import Nvfp4GemvTokensBulk, compile_tokens_bulk
@@ -133,7 +140,7 @@ def op_configs(arch):
             xs = torch.empty(swizzled_scale_shape(n, k) if xb else (n, k // 16), dtype=torch.uint8)
             ws = torch.empty(swizzled_scale_shape(m, k) if wb else (m, k // 16), dtype=torch.uint8)
             a = torch.ones(1) if alpha else None
-            op_plan.W4A4Plan(x, xs, w, ws, a, None, torch.bfloat16 if bf16 else torch.float16)
+            plan_class(x, xs, w, ws, a, None, torch.bfloat16 if bf16 else torch.float16)
     finally:
         op_plan._get_kernel, op_plan._sm_count = saved
     out = []

@@ -32,6 +32,9 @@ import torch
 from ..launch import warn_once
 from ..quant import BLOCK, quantize_weight
 from .experts_forward import DECODE_MAX_TOKENS, experts_kernel_takes, grouped_forward
+# the computation's names, importable from here as before experts_forward (patch them there: these are copies)
+from .experts_forward import (SLOT_PATH_BYTES, busy_groups, combine, decode_forward, decode_groups,  # noqa: F401
+                              group_size, quantize_dequantized_rows, slot_groups)
 from .linear import MODES, _X_DTYPES
 
 PROJS = ("gate_proj", "up_proj", "down_proj")

@@ -360,25 +360,3 @@ def test_gpu_a_step_that_cannot_be_captured_runs_eagerly_warns_once_and_keeps_no
         hook.remove()
     assert torch.equal(got, want) and torch.equal(again, want)
 
-
-# Found in session 66 (H100, torch 2.11, DSL 4.3.5): run after these three leaderboard tests in one process, the
-# kept-step test meets an illegal memory access (4 runs of 4; each test alone passes, and so do other leaderboard
-# tests before it). Not explained yet: tools/sanitize.sh's "model" memcheck (one allocation a tensor) is the
-# next step. Strict: once the fault is gone, this test fails and the mark comes off.
-ORDER = ["tests/leaderboard/test_dynamic_tiles.py::test_every_tile_is_done_once_and_the_counters_end_at_zero[128-7168-200]",
-         "tests/leaderboard/test_split_kernel.py::test_split_kernel_matches_float64[384-7168-2-tuning2-permuted-scales]",
-         "tests/leaderboard/test_split_kernel.py::test_split_kernel_matches_float64[1024-2048-3-tuning9-permuted-scales]",
-         "tests/model/test_generate.py::test_gpu_a_second_call_replays_the_kept_step_without_capturing"]
-
-
-@gpu
-@pytest.mark.xfail(strict=True, reason="an illegal memory access after these leaderboard tests (session 66)")
-def test_gpu_the_kept_step_after_split_kernel_tests_in_one_process():
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ORDER], cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:]
