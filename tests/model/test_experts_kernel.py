@@ -1,4 +1,4 @@
-"""The experts' decode path (``experts.decode_forward`` over ``experts_op.experts_gemv`` and its kernel,
+"""The experts' decode path (``experts_forward.decode_forward`` over ``experts_op.experts_gemv`` and its kernel,
 ``experts_kernel``): the slots' groups, the op's exact CPU path and its CUDA kernel against float64 (a fuzz of
 300 cases: tokens, experts hit, duplicates, empty groups, K and M shapes) within the W4A16 kernel's bound, the
 whole forward against each slot computed alone, sync-free, inside a CUDA graph and under torch.compile, and
