@@ -22,7 +22,7 @@ case $MODE in
            echo "== in order"; "${PYTEST[@]}" "${ORDER[@]}" | tail -n 3 ;;
     each) for t in "${ORDER[@]:0:3}"; do echo "== $t, then the kept step"; "${PYTEST[@]}" "$t" "$KEPT" | tail -n 1; done ;;
     blocking) export CUDA_LAUNCH_BLOCKING=1
-              echo "== in order, CUDA_LAUNCH_BLOCKING=1"; "${PYTEST[@]}" "${ORDER[@]}" 2>&1 | grep -E "Error|error|passed|failed" | head -n 20 ;;
+              echo "== in order, CUDA_LAUNCH_BLOCKING=1"; "${PYTEST[@]}" "${ORDER[@]}" 2>&1 | grep -E "Error|error|passed|failed|skipped" | head -n 20 ;;
     memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 ${COMPUTE_SANITIZER:-compute-sanitizer} --tool memcheck \
                   --target-processes all "${PYTEST[@]}" "${ORDER[@]}" 2>&1 | tail -n 60 ;;
     *) echo "usage: tools/repro_fault.sh [plain|each|blocking|memcheck] (--help: what each does)"; exit 2 ;;
