@@ -193,7 +193,7 @@ class W4A4Plan:
             launch.warn_once("ws16", "nvfp4_gemv.gemv: w_scale is not 16-byte aligned, so the bulk-copy kernel "
                              "cannot copy it; the dp4a kernel runs instead (up to 1.3x slower at 2 tokens on H200)")
             self.fallback = W4A4Plan(x, x_scale, w, w_scale, alpha, out, out_dtype,
-                                        tuning=tuple(sorted({**dict(tuning), "mma": int(mma), "bulk": 0}.items())))
+                                     tuning=tuple(sorted({**dict(tuning), "mma": int(mma), "bulk": 0}.items())))
         return self.fallback(x, x_scale, w, w_scale, alpha, out, out_dtype)
 
 
