@@ -128,8 +128,8 @@ class W4A4Plan:
         if out is None:
             out = torch.empty(self.out_shape, dtype=out_dtype, device=self.device)
         pout, pa = out.data_ptr(), alpha.data_ptr() if alpha is not None else 0
-        dev_ok = launch.current_device() == self.dev
-        stream = launch.current_stream(self.dev)
+        dev_ok = current_device() == self.dev
+        stream = current_stream(self.dev)
         for kern, (dx, dxs, dout), static in self.launches:  # (written out in both plans: every call's path)
             if kern.ffi is not None and dev_ok:
                 kern.ffi(pw, px + dx, pws, pxs + dxs, pout + dout, pa, *static, stream)

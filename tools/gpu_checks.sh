@@ -6,15 +6,14 @@
 # 566 s (its largest shard 545 s), as 8 shards 422 s; GPU mutants 100 s with 4 jobs, memcheck + racecheck 170 s and
 # synccheck 26 s, the W4A16 fuzz 91 s as six processes.
 # STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop,fuzzw4a16 (default all), repro (session 66's fault:
-# tools/repro_fault.sh plain, each and blocking), experts (its GPU tests and
-# 300-case fuzz, ~5 processes) and the measurements bench
-# (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1), modellm (the same, lm_head
-# in NVFP4 too, beside bf16), moeblock (the MoE block
-# alone: the kernel, the fallback, other launch shapes; eager and compiled), moe (the MoE block and
-# Qwen3-30B-A3B's decode), moeprofile (that model's compiled decode step, bf16 and ours: the synced loop, events,
-# host time and torch.profiler's top kernels, where a token's 9 ms go), load (from_pretrained of a Llama-3-8B-shaped export onto the GPU, then 16 tokens),
-# load70 (the same at Llama-3-70B's shapes, 43 GB: an H200's target; needs 43 GB of disk and of CPU memory), each one call
-# under 10 minutes. Prints each step's last lines.
+# tools/repro_fault.sh plain, each and blocking), experts (its GPU tests and 300-case fuzz, ~5 processes) and
+# the measurements bench (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1),
+# modellm (the same, lm_head in NVFP4 too, beside bf16), moeblock (the MoE block alone: the kernel, the
+# fallback, other launch shapes; eager and compiled), moe (the MoE block and Qwen3-30B-A3B's decode),
+# moeprofile (that model's compiled decode step, bf16 and ours: the synced loop, events, host time and
+# torch.profiler's top kernels, where a token's 9 ms go), load (from_pretrained of a Llama-3-8B-shaped export
+# onto the GPU, then 16 tokens), load70 (the same at Llama-3-70B's shapes, 43 GB: an H200's target; needs
+# 43 GB of disk and of CPU memory), each one call under 10 minutes. Prints each step's last lines.
 # The pytest step runs the tests marked gpu (the CPU tests run in CI and locally); ALL=1 runs every test.
 # SHARDS=N runs the suite as N concurrent pytest processes, one set of files each (logs pytest-shardI.txt;
 # at most one shard a test file), then the device-memory test alone. PART=k/m (with SHARDS) runs the k-th of

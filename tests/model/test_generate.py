@@ -359,4 +359,3 @@ def test_gpu_a_step_that_cannot_be_captured_runs_eagerly_warns_once_and_keeps_no
     finally:
         hook.remove()
     assert torch.equal(got, want) and torch.equal(again, want)
-
