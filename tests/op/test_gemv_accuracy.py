@@ -87,13 +87,16 @@ def test_uint8_operands_and_out_with_row_stride():
 
 def test_runs_on_the_current_stream():
     args = inputs.op_inputs(3, 1024, 4096, seed=6)
-    s = torch.cuda.Stream()
     out = torch.empty(3, 1024, dtype=torch.bfloat16, device="cuda")
     gemv(*args, out=out)  # compile and plan outside
     out.fill_(float("nan"))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # (the poison first)
     with torch.cuda.stream(s):
-        torch.cuda._sleep(50_000_000)  # the result is only right if the op waits behind this on s
+        torch.cuda._sleep(100_000_000)  # keeps s busy: the op must queue behind this
         gemv(*args, out=out)
+    early = out.cpu()  # on the default stream, which does not wait for s
+    assert torch.isnan(early).all(), "the op ran before the work queued on its stream"
     s.synchronize()
     assert_exact(args, out, 4096)
 

@@ -6,7 +6,7 @@ scale layouts, x and output dtypes, alpha, cancelling sums and subnormal scales.
 import pytest
 import torch
 
-from nvfp4_gemv import gemv, op_plan, w4a16_route
+from nvfp4_gemv import gemv, gemv_packed, op_plan, pack_weight, w4a16_route
 from w4a16_inputs import w4a16_exact, w4a16_inputs, w4a16_violations
 from sync_free import no_syncs
 
@@ -253,6 +253,29 @@ def test_results_do_not_depend_on_the_run():
     x, _, w, ws, a = w4a16_inputs(9, 1024, 4096, 1)
     first = gemv(x, None, w, ws, a)
     assert all(torch.equal(first, gemv(x, None, w, ws, a)) for _ in range(3))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_runs_on_the_current_stream(packed):
+    x, _, w, ws, a = w4a16_inputs(3, 1024, 4096, 6)
+    wp = pack_weight(w, ws) if packed else None
+    out = torch.empty(3, 1024, dtype=torch.bfloat16, device="cuda")
+
+    def run():
+        return gemv_packed(x, wp, a, out=out) if packed else gemv(x, None, w, ws, a, out=out)
+
+    run()  # compile and plan outside
+    out.fill_(float("nan"))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # (the poison first)
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(100_000_000)  # keeps s busy: the op must queue behind this
+        run()
+    early = out.cpu()  # on the default stream, which does not wait for s
+    assert torch.isnan(early).all(), "the op ran before the work queued on its stream"
+    s.synchronize()
+    exact, terms = w4a16_exact(x, w, ws, a)
+    assert w4a16_violations(out, exact, terms)[0] == 0
 
 
 def test_a_cuda_graph_replays_the_kernel():
