@@ -55,6 +55,7 @@ EXPERTS_FORWARD = "nvfp4_gemv/model/experts_forward.py"
 EXPERTS_OP = "nvfp4_gemv/experts_op.py"
 EXPERTS_KERNEL = "nvfp4_gemv/experts_kernel.py"
 LIBRARY = "nvfp4_gemv/library.py"
+GENERATION = "nvfp4_gemv/model/generation.py"
 
 # (name, file, old, new, tests, gpu)
 MUTANTS = [
@@ -214,6 +215,10 @@ MUTANTS = [
      "kern.ffi(pw, px + dx, pws, 0, pout + dout, pa, *static, stream)",
      "kern.ffi(pw, px + dx, pws, 0, pout + dout, pa, *static, 0)",
      ["tests/op/test_w4a16_kernel.py::test_runs_on_the_current_stream"], True),
+    ("generate: captured with torch's cached cuBLAS workspaces", GENERATION,
+     "with _own_cublas_workspace(), torch.cuda.graph(graph):", "with torch.cuda.graph(graph):",
+     ["tests/model/test_generate.py::test_gpu_a_kept_step_replays_right_after_another_models_capture_is_released"],
+     True),
     ("dynamic tiles: one counter set for every stream", LAUNCH,
      "    key = (dev, stream) if stream != CUDA_STREAM_PER_THREAD else (dev, stream, _thread_number())\n",
      "    key = (dev, 0)\n", ["tests/leaderboard/test_tile_counters.py"], False),

@@ -30,6 +30,7 @@ buffer or a module replaced, a mode switched) is captured anew: the kept graph w
 no longer uses. ``release(model)`` frees what is kept.
 """
 
+import contextlib
 import inspect
 import weakref
 
@@ -192,6 +193,25 @@ def _state(model):
     return tuple(st)
 
 
+@contextlib.contextmanager
+def _own_cublas_workspace():
+    """Drops torch's cached cuBLAS workspaces before a capture and after it (as inductor's CUDA-graph trees
+    do), so that a captured matmul's workspace is allocated in the graph's own memory pool and lives as long
+    as the graph. torch caches one workspace a (handle, stream) and, since 2.11, drops a stream's entry when
+    any graph captured on that stream is destroyed: a graph that used a cached workspace from the ordinary
+    pool could then replay into freed, later unmapped memory (pytorch/pytorch#193402; every graph of
+    ``torch.cuda.graph`` is captured on one default stream). Clearing after the capture keeps eager matmuls
+    on the capture stream off the graph's pool."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    try:
+        yield
+    finally:
+        if clear is not None:
+            clear()
+
+
 def release(model=None):
     """Frees the captured decode step (its static cache, buffers, graph and memory pool) that ``generate``
     keeps for ``model``, or for every model when None."""
@@ -283,7 +303,7 @@ def generate(model, input_ids, max_new_tokens, *, do_sample=False, temperature=1
         if made < max_new_tokens:
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph):
+                with _own_cublas_workspace(), torch.cuda.graph(graph):
                     dec.step(model)
             except Exception as e:  # noqa: BLE001 - the step is correct eagerly; only its capture failed
                 graph = None

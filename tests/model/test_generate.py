@@ -2,6 +2,10 @@
 and padding as it does them, sampling options, bad arguments named; on a GPU the step replayed from one
 CUDA graph (no fallback, no sync inside a step)."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -334,6 +338,36 @@ def test_gpu_compiled_step_in_the_graph_gives_the_same_tokens():
     ids = prompt(2, 5, "cuda")
     assert torch.equal(generate(m, ids, 10, compile=True), hf(m, ids, 10))
 
+
+@gpu
+def test_gpu_a_kept_step_replays_right_after_another_models_capture_is_released():
+    """Each kept graph owns its matmuls' cuBLAS workspace. Two models' steps are captured on the one stream
+    ``torch.cuda.graph`` captures on; releasing the first (torch may then drop that stream's cached
+    workspace) and emptying the cache (unmapping what was freed) leaves the second replaying right. In a
+    child process: a replay into unmapped memory ends the CUDA context."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{os.path.dirname(os.path.dirname(here))!r}, {here!r}]
+        import torch
+        from test_generate import hf, prompt, tiny_llama
+        from nvfp4_gemv import generate
+        from nvfp4_gemv.model.generation import _kept, release
+        a, b = tiny_llama(device="cuda", seed=1), tiny_llama(device="cuda", seed=2)
+        ids = prompt(4, 5, "cuda")
+        generate(a, ids, 8)
+        want = hf(b, ids, 8)
+        assert torch.equal(generate(b, ids, 8), want)
+        assert a in _kept and b in _kept
+        release(a)
+        torch.cuda.empty_cache()
+        got = generate(b, ids, 8)  # replays b's kept step
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), (got, want)
+        print("replayed ok", flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "replayed ok" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
 @gpu
