@@ -58,7 +58,9 @@ def test_runs_on_the_current_non_default_stream():
     poisoned = inputs.poisoned(data)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        torch.cuda._sleep(100_000_000)  # keeps s busy: the kernel must queue behind this
+        # keeps s busy for about half a second: the kernel must queue behind this, and the host must reach the
+        # read below first even on a machine loaded by the sharded GPU suite (100M cycles, ~55 ms, was not)
+        torch.cuda._sleep(1_000_000_000)
         out = submission.custom_kernel(poisoned)
     early = out.cpu()  # on the default stream, which does not wait for s
     assert torch.isnan(early).all(), "the kernel ran before the work queued on its stream"

@@ -93,7 +93,9 @@ def test_runs_on_the_current_stream():
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())  # (the poison first)
     with torch.cuda.stream(s):
-        torch.cuda._sleep(100_000_000)  # keeps s busy: the op must queue behind this
+        # keeps s busy for about half a second: the op must queue behind this, and the host must reach the
+        # read below first even on a machine loaded by the sharded GPU suite (100M cycles, ~55 ms, was not)
+        torch.cuda._sleep(1_000_000_000)
         gemv(*args, out=out)
     early = out.cpu()  # on the default stream, which does not wait for s
     assert torch.isnan(early).all(), "the op ran before the work queued on its stream"
