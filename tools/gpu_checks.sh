@@ -6,7 +6,8 @@
 # 566 s (its largest shard 545 s), as 8 shards 422 s; GPU mutants 100 s with 4 jobs, memcheck + racecheck 170 s and
 # synccheck 26 s, the W4A16 fuzz 91 s as six processes.
 # STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop,fuzzw4a16 (default all), repro (session 66's fault:
-# tools/repro_fault.sh plain, each and blocking), experts (its GPU tests and 300-case fuzz, ~5 processes) and
+# tools/repro_fault.sh blocking, each, plain with the DSL's own launch, memcheck-alone; each its own log),
+# repromc (memcheck-cached alone), experts (its GPU tests and 300-case fuzz, ~5 processes) and
 # the measurements bench (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1),
 # modellm (the same, lm_head in NVFP4 too, beside bf16), moeblock (the MoE block alone: the kernel, the
 # fallback, other launch shapes; eager and compiled), moe (the MoE block and Qwen3-30B-A3B's decode),
@@ -115,7 +116,11 @@ experts_tests() {  # the experts' kernel: its 300-case fuzz as 5 processes besid
     echo "tests: $(tail -n 1 "$LOG/experts-tests.txt")"
     return $rc
 }
-step repro 300 bash -c "tools/repro_fault.sh plain; tools/repro_fault.sh each; tools/repro_fault.sh blocking"
+step repro 560 bash -c "for m in blocking each; do timeout 120 tools/repro_fault.sh \$m > \"$LOG/repro-\$m.txt\" 2>&1; done
+    NVFP4_GEMV_LAUNCH=dsl timeout 120 tools/repro_fault.sh plain > '$LOG/repro-plain-dsl.txt' 2>&1
+    timeout 190 tools/repro_fault.sh memcheck-alone > '$LOG/repro-memcheck-alone.txt' 2>&1
+    tail -n 5 '$LOG'/repro-*.txt"
+step repromc 560 tools/repro_fault.sh memcheck-cached
 step experts 300 bash -c "$(declare -f experts_tests); LOG='$LOG' experts_tests"
 step mutants 240 python tools/mutants.py --gpu --jobs 4
 step sanitize 300 tools/sanitize.sh
