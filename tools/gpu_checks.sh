@@ -38,9 +38,9 @@ step() {  # name, seconds, command...
     echo "== $name (rc $rc)"
     tail -n 4 "$LOG/$name.txt"
 }
-# the device machine's git may hold the landed commit, not the tree that runs: the files differing from it say so
+# the device machine's git may hold the landed commit, not the tree that runs: the paths differing say so
 git log --oneline -1 > "$LOG/commit.txt" 2>/dev/null
-echo "files differing from that commit: $(git status --short 2>/dev/null | wc -l)" >> "$LOG/commit.txt"
+echo "paths differing from it (carried folders too): $(git status --short 2>/dev/null | wc -l)" >> "$LOG/commit.txt"
 nvidia-smi -L >> "$LOG/commit.txt" 2>/dev/null
 python -c "import importlib.metadata as m; print('nvidia-cutlass-dsl', m.version('nvidia-cutlass-dsl'))" >> "$LOG/commit.txt"
 # the test that reads the device's free memory runs alone: other processes' allocations would show there

@@ -197,19 +197,17 @@ def _state(model):
 def _own_cublas_workspace():
     """Drops torch's cached cuBLAS workspaces before a capture and after it (as inductor's CUDA-graph trees
     do), so that a captured matmul's workspace is allocated in the graph's own memory pool and lives as long
-    as the graph. torch caches one workspace a (handle, stream), and newer torch drops a stream's entry when
-    any graph captured on that stream is destroyed (pytorch/pytorch#175276): a graph whose capture found
-    another graph's or an eager call's workspace cached could then replay into freed, later unmapped memory
-    (pytorch/pytorch#193402; ``torch.cuda.graph`` captures every graph on one default stream). Clearing after
-    the capture keeps eager matmuls on that stream out of the graph's pool."""
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
+    as the graph. torch caches one workspace a (handle, stream), and from 2.12 drops a stream's entry when any
+    graph captured on that stream is destroyed (pytorch/pytorch#175276; 2.11 has no such call): a graph whose
+    capture found another graph's or an eager call's workspace cached could then replay into freed, later
+    unmapped memory (pytorch/pytorch#193402; ``torch.cuda.graph`` captures every graph on one default stream).
+    Clearing after the capture keeps eager matmuls on that stream out of the graph's pool."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None) or (lambda: None)
+    clear()
     try:
         yield
     finally:
-        if clear is not None:
-            clear()
+        clear()
 
 
 def release(model=None):

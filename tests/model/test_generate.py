@@ -342,9 +342,10 @@ def test_gpu_compiled_step_in_the_graph_gives_the_same_tokens():
 @gpu
 def test_gpu_a_kept_step_replays_right_after_another_models_capture_is_released():
     """Each kept graph owns its matmuls' cuBLAS workspace. Two models' steps are captured on the one stream
-    ``torch.cuda.graph`` captures on; releasing the first (torch may then drop that stream's cached
-    workspace) and emptying the cache (unmapping what was freed) leaves the second replaying right. In a
-    child process: a replay into unmapped memory ends the CUDA context."""
+    ``torch.cuda.graph`` captures on; releasing the first, dropping torch's cached workspaces (what torch 2.12
+    and later do for that stream when the first graph dies; done here so that 2.11 meets it too) and emptying
+    the cache (unmapping what was freed) leaves the second replaying right. In a child process: a replay into
+    unmapped memory ends the CUDA context."""
     here = os.path.dirname(os.path.abspath(__file__))
     code = textwrap.dedent(f"""
         import sys
@@ -360,6 +361,7 @@ def test_gpu_a_kept_step_replays_right_after_another_models_capture_is_released(
         assert torch.equal(generate(b, ids, 8), want)
         assert a in _kept and b in _kept
         release(a)
+        torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
         got = generate(b, ids, 8)  # replays b's kept step
         torch.cuda.synchronize()
