@@ -13,12 +13,13 @@
 # tensor: a read past a tensor that only faults where the allocator's layout puts unmapped memory after it is
 # reported whatever ran before (captures may fail there: generate then runs the step eagerly, which memcheck
 # still sees). The memcheck modes print at most 20 errors and no tail: a run cut off by a timeout keeps what
-# it printed.
+# it printed. nocache runs the four with one allocation a tensor and no sanitizer; all runs every mode but
+# memcheck at once, each its own process and log in LOGS (default repro-logs), plain with the DSL's launch too.
 # Needs a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-plain}
-if [[ $MODE == -h || $MODE == --help ]]; then sed -n '2,17p' "$0" | cut -c3-; exit 0; fi
+if [[ $MODE == -h || $MODE == --help ]]; then sed -n '2,18p' "$0" | cut -c3-; exit 0; fi
 KEPT="tests/model/test_generate.py::test_gpu_a_second_call_replays_the_kept_step_without_capturing"
 CAPFAIL="tests/model/test_generate.py::test_gpu_a_step_that_cannot_be_captured_runs_eagerly"
 CAPFAIL+="_warns_once_and_keeps_nothing"
@@ -37,6 +38,14 @@ case $MODE in
     memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${MEMCHECK[@]}" "${PYTEST[@]}" "${ORDER[@]}" 2>&1 ;;
     memcheck-cached) "${MEMCHECK[@]}" "${PYTEST[@]}" "${ORDER[@]}" 2>&1 ;;
     memcheck-alone) PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${MEMCHECK[@]}" "${PYTEST[@]}" "$KEPT" "$CAPFAIL" 2>&1 ;;
-    *) echo "usage: tools/repro_fault.sh [plain|each|blocking|memcheck|memcheck-cached|memcheck-alone] (--help: what" \
-            "each does)"; exit 2 ;;
+    nocache) echo "== in order, PYTORCH_NO_CUDA_MEMORY_CACHING=1"
+             PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${PYTEST[@]}" "${ORDER[@]}" 2>&1 | tail -n 3 ;;
+    all) LOGS=${2:-repro-logs}; mkdir -p "$LOGS"  # every mode at once, one process each (~8 min on one H100)
+         for m in blocking each plain nocache memcheck-alone memcheck-cached; do
+             timeout "${SECS:-480}" "$0" "$m" > "$LOGS/$m.txt" 2>&1 &
+         done
+         NVFP4_GEMV_LAUNCH=dsl timeout "${SECS:-480}" "$0" plain > "$LOGS/plain-dsl.txt" 2>&1 &
+         wait; for f in "$LOGS"/*.txt; do echo "== $f"; tail -n 6 "$f"; done ;;
+    *) echo "usage: tools/repro_fault.sh [plain|each|blocking|nocache|memcheck|memcheck-cached|memcheck-alone|all [LOGS]]" \
+            "(--help: what each does)"; exit 2 ;;
 esac
