@@ -34,7 +34,7 @@ case $MODE in
            echo "== in order"; "${PYTEST[@]}" "${ORDER[@]}" | tail -n 3 ;;
     each) for t in "${ORDER[@]:0:3}"; do echo "== $t, then the kept step"; "${PYTEST[@]}" "$t" "$KEPT" | tail -n 1; done ;;
     blocking) export CUDA_LAUNCH_BLOCKING=1
-              echo "== in order, CUDA_LAUNCH_BLOCKING=1"; "${PYTEST[@]}" "${ORDER[@]}" 2>&1 | grep -E "Error|error|passed|failed|skipped" | head -n 20 ;;
+              echo "== in order, CUDA_LAUNCH_BLOCKING=1"; "${PYTEST[@]}" "${ORDER[@]}" 2>&1 | grep -v "^  warnings.warn" | tail -n 300 ;;
     memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${MEMCHECK[@]}" "${PYTEST[@]}" "${ORDER[@]}" 2>&1 ;;
     memcheck-cached) "${MEMCHECK[@]}" "${PYTEST[@]}" "${ORDER[@]}" 2>&1 ;;
     memcheck-alone) PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${MEMCHECK[@]}" "${PYTEST[@]}" "$KEPT" "$CAPFAIL" 2>&1 ;;
