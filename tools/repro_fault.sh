@@ -14,12 +14,13 @@
 # reported whatever ran before (captures may fail there: generate then runs the step eagerly, which memcheck
 # still sees). The memcheck modes print at most 20 errors and no tail: a run cut off by a timeout keeps what
 # it printed. nocache runs the four with one allocation a tensor and no sanitizer; all runs every mode but
-# memcheck at once, each its own process and log in LOGS (default repro-logs), plain with the DSL's launch too.
+# memcheck at once, each its own process and log in LOGS (default repro-logs), plain with the DSL's launch too,
+# and tools/repro_variant.py's other models and eager attention.
 # Needs a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-plain}
-if [[ $MODE == -h || $MODE == --help ]]; then sed -n '2,18p' "$0" | cut -c3-; exit 0; fi
+if [[ $MODE == -h || $MODE == --help ]]; then sed -n '2,19p' "$0" | cut -c3-; exit 0; fi
 KEPT="tests/model/test_generate.py::test_gpu_a_second_call_replays_the_kept_step_without_capturing"
 CAPFAIL="tests/model/test_generate.py::test_gpu_a_step_that_cannot_be_captured_runs_eagerly"
 CAPFAIL+="_warns_once_and_keeps_nothing"
@@ -45,6 +46,9 @@ case $MODE in
              timeout "${SECS:-480}" "$0" "$m" > "$LOGS/$m.txt" 2>&1 &
          done
          NVFP4_GEMV_LAUNCH=dsl timeout "${SECS:-480}" "$0" plain > "$LOGS/plain-dsl.txt" 2>&1 &
+         for v in bf16 w4a16 w4a16-fused "w4a16-fused-packed eager" "w4a16-fused-packed sdpa --alone"; do
+             timeout "${SECS:-480}" python tools/repro_variant.py $v > "$LOGS/variant-${v// /-}.txt" 2>&1 &
+         done
          wait; for f in "$LOGS"/*.txt; do echo "== $f"; tail -n 6 "$f"; done ;;
     *) echo "usage: tools/repro_fault.sh [plain|each|blocking|nocache|memcheck|memcheck-cached|memcheck-alone|all [LOGS]]" \
             "(--help: what each does)"; exit 2 ;;
