@@ -13,6 +13,7 @@ run racecheck task
 run synccheck task
 run racecheck experts  # (memcheck all ran its cases)
 # a read past a tensor inside one of the caching allocator's segments is invisible to memcheck: the model's
-# decode again with one allocation a tensor
+# decode and the W4A16 cases again with one allocation a tensor
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck model
+PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck w4a16
 echo "compute-sanitizer: memcheck, racecheck and synccheck clean"

@@ -125,12 +125,13 @@ from nvfp4_gemv import quant  # noqa: E402
 
 # packed weights (gemv_packed): the one-token routes (x in registers on 512 rows, 4 CTAs of 2 groups on 4352,
 # 4-warp CTAs in even rounds on 28672), shared x at 2 and 12 tokens, 32 tokens, and a view of the last 128 rows
-# (its last piece ends where the buffer does)
+# (its last piece ends where the buffer does), and a tiny Llama's prefill (10 tokens, K = 256: warps without slices,
+# whose hoisted loads of x read past it before ptx.ldg_v4_if had side effects)
 from nvfp4_gemv import gemv_packed, pack_weight  # noqa: E402
 
 for n, m, k, rows in () if section in ("bulk", "experts") else ((1, 512, 4096, None), (1, 4352, 2048, None), (1, 28672, 4096, None),
                                                    (2, 4352, 8192, None), (12, 8576, 4096, None),
-                                                   (32, 1152, 1024, None), (3, 1024, 2048, 128)):
+                                                   (32, 1152, 1024, None), (3, 1024, 2048, 128), (10, 512, 256, None)):
     x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n + m + 2, dtype=torch.float16 if n == 12 else torch.bfloat16)
     wp = pack_weight(w, ws)
     if rows:
@@ -145,7 +146,8 @@ for n, m, k, dtype, blocked in () if section in ("bulk", "packed", "experts") el
                                 (1, 2048, 4096, torch.bfloat16, False), (3, 2048, 4160, torch.float16, True),
                                 (6, 2048, 4160, torch.bfloat16, True), (12, 8576, 4096, torch.float16, False),
                                 (4, 384, 4160, torch.bfloat16, False),
-                                (20, 640, 2112, torch.float16, True), (32, 1152, 1024, torch.bfloat16, False)):
+                                (20, 640, 2112, torch.float16, True), (32, 1152, 1024, torch.bfloat16, False),
+                                (10, 512, 256, torch.bfloat16, False)):
     x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n + m, dtype=dtype, blocked=blocked)
     out = op.gemv(x, None, w, ws, a, out=torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda"))
     torch.cuda.synchronize()
