@@ -406,10 +406,17 @@ def mma_f16(a, b, c, *, loc=None, ip=None):
 @dsl_user_op
 def ldg_v4_if(addr, pred, *, loc=None, ip=None):
     """``ld.global.nc.v4`` where ``pred`` is non-zero, else zeros and no memory access (through the caches:
-    W4A16's ``x``, read by every CTA, stays in L2). ``cute.arch`` has no predicated vector load."""
+    W4A16's ``x``, read by every CTA, stays in L2). ``cute.arch`` has no predicated vector load.
+
+    Side effects, so that the compiler keeps it where it is: an asm without them is pure to LLVM, which then
+    hoisted W4A16's loads of ``x`` (the same for every tile) out of the tile loop, ahead of the branch that
+    only the warps with slices take, with the address simplified for those warps (the slice's clamp
+    dropped): the other warps read up to 1.5 KB past ``x`` (compute-sanitizer, 2026-12-07), which faulted
+    where the next page was unmapped."""
     r = asm([T.i32()] * 4, [cutlass.Int64(addr), cutlass.Int32(pred)],
              "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
-             "mov.b32 $3, 0;\n@p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];\n}", "=r,=r,=r,=r,l,r", loc, ip)
+             "mov.b32 $3, 0;\n@p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];\n}", "=r,=r,=r,=r,l,r", loc, ip,
+             volatile=True)
     return [cutlass.Int32(v) for v in r]
 
 
