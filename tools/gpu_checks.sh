@@ -7,7 +7,7 @@
 # synccheck 26 s, the W4A16 fuzz 91 s as six processes.
 # STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop,fuzzw4a16 (default all), repro (session 66's fault:
 # tools/repro_fault.sh blocking, each, plain with the DSL's own launch, memcheck-alone; each its own log),
-# repromc (memcheck-cached alone), experts (its GPU tests and 300-case fuzz, ~5 processes) and
+# repromc (memcheck-cached alone), inbounds (that fault's fix: below), experts (its GPU tests and 300-case fuzz, ~5 processes) and
 # the measurements bench (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1),
 # modellm (the same, lm_head in NVFP4 too, beside bf16), moeblock (the MoE block alone: the kernel, the
 # fallback, other launch shapes; eager and compiled), moe (the MoE block and Qwen3-30B-A3B's decode),
@@ -123,6 +123,16 @@ step repro 560 bash -c "for m in blocking each; do timeout 120 tools/repro_fault
     timeout 190 tools/repro_fault.sh memcheck-alone > '$LOG/repro-memcheck-alone.txt' 2>&1
     tail -n 5 '$LOG'/repro-*.txt"
 step repromc 560 tools/repro_fault.sh memcheck-cached
+# inbounds: session 66's fault after its fix (W4A16's x load hoisted past its guard): the guard-page test, session
+# 66's order and memcheck without the caching allocator (both must pass, 0 errors); with a tree from before the fix
+# in .old (`git archive 1728538~1`), the guard-page test there too, which must fail (~2 min on one H100)
+step inbounds 280 bash -c "P='python -m pytest -q -p no:cacheprovider -m gpu'
+    if [[ -d .old/tests/op ]]; then cp tests/op/test_reads_in_bounds.py .old/tests/op/
+        (cd .old && timeout 240 \$P tests/op/test_reads_in_bounds.py > '$LOG/inbounds-old.txt' 2>&1) & fi
+    timeout 240 \$P tests/op/test_reads_in_bounds.py > '$LOG/inbounds-new.txt' 2>&1 &
+    timeout 100 tools/repro_fault.sh plain > '$LOG/inbounds-repro.txt' 2>&1
+    timeout 150 tools/repro_fault.sh memcheck-alone > '$LOG/inbounds-memcheck.txt' 2>&1
+    wait; tail -n 2 '$LOG'/inbounds-*.txt"
 step experts 300 bash -c "$(declare -f experts_tests); LOG='$LOG' experts_tests"
 step mutants 240 python tools/mutants.py --gpu --jobs 4
 step sanitize 300 tools/sanitize.sh
