@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
-# Session 66's unexplained illegal memory access (docs/results.md, "Correctness runs on the GPU"): generate's
-# kept-step test, run after three leaderboard tests in one process, faulted 4 runs of 4 on one H100 (torch
-# 2.11, DSL 4.3.5); alone it passes. Usage: tools/repro_fault.sh [MODE], MODE one of plain (the default),
-# each, blocking, memcheck, memcheck-cached, memcheck-alone: plain runs the kept-step test alone (the
-# control), then the four in order; each runs each of the three leaderboard tests alone before it (which one
-# it takes); blocking the four with CUDA_LAUNCH_BLOCKING=1 (the faulting kernel named, if the fault survives
-# it); memcheck the four under compute-sanitizer with one allocation a tensor (PYTORCH_NO_CUDA_MEMORY_CACHING=1:
-# a read or write past a tensor is then past its allocation, which memcheck reports); memcheck-cached the
-# four under memcheck with the caching allocator (the fault as it happens: a read past a segment's end,
-# inside a graph too); memcheck-alone the generate tests that faulted (this one, and in session 68's suite
-# the failed-capture test after other leaderboard tests) without the leaderboard tests, one allocation a
-# tensor: a read past a tensor that only faults where the allocator's layout puts unmapped memory after it is
-# reported whatever ran before (captures may fail there: generate then runs the step eagerly, which memcheck
-# still sees). The memcheck modes print at most 20 errors and no tail: a run cut off by a timeout keeps what
-# it printed. nocache runs the four with one allocation a tensor and no sanitizer; all runs every mode but
-# memcheck at once, each its own process and log in LOGS (default repro-logs), plain with the DSL's launch too,
-# and tools/repro_variant.py's other models and eager attention.
+# Session 66's illegal memory access (docs/results.md, "Correctness runs on the GPU"; found in session 69: a
+# W4A16 load of x hoisted past its guard, docs/design.md "Loads in inline asm"): generate's kept-step test, run
+# after three leaderboard tests in one process, faulted 4 runs of 4 on one H100 (torch 2.11, DSL 4.3.5); alone
+# it passed. Usage: tools/repro_fault.sh [MODE], MODE one of plain (the default), each, blocking, memcheck,
+# memcheck-cached, memcheck-alone: plain runs the kept-step test alone (the control), then the four in order;
+# each runs each of the three leaderboard tests alone before it (which one it takes); blocking the four with
+# CUDA_LAUNCH_BLOCKING=1 (the faulting kernel named, if the fault survives it); memcheck the four under compute-
+# sanitizer with one allocation a tensor (PYTORCH_NO_CUDA_MEMORY_CACHING=1: a read or write past a tensor is
+# then past its allocation, which memcheck reports); memcheck-cached the four under memcheck with the caching
+# allocator (the fault as it happens: a read past a segment's end, inside a graph too); memcheck-alone the
+# generate tests that faulted (this one, and in session 68's suite the failed-capture test after other
+# leaderboard tests) without the leaderboard tests, one allocation a tensor: a read past a tensor that only
+# faults where the allocator's layout puts unmapped memory after it is reported whatever ran before (captures
+# may fail there: generate then runs the step eagerly, which memcheck still sees). The memcheck modes print at
+# most 20 errors and no tail: a run cut off by a timeout keeps what it printed. nocache runs the four with one
+# allocation a tensor and no sanitizer; all runs every mode but memcheck at once, each its own process and log
+# in LOGS (default repro-logs), plain with the DSL's launch too, and tools/repro_variant.py's other models and
+# eager attention.
 # Needs a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-plain}
-if [[ $MODE == -h || $MODE == --help ]]; then sed -n '2,19p' "$0" | cut -c3-; exit 0; fi
+if [[ $MODE == -h || $MODE == --help ]]; then sed -n '2,20p' "$0" | cut -c3-; exit 0; fi
 KEPT="tests/model/test_generate.py::test_gpu_a_second_call_replays_the_kept_step_without_capturing"
 CAPFAIL="tests/model/test_generate.py::test_gpu_a_step_that_cannot_be_captured_runs_eagerly"
 CAPFAIL+="_warns_once_and_keeps_nothing"

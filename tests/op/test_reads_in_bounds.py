@@ -1,9 +1,10 @@
-"""The W4A16 kernel reads nothing past its tensors: each operand (x, w or the packed w, the scales, the output) is copied to
-the very end of mapped pages of device memory with an unmapped page after it, so that a read past it faults
-(the caching allocator would put a tensor inside a larger segment, where such a read goes unseen; this is how
-session 66's fault went unseen alone: docs/results.md, "Correctness runs on the GPU"). The shapes are those of a
-tiny Llama's prefill and decode (K of 256 and 512: fewer slices than warps) and Llama-3-8B's. The products run in
-a child process, since a fault breaks the CUDA context; each case is checked against float64 there."""
+"""The W4A16 kernel reads nothing past its tensors: each operand (x, w or the packed w, the scales, alpha, the
+output) is copied to the very end of mapped pages of device memory with an unmapped page after it, so that a
+read past it faults (the caching allocator would put a tensor inside a larger segment, where such a read goes
+unseen; this is how session 66's fault went unseen alone: docs/results.md, "Correctness runs on the GPU"). The
+shapes are those of a tiny Llama's prefill and decode (K of 256 and 512: fewer slices than warps) and
+Llama-3-8B's. The products run in a child process, since a fault breaks the CUDA context; each case is checked
+against float64 there."""
 
 import os
 import subprocess
@@ -69,9 +70,9 @@ CHILD = textwrap.dedent("""
             print(f"{how} N={n} {m}x{k}", end=": ", flush=True)
             out = at_page_end(torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda"))
             if how == "plain":
-                gemv(at_page_end(x), None, at_page_end(w), at_page_end(ws), a, out=out)
+                gemv(at_page_end(x), None, at_page_end(w), at_page_end(ws), at_page_end(a), out=out)
             else:
-                gemv_packed(at_page_end(x), at_page_end(pack_weight(w, ws)), a, out=out)
+                gemv_packed(at_page_end(x), at_page_end(pack_weight(w, ws)), at_page_end(a), out=out)
             torch.cuda.synchronize()
             bad, msg = w4a16_violations(out, *exact)
             print("ok" if bad == 0 else "MISMATCH " + msg, flush=True)
