@@ -680,10 +680,10 @@ def main():
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--cpu", action="store_true")
     g.add_argument("--gpu", action="store_true")
-    g.add_argument("--only")
+    g.add_argument("--only", action="append", help="a mutant's name (repeat for more)")
     p.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
     args = p.parse_args()
-    chosen = [m for m in MUTANTS if (args.only and m[0] == args.only) or (args.cpu and not m[5])
+    chosen = [m for m in MUTANTS if (args.only and m[0] in args.only) or (args.cpu and not m[5])
               or (args.gpu and m[5])]
     if not chosen:
         raise SystemExit(f"no mutant selected; names: {[m[0] for m in MUTANTS]}")
