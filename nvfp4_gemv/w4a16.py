@@ -173,6 +173,14 @@ class Nvfp4GemvW4A16(OpLaunch):
         if self.across and self.depth > 1 and self.n_slices < self.depth * self.warps:
             raise ValueError(f"nvfp4_gemv: across at depth {self.depth} needs K > {128 * (self.depth * self.warps - 1)} "
                              f"(depth x warps slices), not {k}")
+        # x_fixed: x's loads from registers are not volatile, so the compiler may hoist them out of the tile
+        # loop. Only where every slice index _load_slice gets is below n_slices before its clamp (across, each
+        # warp the same n_slices / warps slices, whole 128-value slices: the prefetch index
+        # wid + (i + depth - my) x warps stays below n_slices), so that the loads are in bounds wherever they
+        # go (docs/design.md, "Loads in inline asm"); and only at 16 tokens, where loading x once a CTA
+        # instead of once a tile measured faster (2048 x 2048, one slice a warp: 7.36 against 8.38 us; at 9
+        # and 10 tokens 0.1-0.3 us slower; docs/results.md).
+        self.x_fixed = self.across and self.n_slices % self.warps == 0 and k % 128 == 0 and n_tok >= 16
         # xbatch (x in shared memory): 16-byte copies a thread has in flight while x is copied (unrolled)
         self.xbatch = XBATCH if xbatch is None else int(xbatch)
         if self.xbatch < 1:
@@ -249,7 +257,7 @@ class Nvfp4GemvW4A16(OpLaunch):
             p = cutlass.Int32(tok < NT) * live
             base = x_ptr + cutlass.Int64(cutlass.min(tok, NT - 1)) * x_rs + kx
             for j in range(4):
-                vals += ldg_v4_if(base + 16 * j, p)
+                vals += ldg_v4_if(base + 16 * j, p, volatile=not self.x_fixed)
         return vals
 
     @cute.jit

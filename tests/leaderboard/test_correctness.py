@@ -55,8 +55,10 @@ def test_cute_path_forced_for_l1(m, k, l, monkeypatch):
 
 def test_runs_on_the_current_non_default_stream():
     data = inputs.random_inputs(7168, 2048, 4, seed=5)
+    submission.custom_kernel(inputs.poisoned(data))  # compile outside: a compile after the sleep outlasts it
     poisoned = inputs.poisoned(data)
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # (the poison first)
     with torch.cuda.stream(s):
         # keeps s busy for about half a second: the kernel must queue behind this, and the host must reach the
         # read below first even on a machine loaded by the sharded GPU suite (100M cycles, ~55 ms, was not)

@@ -567,3 +567,54 @@ def test_route_asks_the_kernel_and_refuses_with_its_reason():
     assert not w4a16.Nvfp4GemvW4A16.can_implement(4096, 1, 2, no_such_knob=1)
     with pytest.raises(ValueError, match=r"cannot build K=4096, 2 tokens a launch.*late takes one token"):
         w4a16_route.route(2, 4096, 4096, 132, (("late", 1), ("xpair", 1), ("x_smem", 1)))
+
+
+def _slices_loaded(op):
+    """Every slice index ``_load_slice`` gets in an ``across`` build, before its clamp: each warp's first
+    ``depth`` slices, then in its loop over its slices the one ``depth`` ahead (past its last: the next tile's)."""
+    W, D = op.warps, op.depth
+    for wid in range(W):
+        my = (op.n_slices - wid + W - 1) // W
+        yield from (wid + d * W for d in range(D))
+        for i in range(my):
+            nx = int(i + D >= my)
+            yield wid + (i + D - nx * my) * W
+
+
+@pytest.mark.parametrize("k", [256, 512, 896, 1024, 2048, 2112, 4096, 6144, 14336])
+@pytest.mark.parametrize("threads", [128, 256, 512])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_x_loads_are_volatile_unless_every_slice_index_is_in_range(k, threads, depth):
+    """``x_fixed`` (x's register loads not volatile, free to be hoisted) only where every slice index the
+    build computes is below ``n_slices`` before the clamp: a load moved above its guard then still reads
+    inside x (session 66's fault was such a load at K = 256, eight warps and two slices)."""
+    try:
+        op = w4a16.Nvfp4GemvW4A16(k, 16, 2, True, False, True, True, across=1, threads=threads, depth=depth,
+                                  x_smem=0)
+    except ValueError:
+        pytest.skip("a build the class refuses")
+    assert not op.x_fixed or all(sl < op.n_slices for sl in _slices_loaded(op))
+    if k == 2048 and threads == 512:
+        assert op.x_fixed  # (16 warps, one slice each: x loaded once a CTA)
+
+
+@pytest.mark.parametrize("n,m,k,fixed", [(10, 512, 256, False), (2, 256, 512, False), (10, 2048, 2048, False),
+                                         (16, 2048, 2048, True), (16, 512, 256, False)])
+def test_routed_builds_load_x_volatile_where_warps_lack_slices(n, m, k, fixed, monkeypatch):
+    """The tiny Llama's prefill (K = 256: eight warps, two slices) keeps x's loads volatile; 16 tokens on 16
+    warps with a whole slice each (K = 2048) take the hoistable load; 10 tokens there stay volatile (measured
+    faster) (docs/design.md, "Loads in inline asm")."""
+    monkeypatch.setattr(op_plan, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(op_plan, "_get_kernel", lambda dev, key: _FakeKernel(
+        w4a16.Nvfp4GemvW4A16(key[2], key[3], key[4], key[5], key[6], key[7], key[8], **dict(key[9]))))
+    from nvfp4_gemv.reference import check_args
+
+    w = torch.zeros(m, k // 2, dtype=torch.uint8)
+    ws = torch.zeros(m, k // 16, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    x = torch.zeros(n, k, dtype=torch.bfloat16)
+    plan = op_plan.W4A16Plan(x, w, ws, None, None, torch.bfloat16, check_args(x, None, w, ws, None, torch.bfloat16, None))
+    ops = [kern.op for kern, _, _ in plan.launches]
+    for op in ops:
+        if op.x_fixed:
+            assert all(sl < op.n_slices for sl in _slices_loaded(op))
+    assert any(op.x_fixed for op in ops) == fixed, [(op.warps, op.n_slices, op.across) for op in ops]
