@@ -13,6 +13,7 @@ heads; the layer count is what scales the guards), random weights, one variant p
 CPU or GPU (on the CPU the kernels' exact reference runs once, while the backend records its outputs).
 
     python tools/guard_count.py --layers 32 --variants bf16,w4a16,w4a16-fused,w4a16-fused-packed,w4a4-fused
+    python tools/guard_count.py --arch qwen3-moe --layers 48 --variants bf16,w4a16-fused --per-layer
 """
 
 import argparse
@@ -37,16 +38,25 @@ VARIANTS = {  # name: quantize_model's arguments (None: bf16)
 }
 
 
-def build(variant, layers, device):
+def build(variant, layers, device, arch="llama"):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from nvfp4_gemv import calibrate_input_scales, quantize_model
 
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+    if arch == "qwen3-moe":  # Qwen3-MoE's structure at small dims: 8 experts, top 2 (issue 58's model)
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM as Model
+
+        cfg = Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
+                             num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=256,
+                             norm_topk_prob=True, pad_token_id=0)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM as Model
+
+        cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16).to(device).eval()
+    model = Model(cfg).to(torch.bfloat16).to(device).eval()
     kw = VARIANTS[variant]
     if kw is not None:
         kw = dict(kw)
@@ -115,10 +125,10 @@ def reduce_overhead_host(step, args, calls, top):
     return {"host_us": round(1e6 * statistics.median(times), 1), "host_profile": text.getvalue()}
 
 
-def measure(variant, layers, calls, device, per_layer, host=0):
+def measure(variant, layers, calls, device, per_layer, host=0, arch="llama"):
     import torch
 
-    cfg, model = build(variant, layers, device)
+    cfg, model = build(variant, layers, device, arch)
     step, args = step_fn(cfg, model, device)
     with torch.no_grad():
         ex = torch._dynamo.explain(step)(*args)
@@ -166,6 +176,8 @@ def measure(variant, layers, calls, device, per_layer, host=0):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--arch", choices=("llama", "qwen3-moe"), default="llama",
+                    help="the model's structure (small dims either way)")
     ap.add_argument("--variants", default="bf16,w4a16,w4a16-fused,w4a16-fused-packed")
     ap.add_argument("--calls", type=int, default=50, help="compiled calls timed (median)")
     ap.add_argument("--device", default="cpu")
@@ -182,7 +194,7 @@ def main():
     warnings.filterwarnings("ignore")
     rows = []
     for name in names:
-        rows.append(measure(name, args.layers, args.calls, args.device, args.per_layer, args.host))
+        rows.append(measure(name, args.layers, args.calls, args.device, args.per_layer, args.host, args.arch))
         prof = rows[-1].pop("host_profile", None)
         print(json.dumps(rows[-1]), flush=True)
         if prof:
