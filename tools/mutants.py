@@ -215,8 +215,11 @@ MUTANTS = [
      "kern.ffi(pw, px + dx, pws, 0, pout + dout, pa, *static, 0)",
      ["tests/op/test_w4a16_kernel.py::test_runs_on_the_current_stream"], True),
     ("W4A16: x's load free to move with slices past the last", W4A16,
-     "self.x_fixed = self.across and self.n_slices % self.warps == 0 and k % 128 == 0",
-     "self.x_fixed = self.across and k % 128 == 0",
+     "self.x_fixed = (self.across and not self.x_smem and self.n_slices % self.warps == 0 and k % 128 == 0",
+     "self.x_fixed = (self.across and not self.x_smem and k % 128 == 0",
+     ["tests/op/test_w4a16.py::test_x_loads_are_volatile_unless_every_slice_index_is_in_range"], False),
+    ("W4A16: x's load free to move at K % 128 == 64", W4A16,
+     "self.n_slices % self.warps == 0 and k % 128 == 0\n", "self.n_slices % self.warps == 0\n",
      ["tests/op/test_w4a16.py::test_x_loads_are_volatile_unless_every_slice_index_is_in_range"], False),
     ("W4A16: x's predicated load without side effects (hoisted past its guard)", PTX,
      '"mov.b32 $3, 0;\\n@p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];\\n}", "=r,=r,=r,=r,l,r", loc, ip,\n             volatile=volatile)',
@@ -682,6 +685,9 @@ def main():
     g.add_argument("--only", action="append", help="a mutant's name (repeat for more)")
     p.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
     args = p.parse_args()
+    unknown = sorted(set(args.only or ()) - {m[0] for m in MUTANTS})
+    if unknown:
+        raise SystemExit(f"--only: no mutant named {unknown}; names: {[m[0] for m in MUTANTS]}")
     chosen = [m for m in MUTANTS if (args.only and m[0] in args.only) or (args.cpu and not m[5])
               or (args.gpu and m[5])]
     if not chosen:

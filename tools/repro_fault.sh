@@ -39,10 +39,13 @@ case $MODE in
               echo "== in order, CUDA_LAUNCH_BLOCKING=1"; "${PYTEST[@]}" "${ORDER[@]}" 2>&1 | grep -v "^  warnings.warn" | tail -n 300 ;;
     memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${MEMCHECK[@]}" "${PYTEST[@]}" "${ORDER[@]}" 2>&1 ;;
     memcheck-cached) "${MEMCHECK[@]}" "${PYTEST[@]}" "${ORDER[@]}" 2>&1 ;;
-    memcheck-alone) PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${MEMCHECK[@]}" "${PYTEST[@]}" "$KEPT" "$CAPFAIL" 2>&1 | tee /tmp/mc-alone.$$
+    memcheck-alone) log=$(mktemp); trap 'rm -f "$log"' EXIT
+                    PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${MEMCHECK[@]}" "${PYTEST[@]}" "$KEPT" "$CAPFAIL" 2>&1 | tee "$log"
+                    rc=${PIPESTATUS[0]}
                     # what counts: reads and writes out of bounds. Without the caching allocator a capture's
                     # cudaMalloc is refused (12 API errors, both tests fail: session 70), so the step runs eagerly
-                    echo "== memory access errors: $(grep -c 'Invalid __' /tmp/mc-alone.$$)"; rm -f /tmp/mc-alone.$$ ;;
+                    echo "== memory access errors printed (at most the print limit): $(grep -c 'Invalid __' "$log")"
+                    exit "$rc" ;;
     nocache) echo "== in order, PYTORCH_NO_CUDA_MEMORY_CACHING=1"
              PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${PYTEST[@]}" "${ORDER[@]}" 2>&1 | tail -n 3 ;;
     all) LOGS=${2:-repro-logs}; mkdir -p "$LOGS"  # every mode at once, one process each (~8 min on one H100)

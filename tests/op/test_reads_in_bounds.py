@@ -18,8 +18,8 @@ pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # (tokens, M, K): the tiny Llama's fused q/k/v, gate/up and down at its prefill (10 tokens) and decode (2), one
-# token, a 4-token w_a build, Llama-3-8B's q/k/v and down shapes at 1, 10 and 32 tokens, and the two builds whose
-# x loads are not volatile (W4A16's x_fixed: one slice a warp, x loaded once a CTA)
+# token, a 4-token w_a build, Llama-3-8B's q/k/v and down shapes at 1, 10 and 32 tokens, and 2048 x 2048 at 9 and
+# 16 tokens (one slice a warp; at 16 tokens x's load is not volatile, W4A16's x_fixed: x loaded once a CTA)
 CASES = [(10, 512, 256), (10, 1024, 256), (10, 256, 512), (2, 512, 256), (2, 256, 512), (1, 512, 256),
          (4, 1024, 256), (1, 6144, 4096), (10, 6144, 4096), (32, 4096, 14336), (9, 2048, 2048), (16, 2048, 2048)]
 
