@@ -377,13 +377,10 @@ def ldg_v4_if(addr, pred, *, volatile=True, loc=None, ip=None):
     """``ld.global.nc.v4`` where ``pred`` is non-zero, else zeros and no memory access (through the caches:
     W4A16's ``x``, read by every CTA, stays in L2). ``cute.arch`` has no predicated vector load.
 
-    Side effects, so that the compiler keeps it where it is: an asm without them is pure to LLVM, which then
-    hoisted W4A16's loads of ``x`` (the same for every tile) out of the tile loop, ahead of the branch that
-    only the warps with slices take, with the address simplified for those warps (the slice's clamp
-    dropped): the other warps read up to 1.5 KB past ``x`` (compute-sanitizer, 2026-12-07), which faulted
-    where the next page was unmapped. ``volatile=False`` only where every address the caller computes is in
-    bounds whether or not a guard or clamp is applied (then any move is harmless, and a hoist out of a loop
-    is what the caller wants)."""
+    Volatile by default: an asm without side effects is pure to LLVM, which may hoist it above the branch
+    that makes its address valid (W4A16's x read past its end that way: docs/design.md, "Loads in inline
+    asm"). ``volatile=False`` only where every address the caller computes is in bounds whether or not a
+    guard or clamp applies; then a move is harmless, and a hoist out of a loop may be what the caller wants."""
     r = asm([T.i32()] * 4, [cutlass.Int64(addr), cutlass.Int32(pred)],
              "{\n.reg .pred p;\nsetp.ne.s32 p, $5, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\nmov.b32 $2, 0;\n"
              "mov.b32 $3, 0;\n@p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];\n}", "=r,=r,=r,=r,l,r", loc, ip,

@@ -178,9 +178,8 @@ class Nvfp4GemvW4A16(OpLaunch):
         # warp the same n_slices / warps slices, whole 128-value slices: the prefetch index
         # wid + (i + depth - my) x warps stays below n_slices), so that the loads are in bounds wherever they
         # go (docs/design.md, "Loads in inline asm"); x from registers (x_smem reads shared memory); and only
-        # at 16 tokens (two whole 8-token halves: no token past NT-1 whose clamp the address needs), where
-        # loading x once a CTA instead of once a tile measured faster (2048 x 2048, one slice a warp: 7.36
-        # against 8.38 us; at 9 and 10 tokens 0.1-0.3 us slower, near the noise; docs/results.md).
+        # at 16 tokens (two whole 8-token halves: no token's address needs its clamp), the token count where
+        # loading x once a CTA rather than once a tile measured faster (docs/results.md, W4A16, "x_fixed").
         self.x_fixed = (self.across and not self.x_smem and self.n_slices % self.warps == 0 and k % 128 == 0
                         and n_tok == 16)
         # xbatch (x in shared memory): 16-byte copies a thread has in flight while x is copied (unrolled)
