@@ -290,11 +290,7 @@ class W4A16Plan:
             fail_gemv(ValueError, bad, f"16-byte aligned rows of x and w, a w_scale address a multiple of "
                       f"{self.ws_mask + 1}", f"address {dict(x=px, w=pw, w_scale=pws)[bad]:#x}")
         if self.dequant:
-            if self.packed:
-                from .packed import unpack_weight
-
-                w, w_scale = unpack_weight(w)  # prefill: a copy of the weight besides the dequantization's
-            return dequant_mm(x, w, w_scale, alpha, out, out_dtype, self.k, self.wb)
+            return dequant_mm(x, w, w_scale, alpha, out, out_dtype, self.k, self.wb, self.packed)
         if out is None:
             out = torch.empty(self.out_shape, dtype=out_dtype, device=self.device)
         pout, pa = out.data_ptr(), alpha.data_ptr() if alpha is not None else 0
@@ -311,7 +307,9 @@ class W4A16Plan:
 
 def dequantized(w, w_scale, k, blocked, dtype):
     """``w * w_scale`` in ``dtype`` (bf16 or fp16: exact, e2m1 x e4m3 has at most 6 significant bits), by
-    elementwise torch ops on w's device (no host sync; about 12 bytes of temporaries a weight value)."""
+    elementwise torch ops on w's device (no host sync; about 12 bytes of temporaries a weight value, some
+    twenty passes over them): the exact definition ``dequant_kernel`` is tested against, and the path off
+    CUDA."""
     from .quant import e2m1_decode
 
     m = w.shape[0]
@@ -322,13 +320,26 @@ def dequantized(w, w_scale, k, blocked, dtype):
     return v.view(m, k).to(dtype)
 
 
-def dequant_mm(x, w, w_scale, alpha, out, out_dtype, k, blocked):
-    """Many tokens (prefill): ``w`` dequantized into x's dtype, then one fp32-output ``torch.mm`` (cuBLAS
-    tensor cores, fp32 accumulation in cuBLAS's order: its error bound is cuBLAS's, tested to 2^-12 of the
-    sum of |terms|), ``alpha`` (one fp32 rounding) and the rounding to the output dtype. Besides the GEMM it
-    costs the dequantization's torch kernels (tens of bytes of memory traffic a weight value; not yet
-    measured, nor the 129-token threshold)."""
-    wd = dequantized(w, w_scale, k, blocked, x.dtype)
+def dequant_mm(x, w, w_scale, alpha, out, out_dtype, k, blocked, packed=False):
+    """Many tokens (prefill): ``w`` dequantized into x's dtype (on CUDA by ``dequant_kernel``, one pass: it
+    reads 0.56 and writes 2 bytes a value; ``packed``: ``w`` is ``pack_weight``'s buffer, read in place), then
+    one fp32-output ``torch.mm`` (cuBLAS tensor cores, fp32 accumulation in cuBLAS's order: its error bound is
+    cuBLAS's, tested to 2^-12 of the sum of |terms|), ``alpha`` (one fp32 rounding) and the rounding to the
+    output dtype. The dequantized copy is a temporary of 2 bytes a weight value (235 MB for Llama-3-8B's
+    fused gate/up)."""
+    if w.is_cuda:
+        from .dequant_kernel import dequantize_cuda
+
+        m = w.shape[0]
+        if blocked:  # the swizzled layout to plain rows: a copy of the scales (1/16 of the values' count)
+            w_scale = unswizzle_scales(w_scale.view(torch.uint8), m, k).contiguous()
+        wd = dequantize_cuda(w, w_scale, torch.empty((m, k), dtype=x.dtype, device=w.device), k, packed)
+    else:
+        if packed:
+            from .packed import unpack_weight
+
+            w, w_scale = unpack_weight(w)
+        wd = dequantized(w, w_scale, k, blocked, x.dtype)
     res = torch.mm(x, wd.T, out_dtype=torch.float32)
     if alpha is not None:
         res = res * alpha.reshape(())

@@ -1,6 +1,6 @@
 """Compiles the CuTe DSL kernel for a GPU arch on a machine without a GPU; prints a JSON summary.
 
-Usage: python tests/compile_check.py ARCH K [--blocked] [--dump DIR] [--tune k=v,...] [--tokens N [--mma GROUPS |
+Usage: python tests/compile_check.py ARCH K [--blocked] [--dequantize plain|packed [--f16]] [--dump DIR] [--tune k=v,...] [--tokens N [--mma GROUPS |
 --w4a16 GROUPS [--f16] [--experts]]]
 (NVFP4_GEMV_LAUNCH=direct compiles without TVM-FFI)
 Run it in a subprocess: a compiler crash must not take the caller down.
@@ -52,6 +52,8 @@ def main():
     p.add_argument("--experts", action="store_true", help="with --w4a16: the experts' grouped build")
     p.add_argument("--quantize", action="store_true", help="the activation quantizer (bf16 x; --f16: fp16)")
     p.add_argument("--dequantized", action="store_true", help="with --quantize: its dequantized build")
+    p.add_argument("--dequantize", choices=("plain", "packed"), default=None,
+                   help="the weights' dequantizer (W4A16's many-token path; bf16 out, --f16: fp16)")
     args = p.parse_args()
     # CuTe DSL compiles for --gpu-arch only when CUTE_DSL_ARCH names another arch.
     os.environ["CUTE_DSL_ARCH"] = "sm_80" if args.arch != "sm_80" else "sm_86"
@@ -66,7 +68,11 @@ def main():
     os.makedirs(dump, exist_ok=True)
     tuning = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.tune.split(",") if kv}
     options = f"--gpu-arch {args.arch} --keep-cubin --keep-ptx --dump-dir {dump}"
-    if args.quantize:  # nvfp4_gemv.quant_kernel
+    if args.dequantize:  # nvfp4_gemv.dequant_kernel
+        from nvfp4_gemv import dequant_kernel
+
+        _, fn = dequant_kernel.compile_dequantize(args.k, not args.f16, args.dequantize == "packed", options=options)
+    elif args.quantize:  # nvfp4_gemv.quant_kernel
         from nvfp4_gemv import quant_kernel
 
         _, fn = quant_kernel.compile_quantize(args.k, not args.f16, options=options, dequantized=args.dequantized)

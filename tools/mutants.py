@@ -42,6 +42,7 @@ W4A16 = "nvfp4_gemv/w4a16.py"
 W4A16_ROUTE = "nvfp4_gemv/w4a16_route.py"
 OP_PLAN = "nvfp4_gemv/op_plan.py"
 QUANT = "nvfp4_gemv/quant.py"
+DQKERN = "nvfp4_gemv/dequant_kernel.py"
 QKERN = "nvfp4_gemv/quant_kernel.py"
 LINEAR = "nvfp4_gemv/model/linear.py"
 CONVERT = "nvfp4_gemv/model/convert.py"
@@ -627,6 +628,15 @@ MUTANTS = [
      '"mov.b32 $0, {h1, h0};"', ["tests/op/test_quantize_kernel.py"], True),
     ("quantize kernel dequantized: the last step 1 not 2", QKERN, '("40A00000", False, "40000000")',
      '("40A00000", False, "3F800000")', ["tests/op/test_quantize_kernel.py"], True),
+    ("dequantize kernel: pairs (4,5) and (6,7) swapped", DQKERN, '"prmt.b32 $2, a, b, 0x7632;", "prmt.b32 $3, c, d, 0x7632;"',
+     '"prmt.b32 $2, c, d, 0x7632;", "prmt.b32 $3, a, b, 0x7632;"', ["tests/op/test_dequant_kernel.py"], True),
+    ("dequantize kernel: bf16 not scaled back by 2^7", DQKERN, '("mul.rn.bf16x2", "0x43004300")',
+     '("mul.rn.bf16x2", "0x3F803F80")', ["tests/op/test_dequant_kernel.py"], True),
+    ("dequantize kernel packed: scales read at the piece's codes", DQKERN,
+     "s8 = ldg_scale(base + GROUP_ROWS * SLICE // 2 + cutlass.Int64(i))", "s8 = ldg_scale(base + cutlass.Int64(i))",
+     ["tests/op/test_dequant_kernel.py"], True),
+    ("dequantize kernel: scale row stride ignored", DQKERN, "ldg_scale(ws_ptr + cutlass.Int64(r) * ws_rs",
+     "ldg_scale(ws_ptr + cutlass.Int64(r) * (self.k // BLOCK)", ["tests/op/test_dequant_kernel.py"], True),
 ]
 
 

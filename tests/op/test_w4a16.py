@@ -506,7 +506,7 @@ def test_a_prefill_sized_plan_checks_addresses_then_takes_the_dequantized_produc
     assert plan.dequant and not plan.launches
     got = []
     monkeypatch.setattr(op_plan, "dequant_mm", lambda *args: got.append(args) or "product")
-    assert plan(x[:, :k], w, ws, None, None, torch.bfloat16) == "product" and got[0][6:] == (k, False)
+    assert plan(x[:, :k], w, ws, None, None, torch.bfloat16) == "product" and got[0][6:] == (k, False, False)
     with pytest.raises(ValueError, match="argument 'x'"):
         plan(x[:, 4:k + 4], w, ws, None, None, torch.bfloat16)
 

@@ -326,7 +326,7 @@ def test_reduce_overhead_compile_captures_the_op(form, monkeypatch):
 
 
 def test_prefill_sized_n_never_syncs_and_is_capturable():
-    """From DEQUANT_MIN_TOKENS on, w is dequantized by torch ops: none may copy from the host (a sync) or
+    """From DEQUANT_MIN_TOKENS on, w is dequantized (dequant_kernel) for torch.mm: nothing may copy from the host (a sync) or
     break a CUDA graph capture."""
     n = op_plan.DEQUANT_MIN_TOKENS
     x, _, w, ws, a = w4a16_inputs(n, 256, 2048, 31)
