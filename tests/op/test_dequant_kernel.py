@@ -24,11 +24,13 @@ def weights(m, k, seed, nan_scales=False):
     asked), on the CPU."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, generator=g)
-    w.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every byte at least once
+    n = min(256, w.numel())
+    w.view(-1)[:n] = torch.arange(n, dtype=torch.uint8)  # every byte at least once where there are 256
     s = torch.randint(0, 256, (m, k // 16), dtype=torch.uint8, generator=g)
     if not nan_scales:
         s = torch.where((s & 0x7F) == 0x7F, s ^ 1, s)  # 0x7F / 0xFF are e4m3fn's NaNs
-    s.view(-1)[:8] = torch.tensor([0x00, 0x01, 0x07, 0x08, 0x7E, 0x80, 0x81, 0xFE], dtype=torch.uint8)
+    edge = torch.tensor([0x00, 0x01, 0x07, 0x08, 0x7E, 0x80, 0x81, 0xFE], dtype=torch.uint8)  # 0, subnormals, 448
+    s.view(-1)[:min(8, s.numel())] = edge[:s.numel()]
     return w, s.view(torch.float8_e4m3fn)
 
 
