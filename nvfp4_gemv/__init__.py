@@ -34,12 +34,14 @@ from .model.generation import generate
 from .model.linear import NVFP4Linear, input_scale_from
 from .model.modelopt import load_modelopt, save_modelopt
 from .model.pretrained import from_pretrained
+from .model.router import TopKRouter, fuse_routers
+from .router_op import topk_route
 from .model.tp import shard_model
 
 __all__ = ["CheckpointError", "NVFP4Experts", "NVFP4Linear", "PreScaledNVFP4Linear", "calibrate_expert_input_scales", "calibrate_input_scales", "check_inputs",
-           "custom_kernel", "dequantize", "from_pretrained", "fuse_linears", "gemv", "gemv_packed", "gemv_reference", "generate",
+           "TopKRouter", "custom_kernel", "dequantize", "from_pretrained", "fuse_linears", "fuse_routers", "gemv", "gemv_packed", "gemv_reference", "generate",
            "input_scale_from", "load_modelopt", "pack_weight", "quantize", "quantize_model", "quantize_reference",
-           "quantize_weight", "save_modelopt", "shard_model", "swizzled_scale_shape", "unpack_weight"]
+           "quantize_weight", "save_modelopt", "shard_model", "swizzled_scale_shape", "topk_route", "unpack_weight"]
 
 _hf_quantizer.install()  # transformers' "modelopt" quant_method, when transformers' quantizers are imported
 

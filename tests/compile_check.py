@@ -52,6 +52,8 @@ def main():
     p.add_argument("--experts", action="store_true", help="with --w4a16: the experts' grouped build")
     p.add_argument("--quantize", action="store_true", help="the activation quantizer (bf16 x; --f16: fp16)")
     p.add_argument("--dequantized", action="store_true", help="with --quantize: its dequantized build")
+    p.add_argument("--router", default=None, metavar="E,K",
+                   help="the MoE router kernel for E experts, top K, hidden size the K argument (bf16; --f16)")
     p.add_argument("--dequantize", choices=("plain", "packed"), default=None,
                    help="the weights' dequantizer (W4A16's many-token path; bf16 out, --f16: fp16)")
     args = p.parse_args()
@@ -68,7 +70,12 @@ def main():
     os.makedirs(dump, exist_ok=True)
     tuning = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.tune.split(",") if kv}
     options = f"--gpu-arch {args.arch} --keep-cubin --keep-ptx --dump-dir {dump}"
-    if args.dequantize:  # nvfp4_gemv.dequant_kernel
+    if args.router:  # nvfp4_gemv.router_kernel (renormalised top k)
+        from nvfp4_gemv import router_kernel
+
+        e, top = (int(v) for v in args.router.split(","))
+        _, fn = router_kernel.compile_router(e, args.k, top, not args.f16, True, options=options)
+    elif args.dequantize:  # nvfp4_gemv.dequant_kernel
         from nvfp4_gemv import dequant_kernel
 
         _, fn = dequant_kernel.compile_dequantize(args.k, not args.f16, args.dequantize == "packed", options=options)

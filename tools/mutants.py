@@ -43,6 +43,7 @@ W4A16_ROUTE = "nvfp4_gemv/w4a16_route.py"
 OP_PLAN = "nvfp4_gemv/op_plan.py"
 QUANT = "nvfp4_gemv/quant.py"
 DQKERN = "nvfp4_gemv/dequant_kernel.py"
+RKERN = "nvfp4_gemv/router_kernel.py"
 QKERN = "nvfp4_gemv/quant_kernel.py"
 LINEAR = "nvfp4_gemv/model/linear.py"
 CONVERT = "nvfp4_gemv/model/convert.py"
@@ -616,6 +617,12 @@ MUTANTS = [
      "ldg_u16(at + cutlass.Int64(g * 8 + t * 2))", ["tests/op/test_packed.py::test_gpu_cancelling_sums_and_fp16_out_without_alpha"], True),
     ("w4a16 packed: groups a row apart", W4A16, "at = w_ptr + cutlass.Int64(row0 + 8 * gr) * w_rs",
      "at = w_ptr + cutlass.Int64(row0 + gr) * w_rs", ["tests/op/test_packed.py::test_gpu_cancelling_sums_and_fp16_out_without_alpha"], True),
+    ("router op: renormalisation dropped on the CPU", "nvfp4_gemv/router_op.py",
+     "    if norm:\n        top = top / top.sum", "    if False:\n        top = top / top.sum",
+     ["tests/model/test_router.py::test_the_cpu_path_is_transformers_router_bit_for_bit"], False),
+    ("TopKRouter: the op where autograd tracks the weight", "nvfp4_gemv/model/router.py",
+     "if w.requires_grad and torch.is_grad_enabled():", "if False:",
+     ["tests/model/test_router.py::test_gradients_flow_where_autograd_tracks_the_weight"], False),
     ("quantize kernel: 0.75 ties away from even", QKERN, "(0.75, True), (1.25", "(0.75, False), (1.25",
      ["tests/op/test_quantize_kernel.py"], True),
     ("quantize kernel: NaN dropped from amax", QKERN, '"max.NaN.f32 $0, $1, $2;"', '"max.f32 $0, $1, $2;"',
@@ -628,6 +635,14 @@ MUTANTS = [
      '"mov.b32 $0, {h1, h0};"', ["tests/op/test_quantize_kernel.py"], True),
     ("quantize kernel dequantized: the last step 1 not 2", QKERN, '("40A00000", False, "40000000")',
      '("40A00000", False, "3F800000")', ["tests/op/test_quantize_kernel.py"], True),
+    ("router kernel: ties to the higher expert", RKERN, '"sub.u32 p, 0xFFFF, $3;"', '"mov.b32 p, $3;"',
+     ["tests/op/test_router_kernel.py"], True),
+    ("router kernel: renormalisation dropped", RKERN, "if cutlass.const_expr(self.norm):",
+     "if cutlass.const_expr(False):", ["tests/op/test_router_kernel.py"], True),
+    ("router kernel: the first CTA to finish takes the top k", RKERN, "if done == self.e // WARPS - 1:",
+     "if done == 0:", ["tests/op/test_router_kernel.py"], True),
+    ("router kernel: fp16 keys decoded as bf16", RKERN, 'body += ["shl.b32 $0, o, 16;"] if bf16 else',
+     'body += ["shl.b32 $0, o, 16;"] if True else', ["tests/op/test_router_kernel.py"], True),
     ("dequantize kernel: pairs (4,5) and (6,7) swapped", DQKERN, '"prmt.b32 $2, a, b, 0x7632;", "prmt.b32 $3, c, d, 0x7632;"',
      '"prmt.b32 $2, c, d, 0x7632;", "prmt.b32 $3, a, b, 0x7632;"', ["tests/op/test_dequant_kernel.py"], True),
     ("dequantize kernel: bf16 not scaled back by 2^7", DQKERN, '("mul.rn.bf16x2", "0x43004300")',

@@ -1,0 +1,260 @@
+"""The GPU kernel of ``router_op.topk_route``: a mixture-of-experts router in one launch, transformers'
+``Qwen3MoeTopKRouter`` (softmax top-k) for a few tokens: ``logits = x @ W.T`` rounded to x's dtype, the
+softmax of the logits in fp32, the top k of it, renormalised to sum 1 where asked, cast to x's dtype.
+
+Algorithm. Grid ``(E / 8, T)``, 8 warps a CTA, one row of W a warp: each lane loads 16-byte chunks of the row
+and of the token's x (all ``H / 256`` of them in flight), multiplies them in fp32 (exact widening, one
+``fma.rn`` a product), the warp adds the lanes' sums by a butterfly, and lane 0 rounds the sum to x's dtype
+(the logit, written out) and stores a 32-bit key ``ord16(logit) << 16 | (0xFFFF - e)`` to the scratch row of
+its token: the order of the keys is the logits' order, ties broken to the lower expert, and the logit's 16
+bits come back from the key. Then each writer fences (``fence.acq_rel.gpu``), the CTA meets at a barrier,
+and thread 0 counts the CTA done on its token's counter (``atom.add``). The CTA that counts last (the
+counter reaches ``E / 8 - 1``) reads the token's ``E`` keys with strong loads after a fence, in warp 0:
+``max`` = the largest logit, ``S = sum(exp(l - max))`` over all ``E``, then ``k`` rounds of a warp's
+``max.u32`` over the keys not yet taken give the top k in order (value descending, lower expert first
+among equals: ``torch.sort(stable=True)``'s order), ``p = exp(l - max) / S``, with ``norm``
+``p / sum(p over the k)``, each rounded once to x's dtype. Lane ``i < k`` writes the i-th index (int64) and
+weight. ``exp`` is the DSL's accurate ``exp`` (not ``fastmath``).
+
+Differences from the torch ops, by design or by necessity: the logits' fp32 sums are added in another
+order than cuBLAS's (a logit can differ by one ulp of x's dtype where the exact sum lies within fp32
+rounding of a midpoint); ``S`` and the renormalising sum are added in another order than torch's
+reductions (a weight can differ in its last bit). Ties among logits are broken to the lower expert (torch's
+CUDA ``topk`` does not document its order). NaN logits are not handled (transformers' router would rank
+them first).
+
+Layouts: x [T, H] bf16 or fp16, rows ``x_rs`` bytes apart (16-byte aligned); W [E, H] the same dtype,
+contiguous, 16-byte aligned; ``keys`` int32 [T, E] scratch and ``counters`` int32 [T], zero before the
+launch (the op allocates them zeroed each call, so that launches on several streams or graph replays never
+share a counter); ``logits`` [T, E], ``weights`` [T, k] in x's dtype, ``indices`` int64 [T, k], dense.
+Constraints (``can_implement``): ``E % 32 == 0``, ``E <= 1024``, ``H % 256 == 0``, ``H <= 8192``, ``1 <= k <= 32``
+and ``k <= E``.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .launch import KernelCache, current_device, current_stream, dsl_compile
+from .ptx import asm as _asm
+from .ptx import asm_store, atom_add_one, fma_f32, ldg_v4, st_relaxed_u32, stg_u32x2
+from .quant_kernel import widen8
+
+WARPS = 8  # rows of W a CTA (one a warp)
+
+
+def can_implement(e, h, k):
+    """``(ok, why not)`` for E experts, hidden size H and top k."""
+    if e <= 0 or e % 32 or e > 1024:
+        return False, f"E={e} experts: the kernel takes a multiple of 32 up to 1024"
+    if h <= 0 or h % 256 or h > 8192:
+        return False, f"hidden size {h}: the kernel takes a multiple of 256 up to 8192"
+    if not 1 <= k <= min(32, e):
+        return False, f"top_k={k}: the kernel takes 1..min(32, E)"
+    return True, ""
+
+
+@dsl_user_op
+def fence_gpu(*, loc=None, ip=None):
+    """``fence.acq_rel.gpu``: orders this thread's earlier stores before its later ones (and loads after)."""
+    asm_store([], "fence.acq_rel.gpu;", "", loc, ip)
+
+
+@dsl_user_op
+def ld_relaxed_u32(addr, *, loc=None, ip=None):
+    """``ld.relaxed.gpu.global.u32``: a strong load (what another SM stored, not a stale L1 line)."""
+    r = _asm([T.i32()], [cutlass.Int64(addr)], "ld.relaxed.gpu.global.u32 $0, [$1];", "=r,l", loc, ip,
+             volatile=True)
+    return cutlass.Int32(r[0])
+
+
+@dsl_user_op
+def logit_key(v, e, bf16, *, loc=None, ip=None):
+    """``(key, 16 bits of v rounded to x's dtype)``: key = ``ord16(bits) << 16 | (0xFFFF - e)``, where
+    ``ord16`` maps the sign-magnitude 16 bits to an unsigned order (negatives: all bits flipped; others: the
+    sign bit set)."""
+    cvt = "cvt.rn.bf16.f32" if bf16 else "cvt.rn.f16.f32"
+    body = ["{", ".reg .b16 h;", ".reg .b32 b, n, p;", ".reg .pred neg;", f"{cvt} h, $2;", "cvt.u32.u16 b, h;",
+            "setp.ge.u32 neg, b, 0x8000;", "xor.b32 n, b, 0xFFFF;", "or.b32 p, b, 0x8000;", "selp.b32 n, n, p, neg;",
+            "shl.b32 n, n, 16;", "sub.u32 p, 0xFFFF, $3;", "or.b32 $0, n, p;", "mov.b32 $1, b;", "}"]
+    r = _asm([T.i32(), T.i32()], [cutlass.Float32(v), cutlass.Int32(e)], "\n".join(body), "=r,=r,f,r", loc, ip)
+    return cutlass.Int32(r[0]), cutlass.Int32(r[1])
+
+
+@dsl_user_op
+def key_value(key, bf16, *, loc=None, ip=None):
+    """The logit a key stands for, in fp32 (exact)."""
+    body = ["{", ".reg .b32 o, n, p;", ".reg .b16 h;", ".reg .pred pos;", "shr.u32 o, $1, 16;",
+            "setp.ge.u32 pos, o, 0x8000;", "xor.b32 n, o, 0xFFFF;", "and.b32 p, o, 0x7FFF;", "selp.b32 o, p, n, pos;"]
+    body += ["shl.b32 $0, o, 16;"] if bf16 else ["cvt.u16.u32 h, o;", "cvt.f32.f16 $0, h;"]
+    body.append("}")
+    r = _asm([T.f32()], [cutlass.Int32(key)], "\n".join(body), "=f,r", loc, ip)
+    return cutlass.Float32(r[0])
+
+
+@dsl_user_op
+def max_u32(a, b, *, loc=None, ip=None):
+    r = _asm([T.i32()], [cutlass.Int32(a), cutlass.Int32(b)], "max.u32 $0, $1, $2;", "=r,r,r", loc, ip)
+    return cutlass.Int32(r[0])
+
+
+@dsl_user_op
+def taken_if(key, best, *, loc=None, ip=None):
+    """``0`` where ``key == best`` (the key just taken), else ``key`` (0 is below every key)."""
+    r = _asm([T.i32()], [cutlass.Int32(key), cutlass.Int32(best)],
+             "{\n.reg .pred p;\nsetp.eq.u32 p, $1, $2;\nselp.b32 $0, 0, $1, p;\n}", "=r,r,r", loc, ip)
+    return cutlass.Int32(r[0])
+
+
+@dsl_user_op
+def stg_b16(addr, v, *, loc=None, ip=None):
+    """``st.global.b16`` of a register's low 16 bits."""
+    asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "{\n.reg .b16 h;\ncvt.u16.u32 h, $1;\nst.global.b16 [$0], h;\n}",
+              "l,r", loc, ip)
+
+
+@dsl_user_op
+def div_rn(a, b, *, loc=None, ip=None):
+    """``div.rn.f32`` (IEEE division, as torch's softmax and ``/=`` do)."""
+    r = _asm([T.f32()], [cutlass.Float32(a), cutlass.Float32(b)], "div.rn.f32 $0, $1, $2;", "=f,f,f", loc, ip)
+    return cutlass.Float32(r[0])
+
+
+@dsl_user_op
+def cvt_bits(v, bf16, *, loc=None, ip=None):
+    """The 16 bits of ``v`` rounded to bf16 or fp16 (round to nearest even), in a 32-bit register."""
+    cvt = "cvt.rn.bf16.f32" if bf16 else "cvt.rn.f16.f32"
+    r = _asm([T.i32()], [cutlass.Float32(v)], "{\n.reg .b16 h;\n" + cvt + " h, $1;\ncvt.u32.u16 $0, h;\n}",
+             "=r,f", loc, ip)
+    return cutlass.Int32(r[0])
+
+
+class TopKRouter:
+    """One instance per (E, H, k, x dtype, norm)."""
+
+    def __init__(self, e: int, h: int, k: int, bf16: bool, norm: bool):
+        ok, why = can_implement(e, h, k)
+        if not ok:
+            raise ValueError(f"nvfp4_gemv.topk_route: {why}")
+        self.e, self.h, self.k = e, h, k
+        self.bf16 = bool(bf16)
+        self.norm = bool(norm)
+
+    @cute.jit
+    def __call__(self, x_ptr: cutlass.Int64, w_ptr: cutlass.Int64, keys_ptr: cutlass.Int64, cnt_ptr: cutlass.Int64,
+                 logits_ptr: cutlass.Int64, idx_ptr: cutlass.Int64, wt_ptr: cutlass.Int64, x_rs: cutlass.Int64,
+                 tokens: cutlass.Int32, stream):
+        self.kernel(x_ptr, w_ptr, keys_ptr, cnt_ptr, logits_ptr, idx_ptr, wt_ptr, x_rs).launch(
+            grid=[self.e // WARPS, tokens, 1], block=[32 * WARPS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, x_ptr: cutlass.Int64, w_ptr: cutlass.Int64, keys_ptr: cutlass.Int64, cnt_ptr: cutlass.Int64,
+               logits_ptr: cutlass.Int64, idx_ptr: cutlass.Int64, wt_ptr: cutlass.Int64, x_rs: cutlass.Int64):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, t, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        e = bidx * WARPS + warp
+        t64 = cutlass.Int64(t)
+        # -- the logit of row e: 16-byte chunks lane + 32 j of the row and of x, all in flight
+        xrow = x_ptr + t64 * x_rs
+        wrow = w_ptr + cutlass.Int64(e) * (self.h * 2)
+        chunks = self.h // 256
+        xs = [ldg_v4(xrow + (j * 32 + lane) * 16) for j in range(chunks)]
+        ws = [ldg_v4(wrow + (j * 32 + lane) * 16) for j in range(chunks)]
+        acc = cutlass.Float32(0.0)
+        for j in cutlass.range_constexpr(chunks):
+            xf = widen8(*xs[j], self.bf16)
+            wf = widen8(*ws[j], self.bf16)
+            for i in cutlass.range_constexpr(8):
+                acc = fma_f32(xf[i], wf[i], acc)
+        for off in (16, 8, 4, 2, 1):
+            acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=off)
+        if lane == 0:
+            key, bits = logit_key(acc, e, self.bf16)
+            stg_b16(logits_ptr + (t64 * self.e + cutlass.Int64(e)) * 2, bits)
+            st_relaxed_u32(keys_ptr + (t64 * self.e + cutlass.Int64(e)) * 4, key)
+            fence_gpu()
+        cute.arch.sync_threads()
+        # -- the CTA that finishes its token last takes the top k (warp 0)
+        if warp == 0:
+            done = cutlass.Int32(0)
+            if lane == 0:
+                done = atom_add_one(cnt_ptr + t64 * 4)
+            done = cute.arch.shuffle_sync(done, 0)
+            if done == self.e // WARPS - 1:
+                fence_gpu()
+                per = self.e // 32
+                keys = [ld_relaxed_u32(keys_ptr + (t64 * self.e + cutlass.Int64(lane + 32 * j)) * 4) for j in range(per)]
+                best = keys[0]
+                for j in cutlass.range_constexpr(1, per):
+                    best = max_u32(best, keys[j])
+                for off in (16, 8, 4, 2, 1):
+                    best = max_u32(best, cute.arch.shuffle_sync_bfly(best, offset=off))
+                top = key_value(best, self.bf16)
+                s = cutlass.Float32(0.0)
+                for j in cutlass.range_constexpr(per):
+                    s = s + cute.math.exp(key_value(keys[j], self.bf16) - top)
+                for off in (16, 8, 4, 2, 1):
+                    s = s + cute.arch.shuffle_sync_bfly(s, offset=off)
+                mine = cutlass.Int32(0)
+                for r in cutlass.range_constexpr(self.k):
+                    if cutlass.const_expr(r > 0):
+                        best = keys[0]
+                        for j in cutlass.range_constexpr(1, per):
+                            best = max_u32(best, keys[j])
+                        for off in (16, 8, 4, 2, 1):
+                            best = max_u32(best, cute.arch.shuffle_sync_bfly(best, offset=off))
+                    keys = [taken_if(kj, best) for kj in keys]
+                    if lane == r:
+                        mine = best
+                p = cutlass.Float32(0.0)
+                if lane < self.k:
+                    p = div_rn(cute.math.exp(key_value(mine, self.bf16) - top), s)
+                if cutlass.const_expr(self.norm):
+                    tot = p
+                    for off in (16, 8, 4, 2, 1):
+                        tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=off)
+                    p = div_rn(p, tot)
+                if lane < self.k:
+                    slot = t64 * self.k + cutlass.Int64(lane)
+                    stg_u32x2(idx_ptr + slot * 8, 0xFFFF - (mine & 0xFFFF), 0)
+                    stg_b16(wt_ptr + slot * 2, cvt_bits(p, self.bf16))
+
+
+def compile_router(e, h, k, bf16, norm, options=None, tvm_ffi=None):
+    """``(op, compiled)`` (no GPU needed when ``options`` names ``--gpu-arch``)."""
+    from cuda.bindings.driver import CUstream
+
+    op = TopKRouter(e, h, k, bf16, norm)
+    i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
+    return op, dsl_compile(op, (i64, i64, i64, i64, i64, i64, i64, i64, i32, CUstream(0)), options, tvm_ffi)
+
+
+_kernels = KernelCache(lambda key: compile_router(*key[1:]))
+
+
+def route_cuda(x, w, k, norm):
+    """``(logits [T, E], weights [T, k], indices int64 [T, k])`` on torch's current stream (the op has checked
+    the arguments)."""
+    t, h = x.shape
+    e = w.shape[0]
+    dev = x.device
+    logits = torch.empty((t, e), dtype=x.dtype, device=dev)
+    weights = torch.empty((t, k), dtype=x.dtype, device=dev)
+    indices = torch.empty((t, k), dtype=torch.int64, device=dev)
+    if t == 0:
+        return logits, weights, indices
+    keys = torch.empty((t, e), dtype=torch.int32, device=dev)  # every key is written before it is read
+    counters = torch.zeros(t, dtype=torch.int32, device=dev)  # this call's own: a fill node in a graph
+    kern = _kernels.get(dev.index, (dev.index, e, h, k, x.dtype == torch.bfloat16, bool(norm)))
+    args = (x.data_ptr(), w.data_ptr(), keys.data_ptr(), counters.data_ptr(), logits.data_ptr(),
+            indices.data_ptr(), weights.data_ptr(), x.stride(0) * 2, t)
+    stream = current_stream(dev.index)
+    if kern.ffi is not None and current_device() == dev.index:
+        kern.ffi(*args, stream)
+    else:
+        with torch.cuda.device(dev.index):
+            kern.launch_dsl(args, stream)
+    return logits, weights, indices

@@ -1,0 +1,144 @@
+"""``TopKRouter`` / ``topk_route`` / ``fuse_routers`` (nvfp4_gemv/model/router.py, nvfp4_gemv/router_op.py) on the
+CPU: transformers' router bit for bit (the CPU runs its torch ops), the same weight object and state_dict
+names after ``fuse_routers``, whole tiny Qwen3-MoE and Qwen2-MoE models with the same logits and greedy
+tokens, gradients where autograd tracks the weight, torch.compile(fullgraph=True) through the op's fake,
+bad arguments named, and the kernel compiled for sm_90a and sm_100a. The kernel's results are tested on the
+GPU (tests/op/test_router_kernel.py)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import nvfp4_gemv  # noqa: E402
+from nvfp4_gemv import TopKRouter, fuse_routers, quantize_model, topk_route  # noqa: E402
+from nvfp4_gemv.model.router import ROUTER_CLASSES  # noqa: E402
+from nvfp4_gemv.router_kernel import can_implement  # noqa: E402
+from test_experts import GEN, PROMPT, tiny  # noqa: E402
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def hf_router(e, h, k, norm, dtype, seed=0):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=h, num_experts=e, num_experts_per_tok=k, norm_topk_prob=norm)
+    r = Qwen3MoeTopKRouter(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        r.weight.copy_(torch.randn(e, h, generator=g) * 0.05)
+    return r.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("t", [1, 7, 70])
+def test_the_cpu_path_is_transformers_router_bit_for_bit(t, norm, dtype):
+    r = hf_router(128, 256, 8, norm, dtype)
+    ours = TopKRouter.from_router(r)
+    x = torch.randn(t, 256, generator=torch.Generator().manual_seed(t)).to(dtype)
+    with torch.no_grad():
+        want, got = r(x), ours(x)
+    for name, a, b in zip(("logits", "scores", "indices"), want, got):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def test_ties_come_out_as_torch_topk_gives_them_on_the_cpu():
+    """Equal rows of the weight give equal logits: the CPU path keeps torch.topk's choice among them."""
+    r = hf_router(64, 256, 4, True, torch.bfloat16)
+    with torch.no_grad():
+        r.weight[40] = r.weight[3]
+        r.weight[50] = r.weight[3]
+    x = r.weight[3:4].float().sign().to(torch.bfloat16)  # row 3's logit the largest
+    with torch.no_grad():
+        want, got = r(x), TopKRouter.from_router(r)(x)
+    assert torch.equal(want[2], got[2]) and {3, 40, 50} <= set(got[2][0].tolist())
+
+
+def test_fuse_routers_keeps_the_weight_object_and_the_state_dict():
+    model = tiny("qwen3")
+    before = {k: v for k, v in model.state_dict().items()}
+    weights = [m.mlp.gate.weight for m in model.model.layers]
+    assert fuse_routers(model) == len(model.model.layers)
+    assert all(type(m.mlp.gate) is TopKRouter for m in model.model.layers)
+    assert [m.mlp.gate.weight for m in model.model.layers] == weights  # the same Parameter objects
+    after = model.state_dict()
+    assert list(after) == list(before) and all(after[k] is before[k] or torch.equal(after[k], before[k]) for k in after)
+    assert fuse_routers(model) == 0  # nothing left to replace
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_a_whole_model_gives_the_same_logits_and_tokens(arch):
+    model = tiny(arch)
+    with torch.no_grad():
+        want = model(PROMPT).logits
+    tokens = model.generate(PROMPT, **GEN)
+    fuse_routers(model)
+    with torch.no_grad():
+        got = model(PROMPT).logits
+    assert torch.equal(want, got)
+    assert torch.equal(model.generate(PROMPT, **GEN), tokens)
+
+
+def test_quantize_model_with_fuse_replaces_the_routers_and_without_leaves_them():
+    model = quantize_model(tiny("qwen3"), fuse=True)
+    assert all(type(m.mlp.gate) is TopKRouter for m in model.model.layers)
+    model = quantize_model(tiny("qwen3"))
+    assert all(type(m.mlp.gate).__name__ == "Qwen3MoeTopKRouter" for m in model.model.layers)
+
+
+def test_gradients_flow_where_autograd_tracks_the_weight():
+    r = hf_router(64, 256, 4, True, torch.float32)
+    ours = TopKRouter.from_router(hf_router(64, 256, 4, True, torch.float32))
+    x = torch.randn(3, 256)
+    want = torch.autograd.grad(r(x)[1].sum() + r(x)[0].square().sum(), r.weight)[0]
+    got = torch.autograd.grad(ours(x)[1].sum() + ours(x)[0].square().sum(), ours.weight)[0]
+    assert torch.equal(want, got)
+
+
+def test_compiles_in_one_graph_through_the_fake():
+    r = TopKRouter.from_router(hf_router(128, 256, 8, True, torch.bfloat16))
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    f = torch.compile(r, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        got, want = f(x), r(x)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((torch.zeros(2, 256), torch.zeros(64, 128), 4), "argument 'x'"),
+    ((torch.zeros(2, 256), torch.zeros(64, 256, dtype=torch.bfloat16), 4), "argument 'x'"),
+    ((torch.zeros(2, 256), torch.zeros(64, 256), 0), "argument 'top_k'"),
+    ((torch.zeros(2, 256), torch.zeros(64, 256), 65), "argument 'top_k'"),
+    ((torch.zeros(2, 256), "w", 4), "argument 'weight'"),
+])
+def test_bad_arguments_are_named(args, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        topk_route(*args)
+
+
+def test_what_the_kernel_takes():
+    assert can_implement(128, 2048, 8)[0] and can_implement(32, 256, 1)[0] and can_implement(1024, 8192, 32)[0]
+    assert not can_implement(60, 2048, 4)[0] and not can_implement(8, 4096, 2)[0]  # Qwen2-MoE's 60, Mixtral's 8
+    assert not can_implement(128, 2000, 8)[0] and not can_implement(128, 2048, 33)[0]
+    assert "ROUTER_CLASSES" and "Qwen3MoeTopKRouter" in ROUTER_CLASSES
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_the_kernel_compiles_without_a_gpu(arch, tmp_path):
+    cmd = [sys.executable, os.path.join(HERE, "compile_check.py"), arch, "2048", "--router", "128,8", "--dump",
+           str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    assert info["elf"] and info["frame_bytes"] == 0
+
+
+def test_the_names_are_public():
+    assert nvfp4_gemv.topk_route is topk_route and "fuse_routers" in nvfp4_gemv.__all__
