@@ -99,10 +99,8 @@ def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None, fu
         _set_submodule(model, name, new)
     if fuse:
         from .fuse import fuse_linears
-        from .router import fuse_routers
 
         fuse_linears(model)
-        fuse_routers(model)  # MoE routers in one launch (their weights unchanged)
     return model
 
 

@@ -483,10 +483,8 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
                       "the cache stays in the model's dtype", RuntimeWarning, stacklevel=2)
     if fuse:
         from .fuse import fuse_linears
-        from .router import fuse_routers
 
         fuse_linears(model)
-        fuse_routers(model)  # MoE routers in one launch (their weights unchanged)
     return model
 
 

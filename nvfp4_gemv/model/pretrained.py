@@ -317,10 +317,8 @@ def finish(model, plan_, device, fuse, pack, fold=True, who=WHO):
                 m.pack()
     if fuse:
         from .fuse import fuse_linears
-        from .router import fuse_routers
 
         fuse_linears(model)
-        fuse_routers(model)  # MoE routers in one launch (their weights unchanged)
     return model
 
 

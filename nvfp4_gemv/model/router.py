@@ -3,8 +3,9 @@
 the router's GEMV, softmax, and ``torch.topk``'s two; 15 us a layer of Qwen3-30B-A3B's step on an H100).
 
 The weight stays what it is (the model's dtype, named ``weight`` as in the checkpoint); the forward contract is
-transformers': ``(router_logits, router_scores, router_indices)``. ``fuse_routers`` swaps them in, as the
-loaders and ``quantize_model`` do with ``fuse=True``. Where autograd would track the weight (a forward with
+transformers': ``(router_logits, router_scores, router_indices)``. ``fuse_routers`` swaps them in; opt-in:
+the kernel was built and tested on the CPU side in session 71 but has not run on a GPU yet, so ``fuse=True``
+in ``quantize_model`` and the loaders does not call it (docs/design.md, "Mixture-of-experts layers"). Where autograd would track the weight (a forward with
 grad enabled on a weight that requires it), the torch ops run instead, so that training still gets gradients.
 """
 

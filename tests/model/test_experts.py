@@ -352,9 +352,7 @@ def test_shared_experts_become_nvfp4_linears_and_the_router_stays():
     assert isinstance(mlp.experts, NVFP4Experts)
     assert isinstance(mlp.shared_expert.gate_proj, NVFP4Linear) and isinstance(mlp.shared_expert.down_proj, NVFP4Linear)
     assert mlp.shared_expert.gate_proj._siblings is not None  # gate/up of the shared expert fused
-    # the router is not quantized: with fuse=True it runs as one launch (TopKRouter) on its bf16 weight
-    assert type(mlp.gate) is nvfp4_gemv.TopKRouter and mlp.gate.weight.dtype == torch.bfloat16
-    assert type(mlp.shared_expert_gate) is torch.nn.Linear
+    assert type(mlp.gate).__name__ == "Qwen2MoeTopKRouter" and type(mlp.shared_expert_gate) is torch.nn.Linear
     assert logits(model).isfinite().all()
 
 

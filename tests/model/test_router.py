@@ -85,11 +85,16 @@ def test_a_whole_model_gives_the_same_logits_and_tokens(arch):
     assert torch.equal(model.generate(PROMPT, **GEN), tokens)
 
 
-def test_quantize_model_with_fuse_replaces_the_routers_and_without_leaves_them():
+def test_routers_are_opt_in_and_fuse_after_quantize_model():
+    """Until the kernel has run on a GPU, ``fuse=True`` leaves the routers; ``fuse_routers`` after
+    ``quantize_model`` swaps them and the quantized model's logits stay the same on the CPU."""
     model = quantize_model(tiny("qwen3"), fuse=True)
-    assert all(type(m.mlp.gate) is TopKRouter for m in model.model.layers)
-    model = quantize_model(tiny("qwen3"))
     assert all(type(m.mlp.gate).__name__ == "Qwen3MoeTopKRouter" for m in model.model.layers)
+    with torch.no_grad():
+        want = model(PROMPT).logits
+    assert fuse_routers(model) == len(model.model.layers)
+    with torch.no_grad():
+        assert torch.equal(model(PROMPT).logits, want)
 
 
 def test_gradients_flow_where_autograd_tracks_the_weight():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from inputs import rounding_violations
-from nvfp4_gemv import TopKRouter, topk_route
+from nvfp4_gemv import TopKRouter, fuse_routers, topk_route
 from nvfp4_gemv.router_op import kernel_takes, route_torch
 from sync_free import no_syncs
 
@@ -127,7 +127,7 @@ def test_a_tiny_moe_model_generates_the_same_tokens_from_a_graph():
                                       norm_topk_prob=True, initializer_range=0.1, pad_token_id=0, bos_token_id=None,
                                       eos_token_id=None)
     model = quantize_model(transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval().cuda(), fuse=True)
-    assert type(model.model.layers[0].mlp.gate) is TopKRouter
+    assert fuse_routers(model) == 2 and type(model.model.layers[0].mlp.gate) is TopKRouter
     ids = torch.tensor([[5, 17, 99, 3, 250, 42]], device="cuda")
     want = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="static")
     assert torch.equal(generate(model, ids, 12), want)
