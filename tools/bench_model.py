@@ -562,6 +562,10 @@ def bench_hf(args, device):
             scales.update(calibrate_expert_input_scales(model, lambda m: m(input_ids=sample)))  # MoE experts
             quantize_model(model, mode="w4a16", skip=skip, input_scales=scales, fuse=args.hf_fuse,
                            pack=args.hf_pack)
+            if args.hf_routers:
+                from nvfp4_gemv import fuse_routers
+
+                fuse_routers(model)
         if variant in ("w4a16", "w4a4"):  # one quantized model, both modes (its layers keep the input scales)
             for m in model.modules():
                 if isinstance(m, (NVFP4Linear, NVFP4Experts)):
@@ -571,7 +575,8 @@ def bench_hf(args, device):
             row = {"variant": variant, "batch": b, "weight_GB": mem / 1e9, "capture": args.hf_capture,
                    "fused": bool(args.hf_fuse) and variant in ("w4a16", "w4a4"),
                    "packed": bool(args.hf_pack) and variant in ("w4a16", "w4a4"),
-                   "lm_head": bool(args.hf_lm_head) and variant in ("w4a16", "w4a4")}
+                   "lm_head": bool(args.hf_lm_head) and variant in ("w4a16", "w4a4"),
+                   "routers": bool(args.hf_routers) and variant in ("w4a16", "w4a4")}
             if peer_err is not None:
                 row["peer_rel_err"] = peer_err
             try:
@@ -748,6 +753,8 @@ def parse_args(argv=None):
                    help="--hf: quantize_model(fuse=True): one GEMV for q/k/v and one for gate/up a layer")
     p.add_argument("--hf-pack", action="store_true",
                    help="--hf: quantize_model(pack=True): weights in the W4A16 kernel's packed layout (w4a16 only)")
+    p.add_argument("--hf-routers", action="store_true",
+                   help="--hf: our variants also run MoE routers in one launch (nvfp4_gemv.fuse_routers)")
     p.add_argument("--hf-lm-head", action="store_true",
                    help="--hf: our variants quantize lm_head too (quantize_model(skip=()); bf16 by default)")
     p.add_argument("--tokens", type=int, default=None, help="--hf decode tokens timed (default 64, --quick 16)")

@@ -5,7 +5,7 @@
 # `tools/gpu_checks.sh $OUT fuzz,fuzzop,fuzzw4a16`. Measured 2026-12-01 on one H200: the suite as 4 shards
 # 566 s (its largest shard 545 s), as 8 shards 422 s; GPU mutants 100 s with 4 jobs, memcheck + racecheck 170 s and
 # synccheck 26 s, the W4A16 fuzz 91 s as six processes.
-# STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop,fuzzw4a16 (default all), repro (session 66's fault:
+# STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop,fuzzw4a16 (default all), routercheck (the MoE router kernel), repro (session 66's fault:
 # tools/repro_fault.sh blocking, each, plain with the DSL's own launch, memcheck-alone; each its own log),
 # repromc (memcheck-cached alone), inbounds (that fault's fix: below), experts (its GPU tests and 300-case fuzz, ~5 processes) and
 # the measurements bench (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1),
@@ -150,8 +150,16 @@ step moeblock 400 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --fallba
     && python tools/bench_moe.py --tokens 1,4,16,64 --compile --out '$LOG/moe-block-compiled'"
 step moe 560 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --out '$LOG/moe-block' && python tools/bench_model.py \
     --hf --arch qwen3-moe --batches 1 --tokens 32 --hf-fuse --hf-no-step --hf-variants bf16,w4a16 --json '$LOG/moe-hf.json'"
-step moeprofile 560 python tools/bench_model.py --hf --arch qwen3-moe --batches 1 --tokens 16 --hf-fuse \
+step moeprofile 560 python tools/bench_model.py --hf --arch qwen3-moe --batches 1 --tokens 16 --hf-fuse ${ROUTERS:+--hf-routers} \
     --hf-variants bf16,w4a16 --hf-profile 5 --hf-generate generate_ms --json "$LOG/moe-profile.json"
+# routercheck: the routing op's GPU tests, its four GPU mutants and tools/bench_router.py (ROUTERS=1 moeprofile:
+# the same profile with nvfp4_gemv.fuse_routers on our variant)
+step routercheck 300 bash -c "timeout 150 python -m pytest -q -p no:cacheprovider -m gpu -rs tests/op/test_router_kernel.py \
+    > '$LOG/router-tests.txt' 2>&1 & timeout 150 python tools/mutants.py --jobs 4 --only 'router kernel: ties to the higher expert' \
+    --only 'router kernel: renormalisation dropped' --only 'router kernel: the first CTA to finish takes the top k' \
+    --only 'router kernel: fp16 keys decoded as bf16' > '$LOG/router-mutants.txt' 2>&1; wait
+    timeout 100 python tools/bench_router.py --tokens 1,4,16,64 --reps 30 --out '$LOG/router-bench' > '$LOG/router-bench.txt' 2>&1
+    tail -n 2 '$LOG/router-tests.txt'; tail -n 6 '$LOG/router-mutants.txt'; grep '^{' '$LOG/router-bench.txt'"
 step load 560 python tools/bench_load.py --device cuda --loader from_pretrained --fuse --pack --layers 32 --hidden 4096 \
     --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256 --generate 16 --json "$LOG/load-8b.json"
 step load70 560 python tools/bench_load.py --device cuda --loader from_pretrained --fuse --pack --layers 80 --hidden 8192 \

@@ -118,3 +118,26 @@ def test_hf_qwen3_moe_runs_its_experts_as_nvfp4_experts(capsys):
     assert [row["variant"] for row in r["rows"]] == ["bf16", "w4a16", "w4a4"]
     assert all("generate_ms" in row for row in r["rows"]), r["rows"]
     assert bench_model.hf_table(r).startswith("Qwen3MoeForCausalLM, a tiny config")
+
+
+def test_hf_routers_runs_our_variants_routers_as_topk_router():
+    """``--hf-routers``: the quantized variants' routers are ``TopKRouter`` (bf16 keeps transformers')."""
+    import torch
+
+    from nvfp4_gemv import TopKRouter
+
+    calls = []
+    real = TopKRouter.forward
+
+    def forward(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k)
+    TopKRouter.forward = forward
+    try:
+        r = bench_model.bench_hf(bench_model.parse_args(["--hf", "--arch", "qwen3-moe", "--device", "cpu", "--tiny",
+                                                          "--batches", "1", "--tokens", "1", "--hf-no-step",
+                                                          "--hf-variants", "bf16,w4a16", "--hf-routers",
+                                                          "--hf-generate", "generate_ms"]), torch.device("cpu"))
+    finally:
+        TopKRouter.forward = real
+    assert calls and [row["routers"] for row in r["rows"]] == [False, True]
