@@ -152,6 +152,8 @@ def dequantize_cuda(w, w_scale, out, k, packed=False):
                          f"unit column stride; got strides {w.stride()} at {w.data_ptr():#x}, {w_scale.stride()}")
     if m == 0:
         return out
+    if m * (k // BLOCK) >= 2 ** 31:  # the kernel counts blocks in Int32
+        raise ValueError(f"nvfp4_gemv dequantize: {m} x {k} values is 2^35 or more; split the weight's rows")
     dev = w.device.index
     kern = _kernels.get(dev, (dev, k, out.dtype == torch.bfloat16, bool(packed)))
     blocks = m * (k // BLOCK)

@@ -94,8 +94,13 @@ def fast_autograd(op_def):
             return fn(*args)
         with _below_autograd():
             out = opov(*args)
-        if tracked and isinstance(out, torch.Tensor) and out.is_floating_point():
-            out = _NoBackward.apply(name, out, *[a for a in args if isinstance(a, torch.Tensor) and a.requires_grad])
+        if tracked:
+            inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            if isinstance(out, torch.Tensor):
+                if out.is_floating_point():
+                    out = _NoBackward.apply(name, out, *inputs)
+            else:  # a tuple of results (topk_route): each floating one raises on backward
+                out = tuple(_NoBackward.apply(name, o, *inputs) if o.is_floating_point() else o for o in out)
         return out
 
     lib = torch.library.Library(op_def._namespace, "IMPL")

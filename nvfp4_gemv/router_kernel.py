@@ -1,4 +1,4 @@
-"""The GPU kernel of ``router_op.topk_route``: a mixture-of-experts router in one launch, transformers'
+"""The GPU kernel of ``router_op.topk_route``: a mixture-of-experts router in one kernel, transformers'
 ``Qwen3MoeTopKRouter`` (softmax top-k) for a few tokens: ``logits = x @ W.T`` rounded to x's dtype, the
 softmax of the logits in fp32, the top k of it, renormalised to sum 1 where asked, cast to x's dtype.
 
@@ -7,9 +7,10 @@ and of the token's x (all ``H / 256`` of them in flight), multiplies them in fp3
 ``fma.rn`` a product), the warp adds the lanes' sums by a butterfly, and lane 0 rounds the sum to x's dtype
 (the logit, written out) and stores a 32-bit key ``ord16(logit) << 16 | (0xFFFF - e)`` to the scratch row of
 its token: the order of the keys is the logits' order, ties broken to the lower expert, and the logit's 16
-bits come back from the key. Then each writer fences (``fence.acq_rel.gpu``), the CTA meets at a barrier,
-and thread 0 counts the CTA done on its token's counter (``atom.add``). The CTA that counts last (the
-counter reaches ``E / 8 - 1``) reads the token's ``E`` keys with strong loads after a fence, in warp 0:
+bits come back from the key (-0 is keyed as +0). Then each writer fences (``fence.acq_rel.gpu``), the CTA
+meets at a barrier, and thread 0 fences and counts the CTA done on its token's counter (``atom.add``). In
+the CTA that counts last (the counter reaches ``E / 8 - 1``) thread 0 fences again and warp 0 meets at a
+warp barrier, then reads the token's ``E`` keys with strong loads:
 ``max`` = the largest logit, ``S = sum(exp(l - max))`` over all ``E``, then ``k`` rounds of a warp's
 ``max.u32`` over the keys not yet taken give the top k in order (value descending, lower expert first
 among equals: ``torch.sort(stable=True)``'s order), ``p = exp(l - max) / S``, with ``norm``
@@ -73,10 +74,12 @@ def ld_relaxed_u32(addr, *, loc=None, ip=None):
 def logit_key(v, e, bf16, *, loc=None, ip=None):
     """``(key, 16 bits of v rounded to x's dtype)``: key = ``ord16(bits) << 16 | (0xFFFF - e)``, where
     ``ord16`` maps the sign-magnitude 16 bits to an unsigned order (negatives: all bits flipped; others: the
-    sign bit set)."""
+    sign bit set), -0 taken as +0."""
     cvt = "cvt.rn.bf16.f32" if bf16 else "cvt.rn.f16.f32"
-    body = ["{", ".reg .b16 h;", ".reg .b32 b, n, p;", ".reg .pred neg;", f"{cvt} h, $2;", "cvt.u32.u16 b, h;",
-            "setp.ge.u32 neg, b, 0x8000;", "xor.b32 n, b, 0xFFFF;", "or.b32 p, b, 0x8000;", "selp.b32 n, n, p, neg;",
+    # -0 keyed as +0 (equal values: the tie goes to the lower expert, as for any other pair of equal logits)
+    body = ["{", ".reg .b16 h;", ".reg .b32 b, c, n, p;", ".reg .pred neg, mz;", f"{cvt} h, $2;", "cvt.u32.u16 b, h;",
+            "setp.eq.u32 mz, b, 0x8000;", "selp.b32 c, 0, b, mz;",
+            "setp.ge.u32 neg, c, 0x8000;", "xor.b32 n, c, 0xFFFF;", "or.b32 p, c, 0x8000;", "selp.b32 n, n, p, neg;",
             "shl.b32 n, n, 16;", "sub.u32 p, 0xFFFF, $3;", "or.b32 $0, n, p;", "mov.b32 $1, b;", "}"]
     r = _asm([T.i32(), T.i32()], [cutlass.Float32(v), cutlass.Int32(e)], "\n".join(body), "=r,=r,f,r", loc, ip)
     return cutlass.Int32(r[0]), cutlass.Int32(r[1])
@@ -177,14 +180,18 @@ class TopKRouter:
             st_relaxed_u32(keys_ptr + (t64 * self.e + cutlass.Int64(e)) * 4, key)
             fence_gpu()
         cute.arch.sync_threads()
-        # -- the CTA that finishes its token last takes the top k (warp 0)
+        # -- the CTA that finishes its token last takes the top k (warp 0). Thread 0 counts the CTA done after
+        # a fence (the writers' fences and the barrier before it); in the last CTA it fences again after the
+        # count (acquire), and the warp's barrier orders the other lanes' key loads after that fence
         if warp == 0:
             done = cutlass.Int32(0)
             if lane == 0:
+                fence_gpu()
                 done = atom_add_one(cnt_ptr + t64 * 4)
+                fence_gpu()
+            cute.arch.sync_warp()
             done = cute.arch.shuffle_sync(done, 0)
             if done == self.e // WARPS - 1:
-                fence_gpu()
                 per = self.e // 32
                 keys = [ld_relaxed_u32(keys_ptr + (t64 * self.e + cutlass.Int64(lane + 32 * j)) * 4) for j in range(per)]
                 best = keys[0]

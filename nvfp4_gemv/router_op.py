@@ -4,8 +4,8 @@ op (``torch.ops.nvfp4.topk_route``, for torch.compile):
     logits = x @ weight.T   (in x's dtype);   p = softmax(logits, fp32);   v, i = topk(p, k)
     v = v / v.sum()  (norm);                  returns (logits, v in x's dtype, i int64)
 
-On CUDA, for up to ``MAX_TOKENS`` tokens and shapes ``router_kernel.can_implement`` takes, one launch
-(``router_kernel``: its docstring states how its rounding and tie order may differ from the torch ops'); else,
+On CUDA, for up to ``MAX_TOKENS`` tokens and shapes ``router_kernel.can_implement`` takes, one kernel and
+the fill of its counters (``router_kernel``: its docstring states how its rounding and tie order may differ from the torch ops'); else,
 and on the CPU, the torch ops themselves, exactly transformers' code. No host sync either way.
 """
 
@@ -24,7 +24,9 @@ def check_args(x, weight, top_k):
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             fail(TypeError, name, "a torch.Tensor", type(t).__name__, WHO)
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+    if weight.dim() != 2:
+        fail(ValueError, "weight", "a 2-d tensor [E, H]", tuple(weight.shape), WHO)
+    if x.dim() != 2 or x.shape[1] != weight.shape[1]:
         fail(ValueError, "x", f"a 2-d tensor [T, H] with H = weight.shape[1] ({tuple(weight.shape)})",
              tuple(x.shape), WHO)
     if x.dtype != weight.dtype or x.dtype not in (*_DTYPES, torch.float32):

@@ -772,6 +772,20 @@ def parse_args(argv=None):
     return a
 
 
+def _commit():
+    """The tree's commit and how many paths differ from it (the device machine's copy may hold both)."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--short"], capture_output=True, text=True, timeout=10,
+                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.count("\n")
+        return f"{head} (+{dirty} paths differ)" if head else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.w4a4_via_w4a16 is not None:
@@ -782,7 +796,7 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device (use --device cpu --tiny for a smoke test)")
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()}}
+              "torch": torch.__version__, "commit": _commit(), "args": {k: v for k, v in vars(args).items()}}
     tables = []
     if args.step:
         result["step"] = bench_step(args, device)

@@ -1,13 +1,19 @@
-"""``TopKRouter``: a mixture-of-experts softmax top-k router whose decode runs in one launch
-(``nvfp4_gemv.topk_route``), in place of transformers' ``Qwen3MoeTopKRouter`` (four launches a layer on the GPU:
-the router's GEMV, softmax, and ``torch.topk``'s two; 15 us a layer of Qwen3-30B-A3B's step on an H100).
+"""``TopKRouter``: a mixture-of-experts softmax top-k router whose decode runs as one kernel
+(``nvfp4_gemv.topk_route``, plus the fill of its counters) in place of transformers' ``Qwen3MoeTopKRouter``
+(four launches a layer on the GPU: the router's GEMV, softmax, and ``torch.topk``'s two; 15 us a layer of
+Qwen3-30B-A3B's step on an H100).
 
 The weight stays what it is (the model's dtype, named ``weight`` as in the checkpoint); the forward contract is
-transformers': ``(router_logits, router_scores, router_indices)``. ``fuse_routers`` swaps them in; opt-in:
-the kernel was built and tested on the CPU side in session 71 but has not run on a GPU yet, so ``fuse=True``
-in ``quantize_model`` and the loaders does not call it (docs/design.md, "Mixture-of-experts layers"). Where autograd would track the weight (a forward with
-grad enabled on a weight that requires it), the torch ops run instead, so that training still gets gradients.
+transformers': ``(router_logits, router_scores, router_indices)``. ``fuse_routers`` changes each router's class,
+in place, to a subclass of both its own class and ``TopKRouter`` (so transformers' ``OutputRecorder`` still finds
+it for ``output_router_logits``, and the module, its Parameter and hooks stay the same objects); opt-in: the
+kernel was built and tested on the CPU side in session 71 but has not run on a GPU yet, so ``fuse=True`` in
+``quantize_model`` and the loaders does not call it (docs/design.md, "Mixture-of-experts layers"). Where autograd
+would track the weight or the input (a forward with grad enabled), the torch ops run instead, so training
+keeps every gradient.
 """
+
+import importlib
 
 import torch
 
@@ -17,9 +23,13 @@ from ..router_op import route_torch, topk_route
 # 5.25): softmax in fp32, topk, optional renormalisation, cast back; the weight [E, H] named "weight"
 ROUTER_CLASSES = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "FlexOlmoTopKRouter",
                   "Qwen3NextTopKRouter", "Qwen3OmniMoeThinkerTextTopKRouter", "Qwen3OmniMoeTalkerTextTopKRouter")
+_FUSED_PREFIX = "OneKernel__"
 
 
 class TopKRouter(torch.nn.Module):
+    """A softmax top-k router (transformers' attribute names: ``weight``, ``top_k``, ``num_experts``,
+    ``hidden_dim``, ``norm_topk_prob``) whose forward is ``topk_route``."""
+
     def __init__(self, weight, top_k, norm_topk_prob):
         super().__init__()
         self.weight = weight if isinstance(weight, torch.nn.Parameter) else torch.nn.Parameter(weight)
@@ -29,7 +39,7 @@ class TopKRouter(torch.nn.Module):
 
     @classmethod
     def from_router(cls, router):
-        """The same parameter (not a copy) and settings as a transformers router."""
+        """A new module with the same Parameter (not a copy) and settings as a transformers router."""
         return cls(router.weight, router.top_k, router.norm_topk_prob)
 
     def extra_repr(self):
@@ -38,16 +48,37 @@ class TopKRouter(torch.nn.Module):
     def forward(self, hidden_states):
         x = hidden_states.reshape(-1, self.hidden_dim)
         w = self.weight
-        if w.requires_grad and torch.is_grad_enabled():
+        if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad):
             return route_torch(x, w, self.top_k, self.norm_topk_prob)
         return topk_route(x, w, self.top_k, self.norm_topk_prob)
 
 
+_fused = {}
+
+
+def fused_class(cls):
+    """The subclass of ``TopKRouter`` and transformers' router class ``cls`` that ``fuse_routers`` gives its
+    routers (one a class, named in this module so that pickle finds it)."""
+    got = _fused.get(cls)
+    if got is None:
+        name = _FUSED_PREFIX + cls.__module__.replace(".", "__") + "__" + cls.__qualname__
+        got = _fused[cls] = type(name, (TopKRouter, cls), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = got
+    return got
+
+
+def __getattr__(name):  # a fused class named by a pickle, before this process fused any router of its class
+    if name.startswith(_FUSED_PREFIX):
+        mod, _, qual = name[len(_FUSED_PREFIX):].rpartition("__")
+        base = getattr(importlib.import_module(mod.replace("__", ".")), qual)
+        return fused_class(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def fuse_routers(model):
-    """Replaces, in place, every router of a class in ``ROUTER_CLASSES`` by ``TopKRouter`` (the same weight);
-    returns the number replaced."""
-    found = [(n, m) for n, m in model.named_modules() if type(m).__name__ in ROUTER_CLASSES]
-    for name, router in found:
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, TopKRouter.from_router(router))
+    """Makes, in place, every router of a class in ``ROUTER_CLASSES`` a ``TopKRouter`` (``fused_class``: the
+    same module object, weight and hooks); returns the number changed."""
+    found = [m for m in model.modules() if type(m).__name__ in ROUTER_CLASSES]
+    for m in found:
+        m.__class__ = fused_class(type(m))
     return len(found)

@@ -65,7 +65,9 @@ def test_fuse_routers_keeps_the_weight_object_and_the_state_dict():
     before = {k: v for k, v in model.state_dict().items()}
     weights = [m.mlp.gate.weight for m in model.model.layers]
     assert fuse_routers(model) == len(model.model.layers)
-    assert all(type(m.mlp.gate) is TopKRouter for m in model.model.layers)
+    assert all(isinstance(m.mlp.gate, TopKRouter) for m in model.model.layers)
+    assert all(isinstance(m.mlp.gate, transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter)
+               for m in model.model.layers)  # still transformers' class too (OutputRecorder matches by class)
     assert [m.mlp.gate.weight for m in model.model.layers] == weights  # the same Parameter objects
     after = model.state_dict()
     assert list(after) == list(before) and all(after[k] is before[k] or torch.equal(after[k], before[k]) for k in after)
@@ -97,6 +99,53 @@ def test_routers_are_opt_in_and_fuse_after_quantize_model():
         assert torch.equal(model(PROMPT).logits, want)
 
 
+def test_output_router_logits_and_a_pickle_of_a_fused_model():
+    import pickle
+
+    from nvfp4_gemv.model import router as router_mod
+
+    model = tiny("qwen3")
+    with torch.no_grad():
+        want = model(PROMPT, output_router_logits=True)
+    fuse_routers(model)
+    with torch.no_grad():
+        got = model(PROMPT, output_router_logits=True)
+    assert len(got.router_logits) == len(want.router_logits)
+    assert all(torch.equal(a, b) for a, b in zip(want.router_logits, got.router_logits))
+    assert torch.equal(want.aux_loss, got.aux_loss)
+    model = tiny("qwen3")  # (the recorder's hooks above are transformers' local functions: not picklable)
+    fuse_routers(model)
+    with torch.no_grad():
+        got = model(PROMPT)
+    blob = pickle.dumps(model)
+    name = type(model.model.layers[0].mlp.gate).__name__
+    router_mod._fused.clear()  # as in a new process: the class is rebuilt from its name
+    del router_mod.__dict__[name]
+    again = pickle.loads(blob)
+    assert type(again.model.layers[0].mlp.gate).__name__ == name
+    with torch.no_grad():
+        assert torch.equal(again(PROMPT).logits, got.logits)
+
+
+def test_gradients_reach_the_input_of_a_frozen_router():
+    r = hf_router(64, 256, 4, True, torch.float32).requires_grad_(False)
+    ours = TopKRouter.from_router(r)
+    x = torch.randn(3, 256, requires_grad=True)
+    want = torch.autograd.grad(r(x)[1].sum() * 3 + r(x)[0].square().sum(), x)[0]
+    got = torch.autograd.grad(ours(x)[1].sum() * 3 + ours(x)[0].square().sum(), x)[0]
+    assert torch.equal(want, got)
+
+
+def test_the_op_with_a_tracked_input_raises_on_backward():
+    """The op itself has no backward: its floating results say so when a gradient reaches them (never a
+    silently missing gradient); the indices carry none."""
+    x = torch.randn(2, 256, requires_grad=True)
+    logits, weights, idx = torch.ops.nvfp4.topk_route(x, torch.randn(64, 256), 4, True)
+    assert logits.requires_grad and weights.requires_grad and not idx.requires_grad
+    with pytest.raises(RuntimeError, match="nvfp4::topk_route: no backward"):
+        (logits.sum() + weights.sum()).backward()
+
+
 def test_gradients_flow_where_autograd_tracks_the_weight():
     r = hf_router(64, 256, 4, True, torch.float32)
     ours = TopKRouter.from_router(hf_router(64, 256, 4, True, torch.float32))
@@ -122,6 +171,7 @@ def test_compiles_in_one_graph_through_the_fake():
     ((torch.zeros(2, 256), torch.zeros(64, 256), 0), "argument 'top_k'"),
     ((torch.zeros(2, 256), torch.zeros(64, 256), 65), "argument 'top_k'"),
     ((torch.zeros(2, 256), "w", 4), "argument 'weight'"),
+    ((torch.zeros(2, 256), torch.zeros(256), 4), "argument 'weight'"),
 ])
 def test_bad_arguments_are_named(args, match):
     with pytest.raises((TypeError, ValueError), match=match):
@@ -132,7 +182,7 @@ def test_what_the_kernel_takes():
     assert can_implement(128, 2048, 8)[0] and can_implement(32, 256, 1)[0] and can_implement(1024, 8192, 32)[0]
     assert not can_implement(60, 2048, 4)[0] and not can_implement(8, 4096, 2)[0]  # Qwen2-MoE's 60, Mixtral's 8
     assert not can_implement(128, 2000, 8)[0] and not can_implement(128, 2048, 33)[0]
-    assert "ROUTER_CLASSES" and "Qwen3MoeTopKRouter" in ROUTER_CLASSES
+    assert "Qwen3MoeTopKRouter" in ROUTER_CLASSES and "MixtralTopKRouter" not in ROUTER_CLASSES
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
