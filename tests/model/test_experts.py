@@ -663,3 +663,28 @@ def test_plan_experts_names_a_format_it_cannot_read():
 
     with pytest.raises(TypeError, match="'fmt': expected a loader's format object"):
         plan_experts({}, [], {}, object(), "w4a16", "load_modelopt")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_fallbacks_weights_through_the_dequantize_kernel_are_the_torch_ops_bits(monkeypatch, dtype):
+    """On CUDA the fallback's weights come from ``dequant_kernel`` (bf16 values, widened, times alpha): the same
+    bits as the torch ops. Here the kernel's place is taken by its exact definition on the CPU
+    (``op_plan.dequantized``, which the kernel equals bit for bit on the GPU: tests/op/test_dequant_kernel.py),
+    so this checks the path's shapes, views and rounding; the GPU tests of the fallback run the kernel."""
+    from nvfp4_gemv import dequant_kernel, op_plan
+
+    mod = random_experts(torch.Generator().manual_seed(11), 5, 64, 48, "w4a16", torch.bfloat16)
+    w, ws, alpha = mod.gate_up_weight, mod.gate_up_weight_scale, mod.gate_up_weight_scale_2
+    want = experts_mod._weights(w, ws, alpha, dtype)
+    calls = []
+
+    def kernel(w2, ws2, out, k, packed=False):
+        calls.append((tuple(w2.shape), tuple(ws2.shape), tuple(out.shape), k))
+        out.copy_(op_plan.dequantized(w2, ws2, k, False, out.dtype))
+        return out
+    monkeypatch.setattr(experts_mod, "_kernel_reads", lambda w, ws: True)
+    monkeypatch.setattr(dequant_kernel, "dequantize_cuda", kernel)
+    got = experts_mod._weights(w, ws, alpha, dtype)
+    e, n, half = w.shape
+    assert calls == [((e * n, half), (e * n, half // 8), (e * n, 2 * half), 2 * half)]
+    assert got.dtype == dtype and torch.equal(got.view(torch.int16), want.view(torch.int16))
