@@ -50,9 +50,11 @@ def quantize_dequantized_rows(x, global_scale):
 
 
 def _kernel_reads(w, ws):
-    """Whether ``dequant_kernel`` takes these codes and scales (CUDA, dense, 8-byte aligned code rows)."""
-    return (w.is_cuda and w.is_contiguous() and ws.is_contiguous() and w.data_ptr() % 8 == 0
-            and (2 * w.shape[2]) % BLOCK == 0)
+    """Whether ``dequant_kernel`` takes these codes and scales (CUDA, dense, 8-byte aligned code rows), and the
+    call is not being traced: under torch.compile the torch ops below are traced instead (a kernel launched by
+    its data pointers cannot be, and inductor fuses those ops)."""
+    return (not torch.compiler.is_compiling() and w.is_cuda and w.is_contiguous() and ws.is_contiguous()
+            and w.data_ptr() % 8 == 0 and (2 * w.shape[2]) % BLOCK == 0)
 
 
 def _weights(w, ws, alpha, dtype):
