@@ -208,6 +208,17 @@ def test_quantize_kernel_compiles_without_gpu(arch, k, extra, tmp_path):
     assert info["elf"] and info["launch"] == "tvm-ffi" and info["fp4_cvt"] == [] and info["frame_bytes"] == 0, info
 
 
+
+@pytest.mark.parametrize("arch,k,extra", [("sm_90a", 4096, ("--dequantize", "plain")),
+                                          ("sm_100a", 14336, ("--dequantize", "packed", "--f16")),
+                                          ("sm_90a", 2048, ("--router", "128,8")),
+                                          ("sm_100a", 8192, ("--router", "1024,32", "--f16"))])
+def test_dequantize_and_router_kernels_compile_without_gpu(arch, k, extra, tmp_path):
+    """W4A16's many-token dequantizer and the MoE router's kernel (the largest router build: 32 rounds over
+    32 keys a lane): no e2m1 conversion, no stack frame, the fast launch path."""
+    info = compile_check(arch, k, tmp_path, *extra)
+    assert info["elf"] and info["launch"] == "tvm-ffi" and info["fp4_cvt"] == [] and info["frame_bytes"] == 0, info
+
 def _nvdisasm():
     import glob
 
