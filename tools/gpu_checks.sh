@@ -9,6 +9,7 @@
 # tools/repro_fault.sh blocking, each, plain with the DSL's own launch, memcheck-alone; each its own log),
 # repromc (memcheck-cached alone), inbounds (that fault's fix: below), experts (its GPU tests and 300-case fuzz, ~5 processes) and
 # the measurements bench (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1),
+# model16 / model4 (the same at batch 16 / 4), prefill (tools/bench_prefill.py: W4A16 from 129 tokens),
 # modellm (the same, lm_head in NVFP4 too, beside bf16), moeblock (the MoE block alone: the kernel, the
 # fallback, other launch shapes; eager and compiled), moe (the MoE block and Qwen3-30B-A3B's decode),
 # moeprofile (that model's compiled decode step, bf16 and ours: the synced loop, events, host time and
@@ -144,6 +145,13 @@ step fuzzw4a16 200 python tools/fuzz_op.py --cases 300 --w4a16 --jobs 6
 step bench 300 python bench.py --peers-only bulk --reps 50 --out "$LOG/bench"
 step model 560 python tools/bench_model.py --hf --batches 1 --tokens 64 --hf-fuse --hf-pack \
     --hf-variants bf16,int4,w4a16 --json "$LOG/model-hf-b1.json"
+# batches 4 and 16 (session 71's commands: batch 16 with the compiled nvfp4_gemv.generate, ~6 min; batch 4
+# model.generate only, ~2.5 min; two calls on one H100)
+step model16 560 python tools/bench_model.py --hf --batches 16 --tokens 64 --hf-fuse --hf-pack \
+    --hf-variants bf16,int4,w4a16 --hf-generate generate_ms,ours_generate_compiled_ms --json "$LOG/model-hf-b16.json"
+step model4 560 python tools/bench_model.py --hf --batches 4 --tokens 64 --hf-fuse --hf-pack --hf-no-step \
+    --hf-variants bf16,int4,w4a16 --hf-generate generate_ms --json "$LOG/model-hf-b4.json"
+step prefill 300 python tools/bench_prefill.py --reps 10 --out "$LOG/prefill"
 step modellm 560 python tools/bench_model.py --hf --batches 1 --tokens 64 --hf-fuse --hf-pack --hf-lm-head \
     --hf-variants bf16,w4a16 --json "$LOG/model-hf-b1-lmhead.json"
 step moeblock 400 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --fallback --busy 0.5,1,2 --profile --out '$LOG/moe-block' \
