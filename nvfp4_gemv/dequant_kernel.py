@@ -52,6 +52,21 @@ def ldg_scale(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ldg_codes16(addr, *, loc=None, ip=None):
+    """``ld.global.nc.L1::no_allocate.v4.u32``, side-effecting: two blocks' codes (the ``pair`` build)."""
+    r = _asm([T.i32()] * 4, [cutlass.Int64(addr)], "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
+             "=r,=r,=r,=r,l", loc, ip, volatile=True)
+    return [cutlass.Int32(v) for v in r]
+
+
+@dsl_user_op
+def ldg_scale16(addr, *, loc=None, ip=None):
+    """``ld.global.nc.u16``, side-effecting: two blocks' scale bytes (the ``pair`` build)."""
+    r = _asm([T.i32()], [cutlass.Int64(addr)], "ld.global.nc.u16 $0, [$1];", "=r,l", loc, ip, volatile=True)
+    return cutlass.Int32(r[0])
+
+
+@dsl_user_op
 def value_order(o0, o1, o2, o3, bf16, *, loc=None, ip=None):
     """A code word's four decoded pairs ``(0,4), (1,5), (2,6), (3,7)`` (``v * s`` times 2^-7 or 2^-14) to
     ``(0,1), (2,3), (4,5), (6,7)``, each times 2^7 (bf16) or 2^14 (fp16): exact."""
@@ -65,21 +80,26 @@ def value_order(o0, o1, o2, o3, bf16, *, loc=None, ip=None):
 
 
 class Nvfp4Dequantize:
-    """One instance per (K, output dtype, layout)."""
+    """One instance per (K, output dtype, layout, pair). ``pair``: two adjacent blocks of a row a thread and
+    iteration (one 16-byte code load, one 2-byte scale load, 64 bytes stored): twice the bytes in flight a
+    thread. Built for measurement (session 71: the one-block build ran at 67-78% of a copy's bandwidth,
+    predicted latency-bound on its loads); not routed until measured."""
 
-    def __init__(self, k: int, out_bf16: bool, packed: bool = False):
-        ok, why = self.can_implement(k, packed)
+    def __init__(self, k: int, out_bf16: bool, packed: bool = False, pair: bool = False):
+        ok, why = self.can_implement(k, packed, pair)
         if not ok:
             raise ValueError(f"nvfp4_gemv dequantize: {why}")
         self.k = k
         self.out_bf16 = bool(out_bf16)
         self.packed = bool(packed)
+        self.pair = bool(pair)
 
     @staticmethod
-    def can_implement(k, packed=False):
+    def can_implement(k, packed=False, pair=False):
         """``(ok, why not)`` for a weight's K."""
-        if k <= 0 or k % (SLICE if packed else BLOCK):
-            return False, f"K={k} is not a positive multiple of {SLICE if packed else BLOCK}"
+        step = SLICE if packed else 2 * BLOCK if pair else BLOCK
+        if k <= 0 or k % step:
+            return False, f"K={k} is not a positive multiple of {step}"
         return True, ""
 
     @cute.jit
@@ -95,7 +115,9 @@ class Nvfp4Dequantize:
         bidx, _, _ = cute.arch.block_idx()
         gdimx, _, _ = cute.arch.grid_dim()
         per_row = self.k // BLOCK
-        for b in cutlass.range(bidx * THREADS + tidx, rows * per_row, gdimx * THREADS, unroll=1):
+        nb = 2 if self.pair else 1  # blocks a thread and iteration (adjacent in a row)
+        for u in cutlass.range(bidx * THREADS + tidx, rows * (per_row // nb), gdimx * THREADS, unroll=1):
+            b = u * nb
             if cutlass.const_expr(self.packed):
                 # b walks the pieces in memory order: piece p = b // 64 holds blocks (row, slice) of 8 rows
                 # (GROUP_ROWS) x 8 blocks (SLICE / 16); its codes start p * 576 bytes in, its scales 512 later
@@ -106,36 +128,44 @@ class Nvfp4Dequantize:
                 r = (p // pieces_a_group) * GROUP_ROWS + i // (SLICE // BLOCK)
                 c = (p % pieces_a_group) * (SLICE // BLOCK) + i % (SLICE // BLOCK)
                 base = w_ptr + cutlass.Int64(p) * PIECE
-                q = ldg_codes(base + cutlass.Int64(i) * 8)
-                s8 = ldg_scale(base + GROUP_ROWS * SLICE // 2 + cutlass.Int64(i))
+                at_q = base + cutlass.Int64(i) * 8
+                at_s = base + GROUP_ROWS * SLICE // 2 + cutlass.Int64(i)
             else:
                 r = b // per_row
                 c = b % per_row
-                q = ldg_codes(w_ptr + cutlass.Int64(r) * w_rs + cutlass.Int64(c) * 8)
-                s8 = ldg_scale(ws_ptr + cutlass.Int64(r) * ws_rs + cutlass.Int64(c))
-            if cutlass.const_expr(self.out_bf16):
-                o = scaled_bf16x8(q[0], q[1], s8)
+                at_q = w_ptr + cutlass.Int64(r) * w_rs + cutlass.Int64(c) * 8
+                at_s = ws_ptr + cutlass.Int64(r) * ws_rs + cutlass.Int64(c)
+            if cutlass.const_expr(self.pair):
+                q = ldg_codes16(at_q)
+                s8 = ldg_scale16(at_s)  # block c's byte low, c + 1's high
             else:
-                o = scaled_f16x8(q[0], q[1], s8)
-            words = value_order(*o[:4], self.out_bf16) + value_order(*o[4:], self.out_bf16)
+                q = ldg_codes(at_q)
+                s8 = ldg_scale(at_s)
             dst = out_ptr + (cutlass.Int64(r) * self.k + cutlass.Int64(c) * BLOCK) * 2
-            stg_v4(dst, *words[:4])
-            stg_v4(dst + 16, *words[4:])
+            for j in cutlass.range_constexpr(nb):
+                sj = s8 if j == 0 else s8 >> 8  # (the decodes read the scale register's low byte)
+                if cutlass.const_expr(self.out_bf16):
+                    o = scaled_bf16x8(q[2 * j], q[2 * j + 1], sj)
+                else:
+                    o = scaled_f16x8(q[2 * j], q[2 * j + 1], sj)
+                words = value_order(*o[:4], self.out_bf16) + value_order(*o[4:], self.out_bf16)
+                stg_v4(dst + 32 * j, *words[:4])
+                stg_v4(dst + 32 * j + 16, *words[4:])
 
 
-def compile_dequantize(k, out_bf16, packed=False, options=None, tvm_ffi=None):
+def compile_dequantize(k, out_bf16, packed=False, options=None, tvm_ffi=None, pair=False):
     """``(op, compiled)`` (no GPU needed when ``options`` names ``--gpu-arch``)."""
-    op = Nvfp4Dequantize(k, out_bf16, packed)
+    op = Nvfp4Dequantize(k, out_bf16, packed, pair)
     i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
     from cuda.bindings.driver import CUstream
 
     return op, dsl_compile(op, (i64, i64, i64, i32, i64, i64, i32, CUstream(0)), options, tvm_ffi)
 
 
-_kernels = KernelCache(lambda key: compile_dequantize(key[1], key[2], key[3]))
+_kernels = KernelCache(lambda key: compile_dequantize(key[1], key[2], key[3], pair=key[4]))
 
 
-def dequantize_cuda(w, w_scale, out, k, packed=False):
+def dequantize_cuda(w, w_scale, out, k, packed=False, pair=False):
     """Writes the values of NVFP4 weight ``w`` into ``out`` (bf16 or fp16, dense [M, K], 16-byte aligned) on
     torch's current stream. ``w``: codes [M, K/2] with 8-byte aligned rows and ``w_scale`` float8_e4m3fn
     [M, K/16] plain (any row strides, unit column stride), or (``packed``) ``w`` is ``pack_weight``'s buffer
@@ -155,8 +185,12 @@ def dequantize_cuda(w, w_scale, out, k, packed=False):
     if m * (k // BLOCK) >= 2 ** 31:  # the kernel counts blocks in Int32
         raise ValueError(f"nvfp4_gemv dequantize: {m} x {k} values is 2^35 or more; split the weight's rows")
     dev = w.device.index
-    kern = _kernels.get(dev, (dev, k, out.dtype == torch.bfloat16, bool(packed)))
-    blocks = m * (k // BLOCK)
+    # pair (opt-in, for measurement): where K and the addresses allow 16-byte code and 2-byte scale loads
+    pair = bool(pair) and Nvfp4Dequantize.can_implement(k, packed, True)[0] and (packed or (
+        w.data_ptr() % 16 == 0 and (m == 1 or w.stride(0) % 16 == 0) and w_scale.data_ptr() % 2 == 0
+        and (m == 1 or w_scale.stride(0) % 2 == 0)))
+    kern = _kernels.get(dev, (dev, k, out.dtype == torch.bfloat16, bool(packed), pair))
+    blocks = m * (k // BLOCK) // (2 if pair else 1)
     grid = max(1, min(-(-blocks // THREADS), sm_count(dev) * 16))
     args = (w.data_ptr(), 0 if packed else w_scale.data_ptr(), out.data_ptr(), m,
             0 if packed else w.stride(0), 0 if packed else w_scale.stride(0), grid)

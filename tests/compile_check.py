@@ -56,6 +56,7 @@ def main():
                    help="the MoE router kernel for E experts, top K, hidden size the K argument (bf16; --f16)")
     p.add_argument("--dequantize", choices=("plain", "packed"), default=None,
                    help="the weights' dequantizer (W4A16's many-token path; bf16 out, --f16: fp16)")
+    p.add_argument("--pair", action="store_true", help="with --dequantize: its two-blocks-a-thread build")
     args = p.parse_args()
     # CuTe DSL compiles for --gpu-arch only when CUTE_DSL_ARCH names another arch.
     os.environ["CUTE_DSL_ARCH"] = "sm_80" if args.arch != "sm_80" else "sm_86"
@@ -78,7 +79,8 @@ def main():
     elif args.dequantize:  # nvfp4_gemv.dequant_kernel
         from nvfp4_gemv import dequant_kernel
 
-        _, fn = dequant_kernel.compile_dequantize(args.k, not args.f16, args.dequantize == "packed", options=options)
+        _, fn = dequant_kernel.compile_dequantize(args.k, not args.f16, args.dequantize == "packed", options=options,
+                                                 pair=args.pair)
     elif args.quantize:  # nvfp4_gemv.quant_kernel
         from nvfp4_gemv import quant_kernel
 

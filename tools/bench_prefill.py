@@ -2,8 +2,8 @@
 dequantized by ``dequant_kernel``, then one ``torch.mm``), plain and packed, against bf16 ``torch.mm`` on the
 same shapes (the peer), the path it replaced (``op_plan.dequantized``'s torch ops, then ``torch.mm``) and
 the W4A16 kernel in passes of 32 tokens (what ``DEQUANT_MIN_TOKENS`` chooses against). The dequantizer alone
-is reported in GB/s of its bytes (0.56 read + 2 written a value) beside a bf16 ``copy_`` of the same
-output (2 + 2 bytes a value). Each result is first checked against the float64 product (the op's bound for
+is reported in GB/s of its bytes (0.56 read + 2 written a value), its one-block and ``pair`` builds, beside
+a bf16 ``copy_`` of the same output (2 + 2 bytes a value). Each result is first checked against the float64 product (the op's bound for
 this path: half an ulp plus 2^-12 of the sum of |terms|). Timed the leaderboard's way (L2 flushed, CUDA
 events, median).
 
@@ -66,8 +66,12 @@ def bench_case(m, k, n, reps, check):
     row["bf16_mm_us"] = time_leaderboard(lambda: torch.mm(x, wd.T, out=out), reps)
     buf = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
     row["dequant_us"] = time_leaderboard(lambda: dequantize_cuda(w, ws, buf, k), reps)
+    row["dequant_pair_us"] = time_leaderboard(lambda: dequantize_cuda(w, ws, buf, k, pair=True), reps)
+    dequantize_cuda(w, ws, buf, k, pair=True)
+    row["dequant_pair_equal"] = bool(torch.equal(buf, wd))  # (bit for bit: bf16 values, NaN-free inputs)
     row["copy_us"] = time_leaderboard(lambda: buf.copy_(wd), reps)
     row["dequant_GBps"] = m * k * (2 + 9 / 16) / row["dequant_us"] / 1e3
+    row["dequant_pair_GBps"] = m * k * (2 + 9 / 16) / row["dequant_pair_us"] / 1e3
     row["copy_GBps"] = m * k * 4 / row["copy_us"] / 1e3
     row["ours_vs_bf16"] = row["bf16_mm_us"] / row["ours_us"]
     return row
@@ -88,7 +92,7 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps({key: round(v, 2) if isinstance(v, float) else v for key, v in row.items()}), flush=True)
     cols = ("M", "K", "N", "bf16_mm_us", "ours_us", "ours_packed_us", "before_us", "passes32_us", "dequant_us",
-            "dequant_GBps", "copy_GBps", "ours_violations", "ours_packed_violations", "passes32_violations")
+            "dequant_GBps", "dequant_pair_GBps", "copy_GBps", "ours_violations", "ours_packed_violations", "passes32_violations")
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us, median of {args.reps} (L2 flushed)", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(f"{r[c]:.1f}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols) + " |"

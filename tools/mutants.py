@@ -650,15 +650,17 @@ MUTANTS = [
      "if done == 0:", ["tests/op/test_router_kernel.py"], True),
     ("router kernel: fp16 keys decoded as bf16", RKERN, 'body += ["shl.b32 $0, o, 16;"] if bf16 else',
      'body += ["shl.b32 $0, o, 16;"] if True else', ["tests/op/test_router_kernel.py"], True),
+    ("dequantize kernel pair: the second block takes the first's scale", DQKERN,
+     "sj = s8 if j == 0 else s8 >> 8", "sj = s8", ["tests/op/test_dequant_kernel.py"], True),
     ("dequantize kernel: pairs (4,5) and (6,7) swapped", DQKERN, '"prmt.b32 $2, a, b, 0x7632;", "prmt.b32 $3, c, d, 0x7632;"',
      '"prmt.b32 $2, c, d, 0x7632;", "prmt.b32 $3, a, b, 0x7632;"', ["tests/op/test_dequant_kernel.py"], True),
     ("dequantize kernel: bf16 not scaled back by 2^7", DQKERN, '("mul.rn.bf16x2", "0x43004300")',
      '("mul.rn.bf16x2", "0x3F803F80")', ["tests/op/test_dequant_kernel.py"], True),
     ("dequantize kernel packed: scales read at the piece's codes", DQKERN,
-     "s8 = ldg_scale(base + GROUP_ROWS * SLICE // 2 + cutlass.Int64(i))", "s8 = ldg_scale(base + cutlass.Int64(i))",
+     "at_s = base + GROUP_ROWS * SLICE // 2 + cutlass.Int64(i)", "at_s = base + cutlass.Int64(i)",
      ["tests/op/test_dequant_kernel.py"], True),
-    ("dequantize kernel: scale row stride ignored", DQKERN, "ldg_scale(ws_ptr + cutlass.Int64(r) * ws_rs",
-     "ldg_scale(ws_ptr + cutlass.Int64(r) * (self.k // BLOCK)", ["tests/op/test_dequant_kernel.py"], True),
+    ("dequantize kernel: scale row stride ignored", DQKERN, "at_s = ws_ptr + cutlass.Int64(r) * ws_rs",
+     "at_s = ws_ptr + cutlass.Int64(r) * (self.k // BLOCK)", ["tests/op/test_dequant_kernel.py"], True),
 ]
 
 

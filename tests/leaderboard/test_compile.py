@@ -211,6 +211,8 @@ def test_quantize_kernel_compiles_without_gpu(arch, k, extra, tmp_path):
 
 @pytest.mark.parametrize("arch,k,extra", [("sm_90a", 4096, ("--dequantize", "plain")),
                                           ("sm_100a", 14336, ("--dequantize", "packed", "--f16")),
+                                          ("sm_90a", 14336, ("--dequantize", "plain", "--pair")),
+                                          ("sm_100a", 4096, ("--dequantize", "packed", "--pair", "--f16")),
                                           ("sm_90a", 2048, ("--router", "128,8")),
                                           ("sm_100a", 8192, ("--router", "1024,32", "--f16"))])
 def test_dequantize_and_router_kernels_compile_without_gpu(arch, k, extra, tmp_path):

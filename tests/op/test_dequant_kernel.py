@@ -50,36 +50,40 @@ def same_bits(got, want):
     assert bad.numel() == 0, f"{bad.shape[0]} values differ, first at {bad[:4].tolist()}"
 
 
+@pytest.mark.parametrize("pair", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,k", [(1, 16), (3, 48), (128, 64), (256, 2048), (130, 4112), (1024, 8192)])
-def test_plain_rows_equal_float64_and_the_torch_ops(m, k, dtype):
+def test_plain_rows_equal_float64_and_the_torch_ops(m, k, dtype, pair):
+    """(``pair``: the two-blocks-a-thread build where K % 32 == 0, the one-block build elsewhere.)"""
     w, s = weights(m, k, seed=m + k)
     out = poisoned(m, k, dtype)
-    dequant_kernel.dequantize_cuda(w.cuda(), s.cuda(), out, k)
+    dequant_kernel.dequantize_cuda(w.cuda(), s.cuda(), out, k, pair=pair)
     torch.cuda.synchronize()
     same_bits(out, exact(w, s, dtype))
     same_bits(out, op_plan.dequantized(w, s, k, False, dtype))
 
 
+@pytest.mark.parametrize("pair", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_strided_rows_of_codes_and_scales(dtype):
+def test_strided_rows_of_codes_and_scales(dtype, pair):
     """Codes and scales as column slices of wider tensors: the row strides reach the kernel, and nothing
     beyond the slices is read into the result."""
     m, k = 256, 1024
     wide_w, wide_s = weights(m, k + 256, seed=5)
     w, s = wide_w[:, 64:64 + k // 2], wide_s[:, 8:8 + k // 16]
     out = poisoned(m, k, dtype)
-    dequant_kernel.dequantize_cuda(wide_w.cuda()[:, 64:64 + k // 2], wide_s.cuda()[:, 8:8 + k // 16], out, k)
+    dequant_kernel.dequantize_cuda(wide_w.cuda()[:, 64:64 + k // 2], wide_s.cuda()[:, 8:8 + k // 16], out, k, pair=pair)
     torch.cuda.synchronize()
     same_bits(out, exact(w.contiguous(), s.contiguous(), dtype))
 
 
+@pytest.mark.parametrize("pair", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,k", [(128, 128), (256, 4096), (384, 1152)])
-def test_the_packed_layout_equals_the_plain_one(m, k, dtype):
+def test_the_packed_layout_equals_the_plain_one(m, k, dtype, pair):
     w, s = weights(m, k, seed=3 * m + k)
     out = poisoned(m, k, dtype)
-    dequant_kernel.dequantize_cuda(pack_weight(w.cuda(), s.cuda()), None, out, k, packed=True)
+    dequant_kernel.dequantize_cuda(pack_weight(w.cuda(), s.cuda()), None, out, k, packed=True, pair=pair)
     torch.cuda.synchronize()
     same_bits(out, exact(w, s, dtype))
 
@@ -97,6 +101,22 @@ def test_nan_scales_give_nan_exactly_in_their_blocks(dtype):
     got = out.cpu()
     assert torch.equal(got.isnan(), nan_blocks)
     same_bits(got[~nan_blocks], exact(w, s, dtype)[~nan_blocks])
+
+
+def test_pair_is_taken_only_where_k_and_the_addresses_allow_it(monkeypatch):
+    """The pair build for K % 32 == 0 and 16-byte code rows; K % 32 == 16 or code rows 8 bytes off take the
+    one-block build (the kernel's key says which)."""
+    keys = []
+    real = dequant_kernel._kernels.get
+    monkeypatch.setattr(dequant_kernel._kernels, "get", lambda dev, key: keys.append(key) or real(dev, key))
+    for k, off in ((64, 0), (48, 0), (64, 8)):
+        w, s = weights(128, k + 32, seed=k)  # code rows (k + 32) / 2 bytes apart: 16-byte multiples at k = 64
+        wc, sc = w.cuda(), s.cuda()
+        out = poisoned(128, k, torch.bfloat16)
+        dequant_kernel.dequantize_cuda(wc[:, off:off + k // 2], sc[:, :k // 16], out, k, pair=True)
+        torch.cuda.synchronize()
+        same_bits(out, exact(w[:, off:off + k // 2].contiguous(), s[:, :k // 16].contiguous(), torch.bfloat16))
+    assert [key[-1] for key in keys] == [True, False, False]
 
 
 def test_k_that_the_layout_cannot_take_is_refused_by_name():
