@@ -186,9 +186,9 @@ def dequantize_cuda(w, w_scale, out, k, packed=False, pair=False):
         raise ValueError(f"nvfp4_gemv dequantize: {m} x {k} values is 2^35 or more; split the weight's rows")
     dev = w.device.index
     # pair (opt-in, for measurement): where K and the addresses allow 16-byte code and 2-byte scale loads
-    pair = bool(pair) and Nvfp4Dequantize.can_implement(k, packed, True)[0] and (packed or (
-        w.data_ptr() % 16 == 0 and (m == 1 or w.stride(0) % 16 == 0) and w_scale.data_ptr() % 2 == 0
-        and (m == 1 or w_scale.stride(0) % 2 == 0)))
+    pair = bool(pair) and Nvfp4Dequantize.can_implement(k, packed, True)[0] and w.data_ptr() % 16 == 0 and (
+        packed or ((m == 1 or w.stride(0) % 16 == 0) and w_scale.data_ptr() % 2 == 0
+                   and (m == 1 or w_scale.stride(0) % 2 == 0)))
     kern = _kernels.get(dev, (dev, k, out.dtype == torch.bfloat16, bool(packed), pair))
     blocks = m * (k // BLOCK) // (2 if pair else 1)
     grid = max(1, min(-(-blocks // THREADS), sm_count(dev) * 16))

@@ -773,13 +773,13 @@ def parse_args(argv=None):
 
 
 def _commit():
-    """The tree's commit and how many paths differ from it (the device machine's copy may hold both)."""
+    """The tree's commit and how many tracked paths differ from it (the device machine's copy may hold both)."""
     import subprocess
 
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--short"], capture_output=True, text=True, timeout=10,
+        dirty = subprocess.run(["git", "status", "--short", "--untracked-files=no"], capture_output=True, text=True, timeout=10,
                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.count("\n")
         return f"{head} (+{dirty} paths differ)" if head else None
     except (OSError, subprocess.SubprocessError):

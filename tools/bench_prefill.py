@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 from bench import time_leaderboard  # noqa: E402
 from nvfp4_gemv import gemv, gemv_packed, op_plan  # noqa: E402
+from nvfp4_gemv import dequant_kernel  # noqa: E402
 from nvfp4_gemv.dequant_kernel import dequantize_cuda  # noqa: E402
 from nvfp4_gemv.packed import pack_weight  # noqa: E402
 from w4a16_inputs import w4a16_exact, w4a16_inputs, w4a16_violations  # noqa: E402
@@ -67,8 +68,10 @@ def bench_case(m, k, n, reps, check):
     buf = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
     row["dequant_us"] = time_leaderboard(lambda: dequantize_cuda(w, ws, buf, k), reps)
     row["dequant_pair_us"] = time_leaderboard(lambda: dequantize_cuda(w, ws, buf, k, pair=True), reps)
+    buf.fill_(float("nan"))
     dequantize_cuda(w, ws, buf, k, pair=True)
-    row["dequant_pair_equal"] = bool(torch.equal(buf, wd))  # (bit for bit: bf16 values, NaN-free inputs)
+    row["dequant_pair_equal"] = bool(torch.equal(buf.view(torch.int16), wd.view(torch.int16)))  # bit for bit
+    row["dequant_pair_built"] = any(key[-1] for key in dequant_kernel._kernels._kernels)  # the pair build ran
     row["copy_us"] = time_leaderboard(lambda: buf.copy_(wd), reps)
     row["dequant_GBps"] = m * k * (2 + 9 / 16) / row["dequant_us"] / 1e3
     row["dequant_pair_GBps"] = m * k * (2 + 9 / 16) / row["dequant_pair_us"] / 1e3
@@ -92,7 +95,7 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps({key: round(v, 2) if isinstance(v, float) else v for key, v in row.items()}), flush=True)
     cols = ("M", "K", "N", "bf16_mm_us", "ours_us", "ours_packed_us", "before_us", "passes32_us", "dequant_us",
-            "dequant_GBps", "dequant_pair_GBps", "copy_GBps", "ours_violations", "ours_packed_violations", "passes32_violations")
+            "dequant_GBps", "dequant_pair_GBps", "dequant_pair_equal", "dequant_pair_built", "copy_GBps", "ours_violations", "ours_packed_violations", "passes32_violations")
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us, median of {args.reps} (L2 flushed)", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(f"{r[c]:.1f}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols) + " |"

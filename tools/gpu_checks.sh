@@ -163,11 +163,12 @@ step moeprofile 560 python tools/bench_model.py --hf --arch qwen3-moe --batches 
 # routercheck: the routing op's GPU tests, its four GPU mutants and tools/bench_router.py (ROUTERS=1 moeprofile:
 # the same profile with nvfp4_gemv.fuse_routers on our variant)
 step routercheck 300 bash -c "timeout 150 python -m pytest -q -p no:cacheprovider -m gpu -rs tests/op/test_router_kernel.py \
-    > '$LOG/router-tests.txt' 2>&1 & timeout 150 python tools/mutants.py --jobs 4 --only 'router kernel: ties to the higher expert' \
+    > '$LOG/router-tests.txt' 2>&1 & p=\$!; timeout 150 python tools/mutants.py --jobs 4 --only 'router kernel: ties to the higher expert' \
     --only 'router kernel: renormalisation dropped' --only 'router kernel: the first CTA to finish takes the top k' \
-    --only 'router kernel: fp16 keys decoded as bf16' > '$LOG/router-mutants.txt' 2>&1; wait
+    --only 'router kernel: fp16 keys decoded as bf16' > '$LOG/router-mutants.txt' 2>&1; m=\$?; wait \$p; t=\$?
     timeout 100 python tools/bench_router.py --tokens 1,4,16,64 --reps 30 --out '$LOG/router-bench' > '$LOG/router-bench.txt' 2>&1
-    tail -n 2 '$LOG/router-tests.txt'; tail -n 6 '$LOG/router-mutants.txt'; grep '^{' '$LOG/router-bench.txt'"
+    b=\$?; tail -n 2 '$LOG/router-tests.txt'; tail -n 6 '$LOG/router-mutants.txt'; grep '^{' '$LOG/router-bench.txt'
+    exit \$((t | m | b))"
 step load 560 python tools/bench_load.py --device cuda --loader from_pretrained --fuse --pack --layers 32 --hidden 4096 \
     --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256 --generate 16 --json "$LOG/load-8b.json"
 step load70 560 python tools/bench_load.py --device cuda --loader from_pretrained --fuse --pack --layers 80 --hidden 8192 \

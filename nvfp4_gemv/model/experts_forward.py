@@ -34,6 +34,7 @@ sum_j |d_j w_j|. tests/model/test_experts.py checks each stage against float64 o
 import torch
 
 from ..experts_op import can_implement, experts_gemv
+from ..library import eager
 from ..quant import BLOCK, _quantize_rows, dequantize, e2m1_decode
 
 
@@ -49,19 +50,29 @@ def quantize_dequantized_rows(x, global_scale):
     return dequantize(q, scale).to(x.dtype)
 
 
+_cc = {}  # device index -> (major, minor)
+
+
 def _kernel_reads(w, ws):
-    """Whether ``dequant_kernel`` takes these codes and scales (CUDA, dense, 8-byte aligned code rows), and the
-    call is not being traced: under torch.compile the torch ops below are traced instead (a kernel launched by
-    its data pointers cannot be, and inductor fuses those ops)."""
-    return (not torch.compiler.is_compiling() and w.is_cuda and w.is_contiguous() and ws.is_contiguous()
-            and w.data_ptr() % 8 == 0 and (2 * w.shape[2]) % BLOCK == 0)
+    """Whether ``dequant_kernel`` takes these codes and scales: plain CUDA tensors outside any tracing or mode
+    (``library.eager``: under torch.compile the torch ops below are traced instead, since a kernel launched by
+    its data pointers cannot be, and inductor fuses those ops; fake tensors have no data), an sm_90+ device
+    (the decode's ``cvt ... e4m3x2``), dense 8-byte aligned code rows, fewer than 2^31 blocks."""
+    if not (w.is_cuda and eager(w, ws) and w.is_contiguous() and ws.is_contiguous()):
+        return False
+    dev = w.device.index
+    cc = _cc.get(dev)
+    if cc is None:
+        cc = _cc[dev] = torch.cuda.get_device_capability(dev)
+    p, n, half = w.shape
+    return cc >= (9, 0) and w.data_ptr() % 8 == 0 and (2 * half) % BLOCK == 0 and p * n * (2 * half // BLOCK) < 2 ** 31
 
 
 def _weights(w, ws, alpha, dtype):
     """``dequantize(w, ws) * alpha`` (fp32, the same operations as ``quant.dequantize`` with a scale_2)
     rounded to ``dtype``: w [P, N, K/2], ws [P, N, K/16], alpha [P] -> [P, N, K]. On CUDA ``e2m1 * scale``
-    comes from ``dequant_kernel`` in bf16 (exact: at most 6 significant bits), widened to fp32 (exact), so the
-    bits are those of the torch ops, in three passes instead of about ten; else bytes decode through a
+    comes from ``dequant_kernel`` in bf16 (exact: at most 6 significant bits), multiplied by alpha in fp32, so
+    the bits are those of the torch ops, in two passes instead of about ten (8 bytes of temporaries a weight); else bytes decode through a
     256-entry table of value pairs made on the device (``e2m1_decode`` of every byte; no host copy)."""
     p, n, half = w.shape
     if _kernel_reads(w, ws):
@@ -69,12 +80,11 @@ def _weights(w, ws, alpha, dtype):
 
         vals = torch.empty((p * n, 2 * half), dtype=torch.bfloat16, device=w.device)
         dequant_kernel.dequantize_cuda(w.reshape(p * n, half), ws.reshape(p * n, 2 * half // BLOCK), vals, 2 * half)
-        v = vals.reshape(p, n, 2 * half).to(torch.float32)  # (exact; the product below is fp32 either way)
-    else:
-        pairs = e2m1_decode(torch.arange(256, dtype=torch.uint8, device=w.device).reshape(1, 256)).reshape(256, 2)
-        v = (pairs[w.long()].reshape(p, n, 2 * half // BLOCK, BLOCK) * ws.to(torch.float32).unsqueeze(-1))
-        v = v.reshape(p, n, 2 * half)
-    return (v * alpha.reshape(p, 1, 1)).to(dtype)
+        # (bf16 times the fp32 alpha is computed in fp32: the same bits as widening first, without an fp32 copy)
+        return (vals.reshape(p, n, 2 * half) * alpha.reshape(p, 1, 1)).to(dtype)
+    pairs = e2m1_decode(torch.arange(256, dtype=torch.uint8, device=w.device).reshape(1, 256)).reshape(256, 2)
+    v = pairs[w.long()].reshape(p, n, 2 * half // BLOCK, BLOCK) * ws.to(torch.float32).unsqueeze(-1)
+    return (v.reshape(p, n, 2 * half) * alpha.reshape(p, 1, 1)).to(dtype)
 
 
 SLOT_PATH_BYTES = 1 << 28  # the slot path's temporaries a chunk of slots, at most (12 bytes a weight: below)

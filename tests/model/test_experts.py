@@ -688,3 +688,44 @@ def test_the_fallbacks_weights_through_the_dequantize_kernel_are_the_torch_ops_b
     e, n, half = w.shape
     assert calls == [((e * n, half), (e * n, half // 8), (e * n, 2 * half), 2 * half)]
     assert got.dtype == dtype and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_fallback_weights_from_the_dequantize_kernel_are_the_cpus_bits(dtype):
+    """On the GPU the fallback's weights come from ``dequant_kernel``: bit for bit the CPU's torch ops, NaN
+    scale bytes included (NaN where the CPU has NaN)."""
+    mod = random_experts(torch.Generator().manual_seed(12), 6, 128, 64, "w4a16", torch.bfloat16)
+    w, ws, alpha = mod.gate_up_weight, mod.gate_up_weight_scale.clone(), mod.gate_up_weight_scale_2
+    ws.view(torch.uint8)[1, 3, 2] = 0x7F
+    ws.view(torch.uint8)[4, 0, 0] = 0xFF
+    want = experts_mod._weights(w, ws, alpha, dtype)
+    wc, wsc = w.cuda(), ws.cuda()
+    assert experts_mod._kernel_reads(wc, wsc)
+    got = experts_mod._weights(wc, wsc, alpha.cuda(), dtype).cpu()
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+    assert torch.equal(got.view(torch.int16)[~got.isnan()], want.view(torch.int16)[~want.isnan()])
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_fallback_is_capturable_and_the_cpu_bits_of_its_weights():
+    """Past the experts' kernel's 64 tokens the fallback runs (the dequantize kernel, then torch._grouped_mm):
+    captured in a CUDA graph it replays the eager result."""
+    mod = random_experts(torch.Generator().manual_seed(13), 8, 128, 64, "w4a16", torch.bfloat16)
+    gpu = copy.deepcopy(mod).cuda()
+    x, idx, w = torch.randn(80, 128).bfloat16().cuda(), torch.randint(0, 8, (80, 2)).cuda(), torch.rand(80, 2).cuda()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = gpu(x, idx, w)  # compiles the kernel outside the capture
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s), torch.cuda.graph(graph):
+            captured = gpu(x, idx, w)
+        torch.cuda.current_stream().wait_stream(s)
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want)
+    cpu = mod(x.cpu(), idx.cpu(), w.cpu())
+    torch.testing.assert_close(want.cpu(), cpu, rtol=2 ** -6, atol=2 ** -7 * cpu.abs().max().item())
