@@ -179,3 +179,14 @@ def test_what_the_kernel_takes():
 
 def test_the_names_are_public():
     assert nvfp4_gemv.topk_route is topk_route and "fuse_routers" in nvfp4_gemv.__all__
+
+
+def test_a_quantized_model_with_fused_routers_compiles_in_one_graph():
+    """A whole quantized Qwen3-MoE with ``fuse_routers`` under torch.compile(fullgraph=True): no graph break
+    at the routers' changed class, and the eager logits."""
+    model = quantize_model(tiny("qwen3"), fuse=True)
+    fuse_routers(model)
+    with torch.no_grad():
+        want = model(PROMPT).logits
+        got = torch.compile(model, backend="aot_eager", fullgraph=True)(PROMPT).logits
+    assert torch.equal(want, got)
