@@ -19,20 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
-from bench import time_leaderboard  # noqa: E402
+from bench import time_graph  # noqa: E402
 from nvfp4_gemv import TopKRouter  # noqa: E402
-
-
-def graph_of(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def main(argv=None):
@@ -67,8 +55,7 @@ def main(argv=None):
             ok = bool(torch.equal(want[2][same].sort(-1).values, got[2][same].sort(-1).values))
             row = {"tokens": t, "checked_rows": int(same.sum()), "indices_equal": ok}
             for name, mods in (("transformers", hfs), ("transformers_compiled", compiled), ("ours", ours)):
-                g = graph_of(lambda: [m(x) for m in mods])
-                row[f"{name}_us"] = time_leaderboard(g.replay, a.reps) / a.layers
+                row[f"{name}_us"] = time_graph(lambda: [m(x) for m in mods], a.reps) / a.layers
             row["speedup"] = row["transformers_us"] / row["ours_us"]
             rows.append(row)
             print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)

@@ -644,6 +644,8 @@ MUTANTS = [
      '("40A00000", False, "3F800000")', ["tests/op/test_quantize_kernel.py"], True),
     ("router kernel: ties to the higher expert", RKERN, '"sub.u32 p, 0xFFFF, $3;"', '"mov.b32 p, $3;"',
      ["tests/op/test_router_kernel.py"], True),
+    ("router kernel: -0 keyed below +0", RKERN, '"setp.eq.u32 mz, b, 0x8000;", "selp.b32 c, 0, b, mz;",',
+     '"setp.eq.u32 mz, b, 0x8000;", "mov.b32 c, b;",', ["tests/op/test_router_kernel.py"], True),
     ("router kernel: renormalisation dropped", RKERN, "if cutlass.const_expr(self.norm):",
      "if cutlass.const_expr(False):", ["tests/op/test_router_kernel.py"], True),
     ("router kernel: the first CTA to finish takes the top k", RKERN, "if done == self.e // WARPS - 1:",

@@ -160,6 +160,20 @@ def test_zero_input_gives_equal_logits_and_the_first_experts():
     assert (weights == torch.tensor(1 / 8, dtype=torch.bfloat16)).all()
 
 
+def test_logits_rounded_to_minus_and_plus_zero_tie_and_go_to_the_lower_expert():
+    """fp16 sums of -2^-30 and +2^-30 round to -0 and +0: equal logits, so the lower expert (the -0 one here)
+    comes first, as for any other tie; every other logit is -2^-12."""
+    x = torch.zeros(1, 256, dtype=torch.float16, device="cuda")
+    x[0, 0] = 2.0 ** -12
+    w = torch.zeros(32, 256, dtype=torch.float16, device="cuda")
+    w[:, 0] = -1.0
+    w[3, 0], w[7, 0] = -(2.0 ** -18), 2.0 ** -18
+    logits, weights, idx = topk_route(x, w, 2, True)
+    bits = logits.view(torch.int16)[0]
+    assert bits[3].item() == -32768 and bits[7].item() == 0  # the logits themselves keep their signs
+    assert idx.tolist() == [[3, 7]] and torch.equal(weights[0, 0], weights[0, 1])
+
+
 def test_all_experts_without_renormalising_is_the_softmax():
     x, w = inputs(3, 32, 256, torch.float16, seed=4)
     logits, weights, idx = topk_route(x, w, 32, False)
