@@ -37,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
-from nvfp4_gemv import (NVFP4Experts, NVFP4Linear, calibrate_expert_input_scales, calibrate_input_scales,  # noqa: E402
+from nvfp4_gemv import (NVFP4Experts, NVFP4Linear, TopKRouter, calibrate_expert_input_scales, calibrate_input_scales,  # noqa: E402
                         quantize_model)
 
 LLAMA3_8B = dict(hidden=4096, qkv=6144, intermediate=14336)
@@ -576,7 +576,7 @@ def bench_hf(args, device):
                    "fused": bool(args.hf_fuse) and variant in ("w4a16", "w4a4"),
                    "packed": bool(args.hf_pack) and variant in ("w4a16", "w4a4"),
                    "lm_head": bool(args.hf_lm_head) and variant in ("w4a16", "w4a4"),
-                   "routers": bool(args.hf_routers) and variant in ("w4a16", "w4a4")}
+                   "routers": variant in ("w4a16", "w4a4") and any(isinstance(m, TopKRouter) for m in model.modules())}
             if peer_err is not None:
                 row["peer_rel_err"] = peer_err
             try:
@@ -754,7 +754,7 @@ def parse_args(argv=None):
     p.add_argument("--hf-pack", action="store_true",
                    help="--hf: quantize_model(pack=True): weights in the W4A16 kernel's packed layout (w4a16 only)")
     p.add_argument("--hf-routers", action="store_true",
-                   help="--hf: our variants also run MoE routers in one launch (nvfp4_gemv.fuse_routers)")
+                   help="--hf: our variants also run MoE routers in one launch (nvfp4_gemv.fuse_routers; --hf-fuse does too)")
     p.add_argument("--hf-lm-head", action="store_true",
                    help="--hf: our variants quantize lm_head too (quantize_model(skip=()); bf16 by default)")
     p.add_argument("--tokens", type=int, default=None, help="--hf decode tokens timed (default 64, --quick 16)")

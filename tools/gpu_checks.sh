@@ -13,7 +13,7 @@
 # modellm (the same, lm_head in NVFP4 too, beside bf16), moeblock (the MoE block alone: the kernel, the
 # fallback, other launch shapes; eager and compiled), moe (the MoE block and Qwen3-30B-A3B's decode),
 # moeprofile (that model's compiled decode step, bf16 and ours: the synced loop, events, host time and
-# torch.profiler's top kernels, where a token's 9 ms go), load (from_pretrained of a Llama-3-8B-shaped export
+# torch.profiler's top kernels; 32 new tokens, `model.generate` and `nvfp4_gemv.generate(compile=True)`; TOKENS=, GENERATES=), load (from_pretrained of a Llama-3-8B-shaped export
 # onto the GPU, then 16 tokens), load70 (the same at Llama-3-70B's shapes, 43 GB: an H200's target; needs
 # 43 GB of disk and of CPU memory), each one call under 10 minutes. Prints each step's last lines.
 # The pytest step runs the tests marked gpu (the CPU tests run in CI and locally); ALL=1 runs every test.
@@ -158,10 +158,9 @@ step moeblock 400 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --fallba
     && python tools/bench_moe.py --tokens 1,4,16,64 --compile --out '$LOG/moe-block-compiled'"
 step moe 560 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --out '$LOG/moe-block' && python tools/bench_model.py \
     --hf --arch qwen3-moe --batches 1 --tokens 32 --hf-fuse --hf-no-step --hf-variants bf16,w4a16 --json '$LOG/moe-hf.json'"
-step moeprofile 560 python tools/bench_model.py --hf --arch qwen3-moe --batches 1 --tokens 16 --hf-fuse ${ROUTERS:+--hf-routers} \
-    --hf-variants bf16,w4a16 --hf-profile 5 --hf-generate generate_ms --json "$LOG/moe-profile.json"
-# routercheck: the routing op's GPU tests, its four GPU mutants and tools/bench_router.py (ROUTERS=1 moeprofile:
-# the same profile with nvfp4_gemv.fuse_routers on our variant)
+step moeprofile 560 python tools/bench_model.py --hf --arch qwen3-moe --batches 1 --tokens ${TOKENS:-32} --hf-fuse \
+    --hf-variants bf16,w4a16 --hf-profile 5 --hf-generate ${GENERATES:-generate_ms,ours_generate_compiled_ms} --json "$LOG/moe-profile.json"
+# routercheck: the routing op's GPU tests, its five GPU mutants and tools/bench_router.py
 step routercheck 300 bash -c "timeout 150 python -m pytest -q -p no:cacheprovider -m gpu -rs tests/op/test_router_kernel.py \
     > '$LOG/router-tests.txt' 2>&1 & p=\$!; timeout 150 python tools/mutants.py --jobs 4 --only 'router kernel: ties to the higher expert' \
     --only 'router kernel: renormalisation dropped' --only 'router kernel: the first CTA to finish takes the top k' \

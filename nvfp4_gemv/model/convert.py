@@ -42,7 +42,8 @@ def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None, fu
     :param fuse: also fuse sibling linears that read one input (q/k/v, gate/up: ``fuse_linears``) into one
         GEMV a forward, the fast path for transformers models. Each group is then quantized with one
         ``weight_scale_2`` (the group's amax, as ModelOpt exports the groups that serving fuses) instead of
-        one a linear; groups whose input_scales differ are quantized and left unfused.
+        one a linear; groups whose input_scales differ are quantized and left unfused. MoE routers of the
+        classes ``fuse_routers`` knows then run as one kernel each (``TopKRouter``; their weights unchanged).
     MoE experts modules (transformers 5's 3-d ``gate_up_proj`` / ``down_proj``) become ``NVFP4Experts``
     (``nvfp4_gemv.model.experts_convert.quantize_experts``; their ``input_scales`` under ModelOpt's per-expert names,
     ``"{module}.{e}.gate_proj"`` etc., from ``calibrate_expert_input_scales``).
@@ -99,8 +100,10 @@ def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None, fu
         _set_submodule(model, name, new)
     if fuse:
         from .fuse import fuse_linears
+        from .router import fuse_routers
 
         fuse_linears(model)
+        fuse_routers(model)
     return model
 
 

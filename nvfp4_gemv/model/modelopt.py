@@ -278,7 +278,7 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
     sync). The model's tensors must be materialized (a tensor on the meta device is refused by name, before
     anything changes). One sync per fused group (the scales' comparison); no Python loop per value.
     ``fuse=True`` then fuses the model's separate sibling linears (q/k/v, gate/up) whose global scales
-    agree into one GEMV a forward (``fuse_linears``; one sync more).
+    agree into one GEMV a forward (``fuse_linears``; one sync more) and each MoE router into one kernel (``fuse_routers``).
     ``pack=True`` (mode "w4a16") stores each quantized weight whose shape allows it in the W4A16 kernel's
     packed layout (``NVFP4Linear.pack``: 5-9% faster a GEMV), module by module as it is placed (the
     checkpoint's copy of that module is let go first, so a load holds about one extra layer at a time).
@@ -483,8 +483,10 @@ def load_modelopt(model, path, mode="w4a16", fuse=False, pack=False):
                       "the cache stays in the model's dtype", RuntimeWarning, stacklevel=2)
     if fuse:
         from .fuse import fuse_linears
+        from .router import fuse_routers
 
         fuse_linears(model)
+        fuse_routers(model)
     return model
 
 

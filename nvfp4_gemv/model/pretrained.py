@@ -317,8 +317,10 @@ def finish(model, plan_, device, fuse, pack, fold=True, who=WHO):
                 m.pack()
     if fuse:
         from .fuse import fuse_linears
+        from .router import fuse_routers
 
         fuse_linears(model)
+        fuse_routers(model)
     return model
 
 
@@ -363,7 +365,7 @@ def from_pretrained(path, mode="w4a16", device="cuda", fuse=True, pack=None, dty
     (plus a layer while it is packed or fused). Everything is checked on the files' headers before any data
     is read; a checkpoint that does not fit raises ``CheckpointError`` naming the file or tensor.
 
-    :param fuse: one GEMV for q/k/v and for gate/up (``fuse_linears``).
+    :param fuse: one GEMV for q/k/v and for gate/up (``fuse_linears``), one kernel a MoE router (``fuse_routers``).
     :param pack: the W4A16 kernel's packed layout (``NVFP4Linear.pack``); None: in mode "w4a16".
     :param dtype: the activations' dtype (bfloat16 or float16): the model's dense tensors are cast to it.
     :param tp_plan: tensor parallelism (``nvfp4_gemv.model.tp``): ``"auto"`` (the model's

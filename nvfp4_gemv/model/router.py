@@ -6,9 +6,9 @@ Qwen3-30B-A3B's step on an H100).
 The weight stays what it is (the model's dtype, named ``weight`` as in the checkpoint); the forward contract is
 transformers': ``(router_logits, router_scores, router_indices)``. ``fuse_routers`` changes each router's class,
 in place, to a subclass of both its own class and ``TopKRouter`` (so transformers' ``OutputRecorder`` still finds
-it for ``output_router_logits``, and the module, its Parameter and hooks stay the same objects); opt-in: the
-kernel was built and tested on the CPU side in session 71 but has not run on a GPU yet, so ``fuse=True`` in
-``quantize_model`` and the loaders does not call it (docs/design.md, "Mixture-of-experts layers"). Where autograd
+it for ``output_router_logits``, and the module, its Parameter and hooks stay the same objects). ``fuse=True`` in
+``quantize_model``, ``load_modelopt`` and ``from_pretrained`` calls it after ``fuse_linears`` (GPU-tested since
+session 72: docs/design.md, "Mixture-of-experts layers"). Where autograd
 would track the weight or the input (a forward with grad enabled), the torch ops run instead, so training
 keeps every gradient.
 """

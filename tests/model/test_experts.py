@@ -17,7 +17,7 @@ pytest.importorskip("safetensors")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import nvfp4_gemv  # noqa: E402
-from nvfp4_gemv import (CheckpointError, NVFP4Experts, NVFP4Linear, calibrate_expert_input_scales,  # noqa: E402
+from nvfp4_gemv import (CheckpointError, NVFP4Experts, NVFP4Linear, TopKRouter, calibrate_expert_input_scales,  # noqa: E402
                         calibrate_input_scales, dequantize, from_pretrained, load_modelopt, quantize_model,
                         save_modelopt)
 from nvfp4_gemv.model import experts_forward as experts_mod  # noqa: E402
@@ -345,14 +345,18 @@ def test_model_logits_and_greedy_tokens_match_the_dequantized_model(arch, mode):
     assert torch.equal(nvfp4_gemv.generate(qmodel, PROMPT, 6), tokens)
 
 
-def test_shared_experts_become_nvfp4_linears_and_the_router_stays():
+def test_shared_experts_become_nvfp4_linears_and_the_router_keeps_its_weight():
     model = tiny("qwen2")
+    weight = model.model.layers[0].mlp.gate.weight
     quantize_model(model, fuse=True)
     mlp = model.model.layers[0].mlp
     assert isinstance(mlp.experts, NVFP4Experts)
     assert isinstance(mlp.shared_expert.gate_proj, NVFP4Linear) and isinstance(mlp.shared_expert.down_proj, NVFP4Linear)
     assert mlp.shared_expert.gate_proj._siblings is not None  # gate/up of the shared expert fused
-    assert type(mlp.gate).__name__ == "Qwen2MoeTopKRouter" and type(mlp.shared_expert_gate) is torch.nn.Linear
+    # the router is fused (one kernel, the same bf16 weight); the shared expert's gate stays a plain linear
+    assert isinstance(mlp.gate, TopKRouter) and type(mlp.gate).__mro__[2].__name__ == "Qwen2MoeTopKRouter"
+    assert mlp.gate.weight is weight
+    assert type(mlp.shared_expert_gate) is torch.nn.Linear
     assert logits(model).isfinite().all()
 
 

@@ -79,16 +79,21 @@ def test_a_whole_model_gives_the_same_logits_and_tokens(arch):
     assert torch.equal(model.generate(PROMPT, **GEN), tokens)
 
 
-def test_routers_are_opt_in_and_fuse_after_quantize_model():
-    """Until the kernel has run on a GPU, ``fuse=True`` leaves the routers; ``fuse_routers`` after
-    ``quantize_model`` swaps them and the quantized model's logits stay the same on the CPU."""
+def test_fuse_true_fuses_the_routers_and_fuse_false_leaves_them():
+    """``quantize_model(fuse=True)`` makes every router a ``TopKRouter`` (the quantized model's logits those of
+    transformers' routers, on the CPU); ``fuse=False`` leaves transformers' routers."""
+    kept = quantize_model(tiny("qwen3"), fuse=False)
+    assert all(type(m.mlp.gate).__name__ == "Qwen3MoeTopKRouter" for m in kept.model.layers)
     model = quantize_model(tiny("qwen3"), fuse=True)
-    assert all(type(m.mlp.gate).__name__ == "Qwen3MoeTopKRouter" for m in model.model.layers)
+    assert all(isinstance(m.mlp.gate, TopKRouter) for m in model.model.layers)
+    assert fuse_routers(model) == 0  # nothing left to fuse
     with torch.no_grad():
-        want = model(PROMPT).logits
-    assert fuse_routers(model) == len(model.model.layers)
+        got = model(PROMPT).logits
+    for m in model.model.layers:  # back to transformers' class: the same module, weight and logits
+        m.mlp.gate.__class__ = type(m.mlp.gate).__mro__[2]
+        assert type(m.mlp.gate).__name__ == "Qwen3MoeTopKRouter"
     with torch.no_grad():
-        assert torch.equal(model(PROMPT).logits, want)
+        assert torch.equal(model(PROMPT).logits, got)
 
 
 def test_output_router_logits_and_a_pickle_of_a_fused_model():
