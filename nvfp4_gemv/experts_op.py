@@ -14,7 +14,7 @@ of the sum of |terms|); the CPU path rounds the float64 result once.
 
 import torch
 
-from .launch import MAX_K, KernelCache, current_device, current_stream, fail, keep_plan, sm_count
+from .launch import MAX_K, KernelCache, RecentPlans, current_device, current_stream, fail, keep_plan, sm_count
 from .library import eager, fast_autograd
 from .reference import reference_product
 from .w4a16 import MAX_TOKENS
@@ -103,6 +103,8 @@ class ExpertsPlan:
         self.shape = (g * n_tok, m)
         self.dtype = x.dtype
         self.device = w.device
+        self.n_tok, self.busy = n_tok, busy
+        self.variants = ()  # (guard, hit) pairs: RecentPlans'
         r, grid_x = launch_shape(n_tok, m, k, sm_count(self.dev), busy)
         self.kern = _kernels.get(self.dev, ("experts", k, n_tok, r.groups, x.dtype == torch.bfloat16, r.tuning))
         shared = x.shape[0] == 1 and g > 1  # one row every group reads (n_tok 1): row stride 0
@@ -121,15 +123,51 @@ class ExpertsPlan:
                 kern.launch_dsl((*ptrs, *self.static), current_stream(self.dev))
         return out
 
+    def hit_path(self, check):
+        """The op's call for tensors with exactly this plan's metadata (``check``: the plan's C++ guard of the
+        five tensors' types, dtypes, devices, sizes and strides), ``n_tok`` and ``busy``, at aligned addresses;
+        None otherwise (the call then takes ``_run``'s key, which raises for what the op cannot take). What
+        the key costs in Python (about 4 us a call on a slow host), the guard checks in C++ (about 0.5)."""
+        n_tok, busy, plan = self.n_tok, self.busy, self
+
+        def call(x, ids, w, w_scale, alpha, nt, b):
+            if nt != n_tok or b != busy:
+                return None
+            try:
+                # a strided nested tensor aborts the guard's stride read: tested first
+                if x.is_nested or ids.is_nested or w.is_nested or w_scale.is_nested or alpha.is_nested:
+                    return None
+                if not check(x, ids, w, w_scale, alpha) or (x.data_ptr() | w.data_ptr()) & 15 or w_scale.data_ptr() & 1:
+                    return None
+            except (TypeError, AttributeError):  # not tensors
+                return None
+            return plan(x, ids, w, w_scale, alpha)
+
+        return call
+
+
+def _key(x, ids, w, w_scale, alpha, n_tok, busy):
+    """Everything a plan depends on (addresses: their alignment is in the key, checked once a plan)."""
+    return (x.shape, x.stride(), x.dtype, ids.shape, ids.stride(), ids.dtype, w.shape, w.stride(), w.dtype, w.device,
+            w_scale.shape, w_scale.stride(), w_scale.dtype, alpha.shape, alpha.stride(), alpha.dtype, n_tok, busy,
+            (x.data_ptr() | w.data_ptr()) % 16, w_scale.data_ptr() % 2,
+            tuple(t.device for t in (x, ids, w_scale, alpha)))
+
+
+# a model's step calls the op with the same weight tensors every token: a hit by w's identity (behind the
+# plan's C++ guard) skips the key
+_recent = RecentPlans()
+
 
 def _run(x, ids, w, w_scale, alpha, n_tok, busy):
     if not w.is_cuda:
         return _cpu(x, ids, w, w_scale, alpha, n_tok, check_args(x, ids, w, w_scale, alpha, n_tok))
-    # (addresses: their alignment is in the key, checked once a plan)
-    key = (x.shape, x.stride(), x.dtype, ids.shape, ids.stride(), ids.dtype, w.shape, w.stride(), w.dtype, w.device,
-           w_scale.shape, w_scale.stride(), w_scale.dtype, alpha.shape, alpha.stride(), alpha.dtype, n_tok, busy,
-           (x.data_ptr() | w.data_ptr()) % 16, w_scale.data_ptr() % 2,
-           tuple(t.device for t in (x, ids, w_scale, alpha)))
+    hit = _recent.hits.get(id(w))
+    if hit is not None:
+        res = hit(x, ids, w, w_scale, alpha, n_tok, busy)
+        if res is not None:
+            return res
+    key = _key(x, ids, w, w_scale, alpha, n_tok, busy)
     plan = _plans.get(key)
     if plan is None:
         dims = check_args(x, ids, w, w_scale, alpha, n_tok)
@@ -137,6 +175,7 @@ def _run(x, ids, w, w_scale, alpha, n_tok, busy):
             _bad(ValueError, "x", "x and w at 16-byte aligned addresses, w_scale at an even one",
                  f"addresses {x.data_ptr():#x}, {w.data_ptr():#x}, {w_scale.data_ptr():#x}")
         plan = keep_plan(_plans, key, ExpertsPlan(x, ids, w, n_tok, busy, dims))
+    _recent.add(w, (x, ids, w, w_scale, alpha), plan)
     return plan(x, ids, w, w_scale, alpha)
 
 

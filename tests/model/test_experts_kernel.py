@@ -356,3 +356,46 @@ def test_cuda_plan_validates_metadata_it_has_not_seen():
         experts_gemv(x, ids, w, ws, a[:3], 1)
     with pytest.raises(ValueError, match="argument 'ids'"):
         experts_gemv(x, ids.long(), w, ws, a, 1)
+    # after hits by w's identity: the same result, and a misaligned x is refused, not launched
+    want = experts_gemv(x, ids, w, ws, a, 1)
+    assert torch.equal(experts_gemv(x.clone(), ids, w, ws, a, 1), want)
+    buf = torch.zeros(2 * 64 + 1, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="argument 'x': expected x and w at 16-byte aligned addresses"):
+        experts_gemv(buf[1:].view(2, 64), ids, w, ws, a, 1)
+
+
+def test_a_plans_hit_path_takes_only_its_own_metadata_at_aligned_addresses():
+    """``ExpertsPlan.hit_path`` (the op's per-call check by w's identity, CPU-testable: the launch stubbed):
+    exactly the plan's n_tok, busy, tensor metadata and aligned addresses reach the plan; anything else is None
+    (and goes to the key, which validates)."""
+    from nvfp4_gemv import experts_op
+    from nvfp4_gemv.launch import _make_guard
+
+    if _make_guard is None:
+        pytest.skip("torch's TensorGuards is not usable here")
+    gen = torch.Generator().manual_seed(0)
+    w, ws, a = random_weights(gen, 4, 128, 64)
+    x, ids = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32)
+    calls = []
+
+    class Stub(experts_op.ExpertsPlan):
+        def __init__(self):  # (no kernel: only the hit path's checks run)
+            self.n_tok, self.busy, self.variants = 1, 3, ()
+
+        def __call__(self, *ts):
+            calls.append(ts)
+            return "launched"
+
+    hit = Stub().hit_path(_make_guard((x, ids, w, ws, a)).check)
+    assert hit(x, ids, w, ws, a, 1, 3) == "launched" and hit(x.clone(), ids, w, ws, a, 1, 3) == "launched"
+    buf = torch.zeros(2 * 64 + 8, dtype=torch.bfloat16)
+    wbuf = torch.zeros(ws.numel() + 1, dtype=torch.uint8).view(ws.dtype)
+    for args in [(x, ids, w, ws, a, 2, 3), (x, ids, w, ws, a, 1, 4),  # n_tok, busy
+                 (x.half(), ids, w, ws, a, 1, 3), (x[:1], ids, w, ws, a, 1, 3), (x, ids.long(), w, ws, a, 1, 3),
+                 (x, ids, w, ws, a[:3], 1, 3), (x, ids, w, ws.view(torch.uint8), a, 1, 3),
+                 (x.t().contiguous().t(), ids, w, ws, a, 1, 3),  # strides
+                 (buf[1:129].view(2, 64), ids, w, ws, a, 1, 3),  # x 2 bytes off 16
+                 (x, ids, w, wbuf[1:].view(ws.shape), a, 1, 3),  # w_scale at an odd address
+                 (x, ids, w, ws, 1.0, 1, 3)]:  # not a tensor
+        assert hit(*args) is None
+    assert len(calls) == 2
