@@ -137,7 +137,7 @@ step inbounds 280 bash -c "P='python -m pytest -q -p no:cacheprovider -m gpu'
     wait; tail -n 2 '$LOG'/inbounds-*.txt"
 step experts 300 bash -c "$(declare -f experts_tests); LOG='$LOG' experts_tests"
 step mutants 240 python tools/mutants.py --gpu --jobs 4
-step sanitize 300 tools/sanitize.sh
+step sanitize 420 tools/sanitize.sh
 step fuzz 70 python tools/fuzz.py --cases 500 --max-values 3e7
 step fuzzop 200 python tools/fuzz_op.py --cases 300 --jobs 6
 step fuzzw4a16 200 python tools/fuzz_op.py --cases 300 --w4a16 --jobs 6

@@ -3,7 +3,9 @@ streaming kernel's wide scale loads, each named with the kernel class and config
 it; `all` = those plus fuzz shapes; `wide` = the three alone. All add the cases of the op's kernels
 (``nvfp4_gemv.gemv``); `w4a16` = the W4A16 and quantize cases alone, `bulk` = W4A16's bulk builds alone,
 `packed` = the W4A16 kernel on packed weights (``gemv_packed``) alone; `experts` = the experts' grouped kernel
-(``experts_op.experts_gemv``) alone, which `all` runs too; `model` = a tiny Llama's greedy decode, bf16 and with
+(``experts_op.experts_gemv``) alone, `router` = the MoE routing kernel (``topk_route``) alone, `dequant` = the
+prefill's dequantize kernel (``dequant_kernel``: plain, strided, packed, one and two blocks a thread) alone,
+each of which `all` runs too; `model` = a tiny Llama's greedy decode, bf16 and with
 our layers (W4A16 fused and packed, W4A16, W4A4), by ``generate`` and by ``model.generate`` (eager and static
 cache as the GPU test that faulted; without CUDA graphs, so that it runs without the caching allocator too:
 ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` gives each tensor its own allocation, where memcheck sees a read past
@@ -36,9 +38,9 @@ wide = [(4096, 1024, 2), (2048, 3072, 2), (1024, 4096, 4)]
 # `task` = every task.yml shape (benchmarks included) and the wide ones, with the configuration pick_tuning gives it
 section = sys.argv[1] if sys.argv[1:] else ""
 shapes = {"all": task + wide + fuzz, "task": task + wide, "wide": wide, "w4a16": [], "bulk": [], "packed": [],
-          "experts": [], "model": []}.get(section)
+          "experts": [], "router": [], "dequant": [], "model": []}.get(section)
 if shapes is None:
-    raise SystemExit("usage: sanitize_cases.py all|task|wide|w4a16|bulk|packed|experts|model")
+    raise SystemExit("usage: sanitize_cases.py all|task|wide|w4a16|bulk|packed|experts|router|dequant|model")
 if section == "model":  # (session 66: an illegal address in the GPU suite after leaderboard tests, generate's test)
     from model.test_generate import hf, prompt, tiny_llama  # noqa: E402
 
@@ -203,3 +205,45 @@ if section in ("all", "experts"):
         assert not y[~ref.isnan()].isnan().any(), f"experts case {seed}: rows of a group with an expert left unwritten"
         check_within_bound(y, ref, absum, x.shape[1], f"experts case {seed}")
         print(f"experts case {seed}: E={w.shape[0]} {w.shape[1]}x{x.shape[1]} nt={nt} ids={ids.tolist()}: ok", flush=True)
+# the routing kernel: the GPU tests' shapes (E 32-1024, H 256-8192, k 1-32, 1-64 tokens, both dtypes, with and
+# without renormalisation) and a strided x, each checked as its test does (top k of its own logits, stable order)
+if section in ("all", "router"):
+    from op.test_router_kernel import CASES as ROUTER_CASES, inputs as router_inputs, stable_top  # noqa: E402
+
+    from nvfp4_gemv.router_op import kernel_takes, topk_route  # noqa: E402
+
+    for t, e, h, k, dtype, norm in ROUTER_CASES:
+        x, w = router_inputs(t, e, h, dtype, seed=t * 1000 + e + k)
+        if t > 1:  # rows 2h apart: a strided x
+            x = torch.cat([x, torch.zeros_like(x)], dim=1)[:, :h]
+        assert kernel_takes(x, w, k)
+        logits, weights, idx = topk_route(x, w, k, norm)
+        torch.cuda.synchronize()
+        want_i, _ = stable_top(logits, k, norm)
+        assert torch.equal(idx, want_i), f"router {t}x{e}x{h} k={k}: indices differ from its logits' stable top k"
+        print(f"router T={t} E={e} H={h} k={k} {dtype} norm={norm}: ok", flush=True)
+# the dequantize kernel: every build (one and two blocks a thread; plain, strided, packed) bit for bit
+if section in ("all", "dequant"):
+    from op.test_dequant_kernel import exact as dq_exact, weights as dq_weights  # noqa: E402
+
+    from nvfp4_gemv import dequant_kernel  # noqa: E402
+    from nvfp4_gemv.packed import pack_weight  # noqa: E402
+
+    for m, k in ((1, 16), (3, 48), (130, 4112), (256, 4096)):
+        for dtype in (torch.bfloat16, torch.float16):
+            for pair in (False, True):
+                w, s = dq_weights(m, k, seed=m + k)
+                out = torch.empty((m, k), dtype=dtype, device="cuda")
+                dequant_kernel.dequantize_cuda(w.cuda(), s.cuda(), out, k, pair=pair)
+                wide_w = torch.cat([w, w], dim=1).cuda()[:, : k // 2]  # rows k bytes apart: strided codes
+                strided = torch.empty_like(out)
+                dequant_kernel.dequantize_cuda(wide_w, s.cuda(), strided, k, pair=pair)
+                want = dq_exact(w, s, dtype)
+                assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), f"dequant {m}x{k}"
+                assert torch.equal(strided.cpu().view(torch.int16), want.view(torch.int16)), f"dequant strided {m}x{k}"
+                if m % 128 == 0 and k % 128 == 0:
+                    packed = torch.empty_like(out)
+                    dequant_kernel.dequantize_cuda(pack_weight(w.cuda(), s.cuda()), None, packed, k, packed=True, pair=pair)
+                    assert torch.equal(packed.cpu().view(torch.int16), want.view(torch.int16)), f"dequant packed {m}x{k}"
+                torch.cuda.synchronize()
+                print(f"dequant {m}x{k} {dtype} pair={pair}: ok", flush=True)
