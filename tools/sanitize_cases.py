@@ -77,7 +77,7 @@ for m, k, l in shapes:
             print(f"{m}x{k}x{l} cpu_scales={cpu_scales} {kernel} {dict(tuning)} {call}: "
                   f"{'ok' if ok else 'MISMATCH ' + msg}", flush=True)
             assert ok
-if section in ("w4a16", "bulk", "packed", "experts"):  # only the W4A16 (bulk: its bulk builds; packed: packed weights) and
+if section in ("w4a16", "bulk", "packed", "experts", "router", "dequant"):  # only the W4A16 (bulk: its bulk builds; packed: packed weights) and
     shapes = None                           # quantize kernels (below)
 # the op for model code: both kernels (tokens: dp4a with x in shared memory; mma: tensor cores, partials summed
 # in shared memory after a barrier), plain and blocked scales, a tile moved back (M / 8 not a multiple of groups)
@@ -131,7 +131,7 @@ from nvfp4_gemv import quant  # noqa: E402
 # whose hoisted loads of x read past it before ptx.ldg_v4_if had side effects)
 from nvfp4_gemv import gemv_packed, pack_weight  # noqa: E402
 
-for n, m, k, rows in () if section in ("bulk", "experts") else ((1, 512, 4096, None), (1, 4352, 2048, None), (1, 28672, 4096, None),
+for n, m, k, rows in () if section in ("bulk", "experts", "router", "dequant") else ((1, 512, 4096, None), (1, 4352, 2048, None), (1, 28672, 4096, None),
                                                    (2, 4352, 8192, None), (12, 8576, 4096, None),
                                                    (32, 1152, 1024, None), (3, 1024, 2048, 128), (10, 512, 256, None)):
     x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n + m + 2, dtype=torch.float16 if n == 12 else torch.bfloat16)
@@ -143,7 +143,7 @@ for n, m, k, rows in () if section in ("bulk", "experts") else ((1, 512, 4096, N
     bad, msg = w4a16_violations(out, *w4a16_exact(x, w, ws, a))
     print(f"w4a16 packed N={n} {wp.shape[0]}x{k}: {'ok' if bad == 0 else 'MISMATCH ' + msg}", flush=True)
     assert bad == 0
-for n, m, k, dtype, blocked in () if section in ("bulk", "packed", "experts") else ((1, 512, 4096, torch.bfloat16, False), (1, 4352, 2048, torch.bfloat16, False),
+for n, m, k, dtype, blocked in () if section in ("bulk", "packed", "experts", "router", "dequant") else ((1, 512, 4096, torch.bfloat16, False), (1, 4352, 2048, torch.bfloat16, False),
                                 (2, 4352, 2048, torch.float16, False), (2, 4352, 8256, torch.bfloat16, False),
                                 (1, 2048, 4096, torch.bfloat16, False), (3, 2048, 4160, torch.float16, True),
                                 (6, 2048, 4160, torch.bfloat16, True), (12, 8576, 4096, torch.float16, False),
@@ -161,7 +161,7 @@ for n, m, k, dtype, blocked in () if section in ("bulk", "packed", "experts") el
 from nvfp4_gemv.reference import check_args  # noqa: E402
 
 late = {"threads": 256, "w_a": 1, "x_smem": 1, "xpair": 1, "late": 1, "dec": 1, "groups": 2, "ctas": 4}
-for n, m, k, tune in () if section in ("packed", "experts") else ((1, 17536, 4096, {**late, "bulk": 2, "span": 2}),
+for n, m, k, tune in () if section in ("packed", "experts", "router", "dequant") else ((1, 17536, 4096, {**late, "bulk": 2, "span": 2}),
                                                     (2, 17536, 3072, {**late, "late": 0, "bulk": 3})):
     x, _, w, ws, a = w4a16_inputs(n, m, k, seed=n + m + 1)
     out = torch.full((n, m), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -172,7 +172,7 @@ for n, m, k, tune in () if section in ("packed", "experts") else ((1, 17536, 409
     bad, msg = w4a16_violations(out, *w4a16_exact(x, w, ws, a))
     print(f"w4a16 bulk N={n} {m}x{k}: {'ok' if bad == 0 else 'MISMATCH ' + msg}", flush=True)
     assert bad == 0
-for rows, k, dtype in () if section in ("bulk", "packed", "experts") else ((3, 4096, torch.bfloat16), (5, 1024, torch.float16)):
+for rows, k, dtype in () if section in ("bulk", "packed", "experts", "router", "dequant") else ((3, 4096, torch.bfloat16), (5, 1024, torch.float16)):
     x = torch.randn(rows, 2 * k, dtype=dtype, device="cuda")[:, k:]
     gs = torch.tensor([7.0], device="cuda")
     q, s = quant.quantize(x, gs)
@@ -224,26 +224,33 @@ if section in ("all", "router"):
         print(f"router T={t} E={e} H={h} k={k} {dtype} norm={norm}: ok", flush=True)
 # the dequantize kernel: every build (one and two blocks a thread; plain, strided, packed) bit for bit
 if section in ("all", "dequant"):
-    from op.test_dequant_kernel import exact as dq_exact, weights as dq_weights  # noqa: E402
+    from op.test_dequant_kernel import exact as dq_exact, poisoned, weights as dq_weights  # noqa: E402
 
     from nvfp4_gemv import dequant_kernel  # noqa: E402
     from nvfp4_gemv.packed import pack_weight  # noqa: E402
 
-    for m, k in ((1, 16), (3, 48), (130, 4112), (256, 4096)):
+    # (K % 32 == 0 takes the two-blocks-a-thread build where pair is asked; other K the one-block build)
+    for m, k in ((1, 16), (3, 48), (130, 4112), (256, 4096), (130, 4128)):
         for dtype in (torch.bfloat16, torch.float16):
             for pair in (False, True):
                 w, s = dq_weights(m, k, seed=m + k)
-                out = torch.empty((m, k), dtype=dtype, device="cuda")
+                want = dq_exact(w, s, dtype).view(torch.int16)
+                out = poisoned(m, k, dtype)  # (each output poisoned: a kernel that wrote nothing fails)
                 dequant_kernel.dequantize_cuda(w.cuda(), s.cuda(), out, k, pair=pair)
-                wide_w = torch.cat([w, w], dim=1).cuda()[:, : k // 2]  # rows k bytes apart: strided codes
-                strided = torch.empty_like(out)
-                dequant_kernel.dequantize_cuda(wide_w, s.cuda(), strided, k, pair=pair)
-                want = dq_exact(w, s, dtype)
-                assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), f"dequant {m}x{k}"
-                assert torch.equal(strided.cpu().view(torch.int16), want.view(torch.int16)), f"dequant strided {m}x{k}"
-                if m % 128 == 0 and k % 128 == 0:
-                    packed = torch.empty_like(out)
-                    dequant_kernel.dequantize_cuda(pack_weight(w.cuda(), s.cuda()), None, packed, k, packed=True, pair=pair)
-                    assert torch.equal(packed.cpu().view(torch.int16), want.view(torch.int16)), f"dequant packed {m}x{k}"
+                # codes and scales as column slices of wider rows: both strided, 64 and 8 bytes in
+                wide_w = torch.zeros(m, k // 2 + 128, dtype=torch.uint8)
+                wide_w[:, 64:64 + k // 2] = w
+                wide_s = torch.zeros(m, k // 16 + 16, dtype=torch.uint8)
+                wide_s[:, 8:8 + k // 16] = s.view(torch.uint8)
+                strided = poisoned(m, k, dtype)
+                dequant_kernel.dequantize_cuda(wide_w.cuda()[:, 64:64 + k // 2],
+                                               wide_s.cuda().view(s.dtype)[:, 8:8 + k // 16], strided, k, pair=pair)
                 torch.cuda.synchronize()
+                assert torch.equal(out.cpu().view(torch.int16), want), f"dequant {m}x{k}"
+                assert torch.equal(strided.cpu().view(torch.int16), want), f"dequant strided {m}x{k}"
+                if m % 128 == 0 and k % 128 == 0:
+                    packed = poisoned(m, k, dtype)
+                    dequant_kernel.dequantize_cuda(pack_weight(w.cuda(), s.cuda()), None, packed, k, packed=True, pair=pair)
+                    torch.cuda.synchronize()
+                    assert torch.equal(packed.cpu().view(torch.int16), want), f"dequant packed {m}x{k}"
                 print(f"dequant {m}x{k} {dtype} pair={pair}: ok", flush=True)
