@@ -34,12 +34,12 @@ from .model.generation import generate
 from .model.linear import NVFP4Linear, input_scale_from
 from .model.modelopt import load_modelopt, save_modelopt
 from .model.pretrained import from_pretrained
-from .model.router import TopKRouter, fuse_routers
+from .model.router import TopKRouter, fuse_routers, unfuse_routers
 from .router_op import topk_route
 from .model.tp import shard_model
 
 __all__ = ["CheckpointError", "NVFP4Experts", "NVFP4Linear", "PreScaledNVFP4Linear", "calibrate_expert_input_scales", "calibrate_input_scales", "check_inputs",
-           "TopKRouter", "custom_kernel", "dequantize", "from_pretrained", "fuse_linears", "fuse_routers", "gemv", "gemv_packed", "gemv_reference", "generate",
+           "TopKRouter", "custom_kernel", "dequantize", "from_pretrained", "fuse_linears", "fuse_routers", "gemv", "gemv_packed", "gemv_reference", "generate", "unfuse_routers",
            "input_scale_from", "load_modelopt", "pack_weight", "quantize", "quantize_model", "quantize_reference",
            "quantize_weight", "save_modelopt", "shard_model", "swizzled_scale_shape", "topk_route", "unpack_weight"]
 

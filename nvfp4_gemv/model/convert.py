@@ -43,7 +43,8 @@ def quantize_model(model, mode="w4a16", skip=("lm_head",), input_scales=None, fu
         GEMV a forward, the fast path for transformers models. Each group is then quantized with one
         ``weight_scale_2`` (the group's amax, as ModelOpt exports the groups that serving fuses) instead of
         one a linear; groups whose input_scales differ are quantized and left unfused. MoE routers of the
-        classes ``fuse_routers`` knows then run as one kernel each (``TopKRouter``; their weights unchanged).
+        classes ``fuse_routers`` knows then run as one kernel each (``TopKRouter``; their weights unchanged;
+        ``unfuse_routers`` undoes it).
     MoE experts modules (transformers 5's 3-d ``gate_up_proj`` / ``down_proj``) become ``NVFP4Experts``
     (``nvfp4_gemv.model.experts_convert.quantize_experts``; their ``input_scales`` under ModelOpt's per-expert names,
     ``"{module}.{e}.gate_proj"`` etc., from ``calibrate_expert_input_scales``).

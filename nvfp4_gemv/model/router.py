@@ -82,3 +82,13 @@ def fuse_routers(model):
     for m in found:
         m.__class__ = fused_class(type(m))
     return len(found)
+
+
+def unfuse_routers(model):
+    """Undoes ``fuse_routers`` in place (for ``fuse=True``'s linear fusion with transformers' own routers):
+    every ``TopKRouter`` that ``fuse_routers`` made gets its transformers class back; returns the number
+    changed."""
+    found = [m for m in model.modules() if type(m).__name__.startswith(_FUSED_PREFIX) and isinstance(m, TopKRouter)]
+    for m in found:
+        m.__class__ = type(m).__mro__[2]  # (fused_class: (itself, TopKRouter, transformers' class, ...))
+    return len(found)

@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import nvfp4_gemv  # noqa: E402
-from nvfp4_gemv import TopKRouter, fuse_routers, quantize_model, topk_route  # noqa: E402
+from nvfp4_gemv import TopKRouter, fuse_routers, quantize_model, topk_route, unfuse_routers  # noqa: E402
 from nvfp4_gemv.model.router import ROUTER_CLASSES  # noqa: E402
 from nvfp4_gemv.router_kernel import can_implement  # noqa: E402
 from test_experts import GEN, PROMPT, tiny  # noqa: E402
@@ -81,7 +81,8 @@ def test_a_whole_model_gives_the_same_logits_and_tokens(arch):
 
 def test_fuse_true_fuses_the_routers_and_fuse_false_leaves_them():
     """``quantize_model(fuse=True)`` makes every router a ``TopKRouter`` (the quantized model's logits those of
-    transformers' routers, on the CPU); ``fuse=False`` leaves transformers' routers."""
+    transformers' routers, on the CPU); ``fuse=False`` leaves transformers' routers; ``unfuse_routers`` gives
+    a fused model's routers their transformers class back (linear fusion kept)."""
     kept = quantize_model(tiny("qwen3"), fuse=False)
     assert all(type(m.mlp.gate).__name__ == "Qwen3MoeTopKRouter" for m in kept.model.layers)
     model = quantize_model(tiny("qwen3"), fuse=True)
@@ -89,9 +90,10 @@ def test_fuse_true_fuses_the_routers_and_fuse_false_leaves_them():
     assert fuse_routers(model) == 0  # nothing left to fuse
     with torch.no_grad():
         got = model(PROMPT).logits
-    for m in model.model.layers:  # back to transformers' class: the same module, weight and logits
-        m.mlp.gate.__class__ = type(m.mlp.gate).__mro__[2]
-        assert type(m.mlp.gate).__name__ == "Qwen3MoeTopKRouter"
+    gates = [m.mlp.gate for m in model.model.layers]
+    assert unfuse_routers(model) == len(gates) and unfuse_routers(model) == 0  # back to transformers' class
+    assert all(type(g).__name__ == "Qwen3MoeTopKRouter" and not isinstance(g, TopKRouter) for g in gates)
+    assert [m.mlp.gate for m in model.model.layers] == gates  # the same modules (and weights)
     with torch.no_grad():
         assert torch.equal(model(PROMPT).logits, got)
 
@@ -183,7 +185,7 @@ def test_what_the_kernel_takes():
 
 
 def test_the_names_are_public():
-    assert nvfp4_gemv.topk_route is topk_route and "fuse_routers" in nvfp4_gemv.__all__
+    assert nvfp4_gemv.topk_route is topk_route and {"fuse_routers", "unfuse_routers"} <= set(nvfp4_gemv.__all__)
 
 
 def test_a_quantized_model_with_fused_routers_compiles_in_one_graph():
