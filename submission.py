@@ -110,9 +110,10 @@ def ldg_v4(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def ldg_u16(addr, *, loc=None, ip=None):
-    """``ld.global.nc.u16``: two scale bytes read-only, no built-in raw-address load on DSL 4.3."""
-    r = asm([T.i32()], [cutlass.Int64(addr)], "ld.global.nc.u16 $0, [$1];", "=r,l", loc, ip)
+def ldg_u16(addr, *, volatile=False, loc=None, ip=None):
+    """``ld.global.nc.u16``: two scale bytes read-only, no built-in raw-address load on DSL 4.3.
+    ``volatile``: side-effecting (LLVM neither hoists it above a bound check nor drops it)."""
+    r = asm([T.i32()], [cutlass.Int64(addr)], "ld.global.nc.u16 $0, [$1];", "=r,l", loc, ip, volatile=volatile)
     return cutlass.Int32(r[0])
 
 
@@ -124,17 +125,19 @@ def ldg_f32(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def ldg_v2(addr, *, loc=None, ip=None):
-    """``ld.global.nc.L1::no_allocate.v2.u32``: 8 bytes of a stream read once (no L1 line)."""
+def ldg_v2(addr, *, volatile=False, loc=None, ip=None):
+    """``ld.global.nc.L1::no_allocate.v2.u32``: 8 bytes of a stream read once (no L1 line); ``volatile``:
+    side-effecting."""
     r = asm([T.i32()] * 2, [cutlass.Int64(addr)], "ld.global.nc.L1::no_allocate.v2.u32 {$0, $1}, [$2];",
-            "=r,=r,l", loc, ip)
+            "=r,=r,l", loc, ip, volatile=volatile)
     return [cutlass.Int32(v) for v in r]
 
 
 @dsl_user_op
-def ldg_u8(addr, *, loc=None, ip=None):
-    """``ld.global.nc.u8``: one scale byte read-only, no built-in raw-address load on DSL 4.3."""
-    r = asm([T.i32()], [cutlass.Int64(addr)], "ld.global.nc.u8 $0, [$1];", "=r,l", loc, ip)
+def ldg_u8(addr, *, volatile=False, loc=None, ip=None):
+    """``ld.global.nc.u8``: one scale byte read-only, no built-in raw-address load on DSL 4.3; ``volatile``:
+    side-effecting."""
+    r = asm([T.i32()], [cutlass.Int64(addr)], "ld.global.nc.u8 $0, [$1];", "=r,l", loc, ip, volatile=volatile)
     return cutlass.Int32(r[0])
 
 

@@ -30,6 +30,7 @@ from .decode import scaled_bf16x8, scaled_f16x8
 from .launch import KernelCache, current_device, current_stream, dsl_compile, sm_count
 from .packed import GROUP_ROWS, PIECE, SLICE
 from .ptx import asm as _asm
+from .ptx import ldg_u8, ldg_u16, ldg_v2
 from .quant_kernel import stg_v4
 
 THREADS = 256
@@ -37,33 +38,12 @@ BLOCK = 16  # values a scale, and a thread's share of one iteration
 
 
 @dsl_user_op
-def ldg_codes(addr, *, loc=None, ip=None):
-    """``ld.global.nc.L1::no_allocate.v2.u32``, side-effecting (see the module docstring)."""
-    r = _asm([T.i32()] * 2, [cutlass.Int64(addr)], "ld.global.nc.L1::no_allocate.v2.u32 {$0, $1}, [$2];",
-             "=r,=r,l", loc, ip, volatile=True)
-    return [cutlass.Int32(v) for v in r]
-
-
-@dsl_user_op
-def ldg_scale(addr, *, loc=None, ip=None):
-    """``ld.global.nc.u8``, side-effecting."""
-    r = _asm([T.i32()], [cutlass.Int64(addr)], "ld.global.nc.u8 $0, [$1];", "=r,l", loc, ip, volatile=True)
-    return cutlass.Int32(r[0])
-
-
-@dsl_user_op
-def ldg_codes16(addr, *, loc=None, ip=None):
-    """``ld.global.nc.L1::no_allocate.v4.u32``, side-effecting: two blocks' codes (the ``pair`` build)."""
+def ldg_stream_v4(addr, *, loc=None, ip=None):
+    """``ld.global.nc.L1::no_allocate.v4.u32``, side-effecting: two blocks' codes (the ``pair`` build). The
+    other loads are ``ptx``'s, asked ``volatile``."""
     r = _asm([T.i32()] * 4, [cutlass.Int64(addr)], "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
              "=r,=r,=r,=r,l", loc, ip, volatile=True)
     return [cutlass.Int32(v) for v in r]
-
-
-@dsl_user_op
-def ldg_scale16(addr, *, loc=None, ip=None):
-    """``ld.global.nc.u16``, side-effecting: two blocks' scale bytes (the ``pair`` build)."""
-    r = _asm([T.i32()], [cutlass.Int64(addr)], "ld.global.nc.u16 $0, [$1];", "=r,l", loc, ip, volatile=True)
-    return cutlass.Int32(r[0])
 
 
 @dsl_user_op
@@ -136,11 +116,11 @@ class Nvfp4Dequantize:
                 at_q = w_ptr + cutlass.Int64(r) * w_rs + cutlass.Int64(c) * 8
                 at_s = ws_ptr + cutlass.Int64(r) * ws_rs + cutlass.Int64(c)
             if cutlass.const_expr(self.pair):
-                q = ldg_codes16(at_q)
-                s8 = ldg_scale16(at_s)  # block c's byte low, c + 1's high
+                q = ldg_stream_v4(at_q)
+                s8 = ldg_u16(at_s, volatile=True)  # block c's byte low, c + 1's high
             else:
-                q = ldg_codes(at_q)
-                s8 = ldg_scale(at_s)
+                q = ldg_v2(at_q, volatile=True)
+                s8 = ldg_u8(at_s, volatile=True)
             dst = out_ptr + (cutlass.Int64(r) * self.k + cutlass.Int64(c) * BLOCK) * 2
             for j in cutlass.range_constexpr(nb):
                 sj = s8 if j == 0 else s8 >> 8  # (the decodes read the scale register's low byte)

@@ -37,11 +37,21 @@ def check_args(x, weight, top_k):
         fail(ValueError, "top_k", f"an int in 1..{weight.shape[0]} (the experts)", repr(top_k), WHO)
 
 
+_shapes = {}  # (E, H, top_k) -> whether router_kernel builds it: asked once a shape, not every call
+
+
+def _builds(e, h, k):
+    got = _shapes.get((e, h, k))
+    if got is None:
+        from .router_kernel import can_implement  # (the DSL, imported where a CUDA call first needs it)
+
+        got = _shapes[(e, h, k)] = can_implement(e, h, k)[0]
+    return got
+
+
 def kernel_takes(x, weight, top_k):
     """Whether a call runs the kernel (else the torch ops)."""
-    from .router_kernel import can_implement
-
-    return (x.is_cuda and x.dtype in _DTYPES and x.shape[0] <= MAX_TOKENS and can_implement(*weight.shape, top_k)[0]
+    return (x.is_cuda and x.dtype in _DTYPES and x.shape[0] <= MAX_TOKENS and _builds(*weight.shape, top_k)
             and x.stride(1) == 1 and (x.stride(0) * 2) % 16 == 0 and x.data_ptr() % 16 == 0
             and weight.is_contiguous() and weight.data_ptr() % 16 == 0)
 

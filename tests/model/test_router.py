@@ -182,6 +182,10 @@ def test_what_the_kernel_takes():
     assert not can_implement(60, 2048, 4)[0] and not can_implement(8, 4096, 2)[0]  # Qwen2-MoE's 60, Mixtral's 8
     assert not can_implement(128, 2000, 8)[0] and not can_implement(128, 2048, 33)[0]
     assert "Qwen3MoeTopKRouter" in ROUTER_CLASSES and "MixtralTopKRouter" not in ROUTER_CLASSES
+    from nvfp4_gemv.router_op import _builds  # (the op's per-call answer, kept a shape)
+
+    for shape in [(128, 2048, 8), (60, 2048, 4), (128, 2000, 8), (128, 2048, 33), (32, 256, 1)] * 2:
+        assert _builds(*shape) == can_implement(*shape)[0]
 
 
 def test_the_names_are_public():
