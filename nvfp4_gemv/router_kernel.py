@@ -27,7 +27,8 @@ them first).
 Layouts: x [T, H] bf16 or fp16, rows ``x_rs`` bytes apart (16-byte aligned); W [E, H] the same dtype,
 contiguous, 16-byte aligned; ``keys`` int32 [T, E] scratch and ``counters`` int32 [T], zero before the
 launch (the op allocates them zeroed each call, one buffer: the counters, then the keys 4T bytes on; so
-launches on several streams or graph replays never share a counter); ``logits`` [T, E], ``weights`` [T, k] in x's dtype, ``indices`` int64 [T, k], dense.
+launches on several streams or graph replays never share a counter); ``logits`` [T, E], ``weights`` [T, k]
+in x's dtype, ``indices`` int64 [T, k], dense.
 Constraints (``can_implement``): ``E % 32 == 0``, ``E <= 1024``, ``H % 256 == 0``, ``H <= 8192``, ``1 <= k <= 32``
 and ``k <= E``.
 """

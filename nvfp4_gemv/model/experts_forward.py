@@ -72,8 +72,9 @@ def _weights(w, ws, alpha, dtype):
     """``dequantize(w, ws) * alpha`` (fp32, the same operations as ``quant.dequantize`` with a scale_2)
     rounded to ``dtype``: w [P, N, K/2], ws [P, N, K/16], alpha [P] -> [P, N, K]. On CUDA ``e2m1 * scale``
     comes from ``dequant_kernel`` in bf16 (exact: at most 6 significant bits), multiplied by alpha in fp32, so
-    the bits are those of the torch ops, in two passes instead of about ten (8 bytes of temporaries a weight); else bytes decode through a
-    256-entry table of value pairs made on the device (``e2m1_decode`` of every byte; no host copy)."""
+    the bits are those of the torch ops, in two passes instead of about ten (8 bytes of temporaries a
+    weight); else bytes decode through a 256-entry table of value pairs made on the device (``e2m1_decode``
+    of every byte; no host copy)."""
     p, n, half = w.shape
     if _kernel_reads(w, ws):
         from .. import dequant_kernel
