@@ -13,7 +13,9 @@ be (else timed eagerly, said in the table) and timed as the leaderboard times (`
 L2 flushed, CUDA events, median); the read floor is ``tools/read_floor.py``'s fastest plain read of the
 same bytes. On the CPU: wall-clock medians, no floor. On CUDA up to 64 tokens NVFP4Experts runs the experts'
 kernel (nvfp4_gemv/experts_kernel.py); ``--fallback`` times its dequantize fallback too, ``--busy`` the
-kernel's launch shape under other estimates of the groups with an expert.
+kernel's launch shape under other estimates of the groups with an expert. The NVFP4 block's router is what
+``quantize_model(fuse=True)`` makes of it (``fuse_routers``: ``TopKRouter``, one kernel up to 64 tokens on
+CUDA); ``--hf-router`` keeps transformers' (the bf16 block always has transformers').
 """
 
 import argparse
@@ -136,6 +138,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print each token count's kernels of the NVFP4 block "
                     "(one eager run under torch.profiler)")
     ap.add_argument("--fallback", action="store_true", help="also time NVFP4Experts' dequantize fallback")
+    ap.add_argument("--hf-router", action="store_true", help="keep transformers' router in the NVFP4 block "
+                    "(default: fuse_routers, as quantize_model(fuse=True) does)")
     ap.add_argument("--busy", default="1", help="factors on the kernel's estimate of the groups with an expert "
                     "(its launch shape), each timed: e.g. 0.5,1,2")
     args = ap.parse_args()
@@ -148,6 +152,10 @@ def main():
         e, s = cfg.num_experts, torch.full((), 4.0 / 2688, device=device)
         scales = (s.expand(e).clone(), (s / 8).expand(e).clone())
     ours.experts = NVFP4Experts.from_experts(ref.experts, mode=args.mode, input_scales=scales)
+    if not args.hf_router:
+        from nvfp4_gemv import fuse_routers
+
+        fuse_routers(ours)
     if args.compile:
         # both blocks share one forward (one code object), recompiled for each token count and busy factor:
         # past dynamo's default limit of 8 the rest would run eagerly, unsaid
@@ -219,7 +227,7 @@ def main():
     print("\n".join(lines))
     if args.out:
         meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-                    mode=args.mode, compiled=args.compile, config={k: getattr(cfg, k) for k in QWEN3_30B_A3B}, reps=reps)
+                    mode=args.mode, compiled=args.compile, router="transformers'" if args.hf_router else "TopKRouter", config={k: getattr(cfg, k) for k in QWEN3_30B_A3B}, reps=reps)
         with open(args.out + ".json", "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
         with open(args.out + ".md", "w") as f:
