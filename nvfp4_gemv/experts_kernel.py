@@ -14,9 +14,18 @@ which it finds from ``ids[g]`` before anything else. The launch takes the op's 1
 them in other roles: the activation-scale address (unused by W4A16) carries the address of ``ids`` (int32
 [G]) and its row stride carries G, the grid's second dimension.
 
+``act="silu"`` (the down launch of a SwiGLU expert, ``x`` the gate/up launch's output) reads rows of 2K values,
+``[gate | up]``, and takes ``h = silu(gate) * up`` as its x: the copy of x into shared memory (``x_smem``,
+which ``act`` needs) computes, for each value, ``s = gate / (1 + exp(-gate))`` (the DSL's accurate ``exp``,
+``div.rn``) and ``s * up`` in fp32, rounded once to x's dtype. That is ``F.silu(gate) * up`` as inductor
+computes it (fp32 throughout, one rounding), within an ulp of x's dtype of the exact value where fp32's
+few-ulp error of ``exp`` meets a rounding midpoint; eager torch rounds ``silu(gate)`` to x's dtype first (a
+second rounding). The products of ``h`` and ``w`` then have the plain kernel's bound.
+
 Layouts: ``w`` uint8 [E, M, K/2] and ``ws`` e4m3 [E, M, K/16], each expert's rows following the previous
 expert's (an expert's matrix is M row strides after the last); ``alpha`` fp32 [E]; ``x`` [G * NT, K] and
-``out`` [G * NT, M] as the plain kernel takes them (16-byte aligned K-contiguous rows; unit stride along M).
+``out`` [G * NT, M] as the plain kernel takes them (16-byte aligned K-contiguous rows; unit stride along M);
+with ``act`` ``x`` [G * NT, 2K].
 """
 
 import cutlass
@@ -24,8 +33,19 @@ import cutlass.cute as cute
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .op_kernel import compile_op
-from .ptx import asm
+from .ptx import asm, div_rn
+from .quant_kernel import widen8
 from .w4a16 import Nvfp4GemvW4A16
+
+ACTS = ("silu",)  # what ``act`` takes (transformers' SiLU experts: Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3)
+
+
+@dsl_user_op
+def pack_x2(lo, hi, bf16, *, loc=None, ip=None):
+    """Two fp32 values rounded (to nearest even) to x's dtype, ``lo`` in the low half of the word."""
+    cvt = "cvt.rn.bf16x2.f32" if bf16 else "cvt.rn.f16x2.f32"
+    r = asm([T.i32()], [cutlass.Float32(lo), cutlass.Float32(hi)], f"{cvt} $0, $2, $1;", "=r,f,f", loc, ip)
+    return cutlass.Int32(r[0])
 
 
 @dsl_user_op
@@ -40,10 +60,23 @@ class Nvfp4ExpertsW4A16(Nvfp4GemvW4A16):
     per the plain kernel's build (K, tokens a group, groups of 8 rows a CTA, dtypes, tuning). Plain scales,
     ``alpha`` always (one per expert)."""
 
-    def __init__(self, k, n_tok, groups, x_bf16, out_bf16, **tuning):
+    def __init__(self, k, n_tok, groups, x_bf16, out_bf16, act=None, **tuning):
         if tuning.get("packed") or tuning.get("bulk"):
             raise ValueError("nvfp4_gemv: the experts' kernel takes neither packed weights nor bulk")
+        if act is not None and act not in ACTS:
+            raise ValueError(f"nvfp4_gemv: act={act!r}: the experts' kernel takes None or one of {ACTS}")
         super().__init__(k, n_tok, groups, x_bf16, False, True, out_bf16, **tuning)
+        if act is not None and not self.x_smem:
+            raise ValueError(f"nvfp4_gemv: act={act!r} needs x in shared memory (x_smem), not {tuning}")
+        self.act = act
+
+    def x_act(self, gate, up):
+        """``silu(gate) * up`` for 8 values of x's dtype (four words each), in fp32, rounded once (module
+        docstring): four words."""
+        g = widen8(*gate, self.x_bf16)
+        u = widen8(*up, self.x_bf16)
+        h = [div_rn(g[i], cutlass.Float32(1.0) + cute.math.exp(-g[i])) * u[i] for i in range(8)]
+        return [pack_x2(h[2 * i], h[2 * i + 1], self.x_bf16) for i in range(4)]
 
     @cute.jit
     def __call__(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, ids_ptr: cutlass.Int64,
@@ -68,6 +101,6 @@ class Nvfp4ExpertsW4A16(Nvfp4GemvW4A16):
                          cutlass.Int64(0), out_rs)
 
 
-def compile_experts_w4a16(k, n_tok, groups, x_bf16, out_bf16, options=None, tvm_ffi=None, **tuning):
+def compile_experts_w4a16(k, n_tok, groups, x_bf16, out_bf16, options=None, tvm_ffi=None, act=None, **tuning):
     """Compiles the experts' kernel (no GPU needed when ``options`` names ``--gpu-arch``)."""
-    return compile_op(Nvfp4ExpertsW4A16(k, n_tok, groups, x_bf16, out_bf16, **tuning), options, tvm_ffi)
+    return compile_op(Nvfp4ExpertsW4A16(k, n_tok, groups, x_bf16, out_bf16, act=act, **tuning), options, tvm_ffi)

@@ -4,12 +4,19 @@ torch.compile, with an exact CPU path.
 
     out[g * NT + n, :] = alpha[e] * x[g * NT + n, :] @ (w[e] * ws[e]).T     for e = ids[g] >= 0, n < NT
 
+With ``act="silu"`` (the down launch of SwiGLU experts) ``x`` holds rows of 2K values, ``[gate | up]``, and the
+product takes ``silu(gate) * up`` (rounded once to x's dtype) in their place: ``act(gate) * up`` made while the
+kernel copies x, not by a launch of its own.
+
 Groups with a negative id are skipped: on CUDA their rows of ``out`` are not written (whatever was in memory),
 on the CPU they are NaN (so that a caller that reads them shows it). The caller (``nvfp4_gemv.model.experts_forward``)
 builds the groups on the device: no host sync here, fixed shapes, CUDA-graph capturable.
 
 Error bound (CUDA): the W4A16 kernel's (``w4a16``: half an ulp of the output plus (K / (16 W) + W + 3) * 2^-22
-of the sum of |terms|); the CPU path rounds the float64 result once.
+of the sum of |terms|); the CPU path rounds the float64 result once. With ``act`` the CPU path rounds the
+float64 ``silu(gate) * up`` once to x's dtype; the kernel computes it in fp32 (``experts_kernel``), so a value
+of it within a few fp32 ulps of a rounding midpoint of x's dtype may round the other way (one ulp of that
+value, times its weights, added to the bound).
 """
 
 import torch
@@ -20,6 +27,7 @@ from .reference import reference_product
 from .w4a16 import MAX_TOKENS
 
 _X_DTYPES = (torch.bfloat16, torch.float16)
+ACTS = ("silu",)  # (experts_kernel.ACTS: the kernel module is imported only on CUDA)
 _SCALE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 WHO = "nvfp4_gemv.experts_gemv"
 
@@ -33,8 +41,10 @@ def _bad(exc, name, expected, got):
     fail(exc, name, expected, got, WHO)
 
 
-def check_args(x, ids, w, w_scale, alpha, n_tok):
+def check_args(x, ids, w, w_scale, alpha, n_tok, act=None):
     """Metadata checks (no sync); returns (groups, M, K)."""
+    if act is not None and act not in ACTS:
+        _bad(ValueError, "act", f"None or one of {ACTS}", repr(act))
     for name, t in (("x", x), ("ids", ids), ("w", w), ("w_scale", w_scale), ("alpha", alpha)):
         if not isinstance(t, torch.Tensor):
             _bad(TypeError, name, "a torch.Tensor", type(t).__name__)
@@ -59,9 +69,11 @@ def check_args(x, ids, w, w_scale, alpha, n_tok):
         _bad(ValueError, "ids", "a contiguous int32 tensor [groups]", f"{ids.dtype} {tuple(ids.shape)}")
     g = ids.shape[0]
     rows_ok = x.dim() == 2 and (x.shape[0] == g * n_tok or (n_tok == 1 and x.shape[0] == 1))
-    if x.dtype not in _X_DTYPES or not rows_ok or x.shape[1] != k or not x.is_contiguous():
-        _bad(ValueError, "x", f"a contiguous bfloat16 or float16 tensor [{g * n_tok}, {k}] (groups x n_tok, K; "
-             f"with n_tok 1 also [1, {k}], one row every group reads)", f"{x.dtype} {tuple(x.shape)}")
+    kx = k if act is None else 2 * k  # act: [gate | up] rows
+    if x.dtype not in _X_DTYPES or not rows_ok or x.shape[1] != kx or not x.is_contiguous():
+        what = "K" if act is None else f"2K: gate then up, for act={act!r}"
+        _bad(ValueError, "x", f"a contiguous bfloat16 or float16 tensor [{g * n_tok}, {kx}] (groups x n_tok, {what}; "
+             f"with n_tok 1 also [1, {kx}], one row every group reads)", f"{x.dtype} {tuple(x.shape)}")
     return g, m, k
 
 
@@ -73,8 +85,8 @@ def check_args(x, ids, w, w_scale, alpha, n_tok):
 def _build(key):
     from .experts_kernel import compile_experts_w4a16
 
-    _, k, nt, groups, x_bf16, tuning = key
-    return compile_experts_w4a16(k, nt, groups, x_bf16, x_bf16, **dict(tuning))
+    _, k, nt, groups, x_bf16, tuning, act = key
+    return compile_experts_w4a16(k, nt, groups, x_bf16, x_bf16, act=act, **dict(tuning))
 
 
 _kernels = KernelCache(_build)
@@ -96,19 +108,28 @@ def launch_shape(n_tok, m, k, sms, busy):
     return r, max(1, min(tiles, -(-op.grid_x(m * busy, sms) // busy)))
 
 
+def act_tuning(tuning, act):
+    """A route's tuning (``launch_shape``) for a launch with ``act``: x in shared memory, where the act is
+    computed (``experts_kernel``)."""
+    if act is None:
+        return tuning
+    return tuple(sorted({**dict(tuning), "x_smem": 1}.items()))
+
+
 class ExpertsPlan:
-    def __init__(self, x, ids, w, n_tok, busy, dims):
+    def __init__(self, x, ids, w, n_tok, busy, dims, act=None):
         g, m, k = dims
         self.dev = w.device.index
         self.shape = (g * n_tok, m)
         self.dtype = x.dtype
         self.device = w.device
-        self.n_tok, self.busy = n_tok, busy
+        self.n_tok, self.busy, self.act = n_tok, busy, act
         self.variants = ()  # (guard, hit) pairs: RecentPlans'
         r, grid_x = launch_shape(n_tok, m, k, sm_count(self.dev), busy)
-        self.kern = _kernels.get(self.dev, ("experts", k, n_tok, r.groups, x.dtype == torch.bfloat16, r.tuning))
+        self.kern = _kernels.get(self.dev, ("experts", k, n_tok, r.groups, x.dtype == torch.bfloat16,
+                                            act_tuning(r.tuning, act), act))
         shared = x.shape[0] == 1 and g > 1  # one row every group reads (n_tok 1): row stride 0
-        self.static = (m, k // 2, k // 16, 0 if shared else 2 * k, g, 2 * m, grid_x)
+        self.static = (m, k // 2, k // 16, 0 if shared else x.shape[1] * 2, g, 2 * m, grid_x)
 
     def __call__(self, x, ids, w, w_scale, alpha):
         out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -128,10 +149,10 @@ class ExpertsPlan:
         five tensors' types, dtypes, devices, sizes and strides), ``n_tok`` and ``busy``, at aligned addresses;
         None otherwise (the call then takes ``_run``'s key, which raises for what the op cannot take). What
         the key costs in Python (about 4 us a call on a slow host), the guard checks in C++ (about 0.5)."""
-        n_tok, busy, plan = self.n_tok, self.busy, self
+        n_tok, busy, act, plan = self.n_tok, self.busy, self.act, self
 
-        def call(x, ids, w, w_scale, alpha, nt, b):
-            if nt != n_tok or b != busy:
+        def call(x, ids, w, w_scale, alpha, nt, b, a):
+            if nt != n_tok or b != busy or a != act:
                 return None
             try:
                 # a strided nested tensor aborts the guard's stride read: tested first
@@ -146,10 +167,10 @@ class ExpertsPlan:
         return call
 
 
-def _key(x, ids, w, w_scale, alpha, n_tok, busy):
+def _key(x, ids, w, w_scale, alpha, n_tok, busy, act):
     """Everything a plan depends on (addresses: their alignment is in the key, checked once a plan)."""
     return (x.shape, x.stride(), x.dtype, ids.shape, ids.stride(), ids.dtype, w.shape, w.stride(), w.dtype, w.device,
-            w_scale.shape, w_scale.stride(), w_scale.dtype, alpha.shape, alpha.stride(), alpha.dtype, n_tok, busy,
+            w_scale.shape, w_scale.stride(), w_scale.dtype, alpha.shape, alpha.stride(), alpha.dtype, n_tok, busy, act,
             (x.data_ptr() | w.data_ptr()) % 16, w_scale.data_ptr() % 2,
             tuple(t.device for t in (x, ids, w_scale, alpha)))
 
@@ -159,29 +180,38 @@ def _key(x, ids, w, w_scale, alpha, n_tok, busy):
 _recent = RecentPlans()
 
 
-def _run(x, ids, w, w_scale, alpha, n_tok, busy):
+def _run(x, ids, w, w_scale, alpha, n_tok, busy, act=None):
     if not w.is_cuda:
-        return _cpu(x, ids, w, w_scale, alpha, n_tok, check_args(x, ids, w, w_scale, alpha, n_tok))
+        return _cpu(x, ids, w, w_scale, alpha, n_tok, check_args(x, ids, w, w_scale, alpha, n_tok, act), act)
     hit = _recent.hits.get(id(w))
     if hit is not None:
-        res = hit(x, ids, w, w_scale, alpha, n_tok, busy)
+        res = hit(x, ids, w, w_scale, alpha, n_tok, busy, act)
         if res is not None:
             return res
-    key = _key(x, ids, w, w_scale, alpha, n_tok, busy)
+    key = _key(x, ids, w, w_scale, alpha, n_tok, busy, act)
     plan = _plans.get(key)
     if plan is None:
-        dims = check_args(x, ids, w, w_scale, alpha, n_tok)
+        dims = check_args(x, ids, w, w_scale, alpha, n_tok, act)
         if x.data_ptr() % 16 or w.data_ptr() % 16 or w_scale.data_ptr() % 2:
             _bad(ValueError, "x", "x and w at 16-byte aligned addresses, w_scale at an even one",
                  f"addresses {x.data_ptr():#x}, {w.data_ptr():#x}, {w_scale.data_ptr():#x}")
-        plan = keep_plan(_plans, key, ExpertsPlan(x, ids, w, n_tok, busy, dims))
+        plan = keep_plan(_plans, key, ExpertsPlan(x, ids, w, n_tok, busy, dims, act))
     _recent.add(w, (x, ids, w, w_scale, alpha), plan)
     return plan(x, ids, w, w_scale, alpha)
 
 
-def _cpu(x, ids, w, w_scale, alpha, n_tok, dims):
-    """The exact path: each group's rows through the op's float64 reference, rounded once."""
+def silu_mul_exact(x, k):
+    """``silu(gate) * up`` of rows ``[gate | up]`` (K values each) in float64, rounded once to x's dtype."""
+    gate, up = x[:, :k].double(), x[:, k:].double()
+    return (gate / (1 + torch.exp(-gate)) * up).to(x.dtype)
+
+
+def _cpu(x, ids, w, w_scale, alpha, n_tok, dims, act=None):
+    """The exact path: each group's rows through the op's float64 reference, rounded once (with ``act``,
+    ``silu(gate) * up`` rounded once first)."""
     g, m, k = dims
+    if act is not None:
+        x = silu_mul_exact(x, k)
     # rows of groups without an expert: NaN, as unknown as the kernel's unwritten rows (a caller must not read them)
     out = torch.full((g * n_tok, m), float("nan"), dtype=x.dtype, device=x.device)
     for grp, e in enumerate(ids.tolist()):
@@ -195,35 +225,37 @@ def _cpu(x, ids, w, w_scale, alpha, n_tok, dims):
 
 @torch.library.custom_op("nvfp4::experts_gemv", mutates_args=())
 def _experts_gemv_op(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                     alpha: torch.Tensor, n_tok: int, busy: int) -> torch.Tensor:
-    return _run(x, ids, w, w_scale, alpha, n_tok, busy)
+                     alpha: torch.Tensor, n_tok: int, busy: int, act: str = "") -> torch.Tensor:
+    return _run(x, ids, w, w_scale, alpha, n_tok, busy, act or None)
 
 
 @_experts_gemv_op.register_fake
-def _experts_gemv_fake(x, ids, w, w_scale, alpha, n_tok, busy):
-    g, m, _ = check_args(x, ids, w, w_scale, alpha, n_tok)
+def _experts_gemv_fake(x, ids, w, w_scale, alpha, n_tok, busy, act=""):
+    g, m, _ = check_args(x, ids, w, w_scale, alpha, n_tok, act or None)
     return x.new_empty((g * n_tok, m))
 
 
 fast_autograd(_experts_gemv_op)
 
 
-def experts_gemv(x, ids, w, w_scale, alpha, n_tok, busy=1):
+def experts_gemv(x, ids, w, w_scale, alpha, n_tok, busy=1, act=None):
     """Every group's ``n_tok`` rows of ``x`` times its expert's weight (module docstring).
 
     :param x: [G * n_tok, K] bf16 or fp16, contiguous: group g's rows g * n_tok ... (g + 1) * n_tok - 1;
-        with ``n_tok`` 1 also [1, K]: one row every group reads (one token's experts).
+        with ``n_tok`` 1 also [1, K]: one row every group reads (one token's experts). With ``act`` rows of
+        2K values, gate then up.
     :param ids: int32 [G]: each group's expert, or a negative number (no expert: its rows are not computed).
     :param w, w_scale: the experts' NVFP4 weights, uint8 [E, M, K/2] and e4m3 [E, M, K/16], contiguous.
     :param alpha: fp32 [E], each expert's scale of the product.
     :param n_tok: token rows a group, 1..32.
     :param busy: about how many groups have an expert (the launch shares the GPU among them; any value is
         correct).
+    :param act: None, or "silu": the product takes ``silu(gate) * up`` of x's rows (module docstring).
     :return: [G * n_tok, M] in x's dtype.
     """
     if eager(x, ids, w, w_scale, alpha):
-        return _run(x, ids, w, w_scale, alpha, n_tok, busy)
+        return _run(x, ids, w, w_scale, alpha, n_tok, busy, act)
     if not torch.compiler.is_compiling():  # our error naming the argument, not the dispatcher's
-        check_args(x, ids, w, w_scale, alpha, n_tok)
-    return torch.ops.nvfp4.experts_gemv(x, ids, w, w_scale, alpha, n_tok, busy)
+        check_args(x, ids, w, w_scale, alpha, n_tok, act)
+    return torch.ops.nvfp4.experts_gemv(x, ids, w, w_scale, alpha, n_tok, busy, act or "")
 

@@ -40,7 +40,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .launch import KernelCache, current_device, current_stream, dsl_compile
 from .ptx import asm as _asm
-from .ptx import asm_store, atom_add_one, fma_f32, ldg_v4, st_relaxed_u32, stg_u32x2
+from .ptx import asm_store, atom_add_one, div_rn, fma_f32, ldg_v4, st_relaxed_u32, stg_u32x2
 from .quant_kernel import widen8
 
 WARPS = 8  # rows of W a CTA (one a warp)
@@ -116,13 +116,6 @@ def stg_b16(addr, v, *, loc=None, ip=None):
     """``st.global.b16`` of a register's low 16 bits."""
     asm_store([cutlass.Int64(addr), cutlass.Int32(v)], "{\n.reg .b16 h;\ncvt.u16.u32 h, $1;\nst.global.b16 [$0], h;\n}",
               "l,r", loc, ip)
-
-
-@dsl_user_op
-def div_rn(a, b, *, loc=None, ip=None):
-    """``div.rn.f32`` (IEEE division, as torch's softmax and ``/=`` do)."""
-    r = _asm([T.f32()], [cutlass.Float32(a), cutlass.Float32(b)], "div.rn.f32 $0, $1, $2;", "=f,f,f", loc, ip)
-    return cutlass.Float32(r[0])
 
 
 @dsl_user_op

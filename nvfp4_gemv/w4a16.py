@@ -74,6 +74,10 @@ XBATCH = 8  # copies of x (16 bytes each) a thread has in flight while x is copi
 class Nvfp4GemvW4A16(OpLaunch):
     """The W4A16 kernel; one instance per (K, tokens, groups, x dtype, scale layout, epilogue, tuning)."""
 
+    # act (the experts' kernel sets it; needs x in shared memory): x's rows are [gate K | up K] and the copy
+    # into shared memory stores ``self.x_act(gate, up)`` (four words of x's dtype) for each 16 bytes of x
+    act = None
+
     @classmethod
     def can_implement(cls, k, n_tok, groups, **tuning):
         """Whether this kernel builds for K = ``k``, ``n_tok`` tokens a launch and ``groups`` groups of 8 rows a
@@ -460,15 +464,23 @@ class Nvfp4GemvW4A16(OpLaunch):
                     xc = tidx + xit * self.threads
                     if cutlass.const_expr((xit + 1) * self.threads > copies):
                         xc = cutlass.min(xc, copies - 1)  # a thread past the copies repeats the last one
+                    xup = None
                     if cutlass.const_expr(self.late):
                         xtok, xj = 0, xc  # one padded row
-                        xv = ldg_v4_if(x_ptr + cutlass.Int64(cutlass.min(xc, per_row - 1)) * 16,
-                                       cutlass.Int32(xc < per_row))
+                        xaddr = x_ptr + cutlass.Int64(cutlass.min(xc, per_row - 1)) * 16
+                        xv = ldg_v4_if(xaddr, cutlass.Int32(xc < per_row))
+                        if cutlass.const_expr(self.act is not None):  # (zeros past K: act(0) * 0 = 0)
+                            xup = ldg_v4_if(xaddr + 2 * self.k, cutlass.Int32(xc < per_row))
                     else:
                         xtok, xj = xc // per_row, xc % per_row
-                        xv = ldg_v4(x_ptr + cutlass.Int64(xtok) * x_rs + cutlass.Int64(xj) * 16)
-                    xgot.append((xtok, xj, xv))
-                for xtok, xj, xv in xgot:
+                        xaddr = x_ptr + cutlass.Int64(xtok) * x_rs + cutlass.Int64(xj) * 16
+                        xv = ldg_v4(xaddr)
+                        if cutlass.const_expr(self.act is not None):
+                            xup = ldg_v4(xaddr + 2 * self.k)
+                    xgot.append((xtok, xj, xv, xup))
+                for xtok, xj, xv, xup in xgot:
+                    if cutlass.const_expr(self.act is not None):
+                        xv = self.x_act(xv, xup)
                     if cutlass.const_expr(self.xpair):
                         xp04, xp15 = pair_halves(xv[0], xv[2])
                         xp26, xp37 = pair_halves(xv[1], xv[3])

@@ -13,7 +13,8 @@ be (else timed eagerly, said in the table) and timed as the leaderboard times (`
 L2 flushed, CUDA events, median); the read floor is ``tools/read_floor.py``'s fastest plain read of the
 same bytes. On the CPU: wall-clock medians, no floor. On CUDA up to 64 tokens NVFP4Experts runs the experts'
 kernel (nvfp4_gemv/experts_kernel.py); ``--fallback`` times its dequantize fallback too, ``--busy`` the
-kernel's launch shape under other estimates of the groups with an expert. The NVFP4 block's router is what
+kernel's launch shape under other estimates of the groups with an expert. Where the down launch makes
+``silu(gate) * up`` itself (``ACT_IN_KERNEL_MAX_TOKENS``) the block is timed with the act as torch ops too. The NVFP4 block's router is what
 ``quantize_model(fuse=True)`` makes of it (``fuse_routers``: ``TopKRouter``, one kernel up to 64 tokens on
 CUDA); ``--hf-router`` keeps transformers' (the bf16 block always has transformers').
 """
@@ -189,6 +190,15 @@ def main():
                 experts_mod.busy_groups = busy_groups
         best = min(sweep, key=sweep.get)
         us_o = sweep[1.0] if 1.0 in sweep else sweep[best]
+        act_ops_us = None
+        if t <= experts_mod.ACT_IN_KERNEL_MAX_TOKENS:  # the act inside the down launch: time it as torch ops too
+            keep = experts_mod.ACT_IN_KERNEL_MAX_TOKENS
+            experts_mod.ACT_IN_KERNEL_MAX_TOKENS = 0
+            try:
+                fa, _ = runnable(ours, x, device)
+                act_ops_us = time_fn(fa)
+            finally:
+                experts_mod.ACT_IN_KERNEL_MAX_TOKENS = keep
         kernels_us = None
         if device.type == "cuda":
             fk, _ = runnable(kernels_only(ours.experts, x.reshape(t, -1), idx), None, device)
@@ -207,12 +217,13 @@ def main():
         fl = floor(nbytes) if floor else None
         rows.append(dict(tokens=t, experts_hit=hit, bf16_us=us_b, bf16_how=how_b, nvfp4_us=us_o, nvfp4_how=how_o,
                          nvfp4_bytes=nbytes, floor_us=fl, pct_of_floor=(100 * fl / us_o) if fl else None,
-                         rel_err_vs_bf16=err, fallback_us=fallback_us, busy_sweep_us=sweep,
+                         rel_err_vs_bf16=err, fallback_us=fallback_us, busy_sweep_us=sweep, act_as_ops_us=act_ops_us,
                          kernels_us=kernels_us, kernels_pct_of_floor=(100 * fl / kernels_us) if fl and kernels_us else None))
         print(f"T={t}: {hit} experts hit, bf16 {us_b:.1f} us ({how_b}), NVFP4 {args.mode} {us_o:.1f} us ({how_o}), "
               f"{nbytes / 1e6:.2f} MB" + (f", floor {fl:.1f} us ({100 * fl / us_o:.1f}%)" if fl else "")
               + f", rel. error vs bf16 {err:.3g}" + (f", the two kernels alone {kernels_us:.1f} us" if kernels_us else "")
               + (f", fallback {fallback_us:.1f} us" if fallback_us else "")
+              + (f", the act as torch ops (not in the down launch) {act_ops_us:.1f} us" if act_ops_us else "")
               + (f", busy factors {sweep}" if len(sweep) > 1 else ""), flush=True)
     head = ("| tokens | experts hit | bf16 us | NVFP4 us | speed-up | NVFP4 MB read | read floor us | % of floor "
             "| the two kernels alone us (% of floor) | fallback us |")

@@ -18,7 +18,7 @@ if {"-h", "--help"} & set(sys.argv[1:]):  # the docstring, and nothing run
     sys.exit(print(__doc__) or 0)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "model")]
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
@@ -205,6 +205,18 @@ if section in ("all", "experts"):
         assert not y[~ref.isnan()].isnan().any(), f"experts case {seed}: rows of a group with an expert left unwritten"
         check_within_bound(y, ref, absum, x.shape[1], f"experts case {seed}")
         print(f"experts case {seed}: E={w.shape[0]} {w.shape[1]}x{x.shape[1]} nt={nt} ids={ids.tolist()}: ok", flush=True)
+    # the down launch with act (x rows [gate | up], the act made while x is copied into shared memory)
+    from model.test_experts_act import act_allowance, act_case, silu_mul_once  # noqa: E402
+
+    for seed in range(8):
+        x, ids, w, ws, alpha, nt = act_case(seed)
+        h64, h = silu_mul_once(x)
+        ref, absum = exact(h, ids, w, ws, alpha, nt)
+        allow, _ = act_allowance(h64, h, ids, w, ws, alpha, nt, w.shape[1])
+        y = experts_gemv(*[a.cuda() for a in (x, ids, w, ws, alpha)], nt, 2, act="silu")
+        torch.cuda.synchronize()
+        check_within_bound(y.cpu(), ref, absum + 2.0 ** 12 * allow, x.shape[1] // 2, f"experts act case {seed}")
+        print(f"experts act case {seed}: {w.shape[1]}x{x.shape[1] // 2} nt={nt} {tuple(x.shape)}: ok", flush=True)
 # the routing kernel: the GPU tests' shapes (E 32-1024, H 256-8192, k 1-32, 1-64 tokens, both dtypes, with and
 # without renormalisation) and a strided x, each checked as its test does (top k of its own logits, stable order)
 if section in ("all", "router"):

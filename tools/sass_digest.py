@@ -14,6 +14,8 @@ changed. The configurations are the ones the code routes to, asked of the code i
   is compiled.
 * the W4A16 kernel: the builds ``default_tuning`` routes Llama-3-8B's linears to at 1..32 tokens, plain and
   packed weights (bf16 x and out, alpha).
+* the experts' kernel: the builds Qwen3-30B-A3B's experts take at 1..64 tokens, the down launch with and
+  without ``act``.
 
 The hash covers ``nvdisasm -c`` of the cubin with the kernel's symbol name replaced by ``KERNEL``: the DSL
 names a kernel after its class's module (``kernel_cutlass_kernel_<module><class>_object_at_...``), so moving a
@@ -187,6 +189,39 @@ def w4a16_configs(arch):
     return out
 
 
+def experts_configs(arch):
+    """``[(label, build)]``: the experts' kernel builds (``experts_op``) that Qwen3-30B-A3B's experts (gate/up
+    1536 x 2048, down 2048 x 768, 128 experts, top 8) take at 1..64 tokens on ``arch``'s SM count, and the
+    down launch's ``act`` builds (``experts_forward``'s groups and busy estimate, bf16)."""
+    try:
+        from nvfp4_gemv.experts_op import launch_shape
+    except ImportError:  # a tree from before the experts' kernel
+        return []
+    try:
+        from nvfp4_gemv.experts_op import act_tuning
+        acts_down = (None, "silu")
+    except ImportError:  # from before its act
+        act_tuning, acts_down = (lambda tuning, act: tuning), (None,)
+    from nvfp4_gemv.experts_kernel import compile_experts_w4a16
+    from nvfp4_gemv.model.experts_forward import busy_groups, group_size
+
+    sms, keys = SMS[arch], set()
+    for t in (1, 2, 4, 8, 16, 32, 64):
+        nt = group_size(t, 8, 128)
+        busy = busy_groups(t, 8, 128, nt)
+        for m, k, acts in ((1536, 2048, (None,)), (2048, 768, acts_down)):
+            r, _ = launch_shape(nt, m, k, sms, busy)
+            for act in acts:
+                keys.add((k, nt, r.groups, act, act_tuning(r.tuning, act)))
+    out = []
+    for k, nt, groups, act, tuning in sorted(keys, key=repr):
+        label = f"experts {k} {nt} {groups} act={act} " + (",".join(f"{n}={v}" for n, v in tuning) or "default")
+        kw = {} if act is None else {"act": act}  # (a tree from before act has no such argument)
+        out.append((label, lambda opts, a=(k, nt, groups, True, True), kw=kw, tuning=tuning:
+                    compile_experts_w4a16(*a, options=opts, **kw, **dict(tuning))[1]))
+    return out
+
+
 def digest(cubin_path, nvdisasm):
     """``(sha256 of the SASS with the kernel's name replaced, instructions)``."""
     sass = subprocess.run([nvdisasm, "-c", cubin_path], capture_output=True, text=True, check=True).stdout
@@ -216,7 +251,8 @@ def main():
     nvdisasm = None if args.list else _nvdisasm()
     dsl = md.version("nvidia-cutlass-dsl")
     for arch in args.arch.split(","):
-        configs = [c for c in gemv_configs(arch) + op_configs(arch) + w4a16_configs(arch) if args.only in c[0]]
+        configs = [c for c in gemv_configs(arch) + op_configs(arch) + w4a16_configs(arch) + experts_configs(arch)
+                   if args.only in c[0]]
         for label, build in configs:
             if args.list:
                 print(f"{label} | {arch}")

@@ -145,6 +145,19 @@ def grouped_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
 
 
 DECODE_MAX_TOKENS = 64  # tokens a call up to which the GPU takes the experts' kernel (prefill: the fallback)
+# tokens a call up to which W4A16 SiLU experts compute silu(gate) * up inside the down launch (experts_op's
+# ``act``: no launch of its own); 1: the one-token route already copies x into shared memory, where the act is
+# made. Past it the act needs that copy forced on a route measured without it (not yet measured: results.md)
+ACT_IN_KERNEL_MAX_TOKENS = 1
+
+
+def kernel_act(act_fn):
+    """The experts op's ``act`` for ``act_fn`` ("silu" for torch's ``SiLU``, transformers' ``SiLUActivation``
+    and ``F.silu``), else None (the act then runs as torch ops between the launches)."""
+    if act_fn is torch.nn.functional.silu or type(act_fn) is torch.nn.SiLU \
+            or type(act_fn).__name__ == "SiLUActivation":
+        return "silu"
+    return None
 
 
 def experts_kernel_takes(t, gate_up, down):
@@ -234,7 +247,9 @@ def decode_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
     """``grouped_forward`` through the experts' kernel (``experts_op``): the slots sorted by expert into
     groups of at most ``group_size`` token rows (``decode_groups``), gate/up then ``act_fn(gate) * up`` then
     down, each one launch that reads every expert hit once a group, and the combine of ``grouped_forward``.
-    Sync-free.
+    Sync-free. Up to ``ACT_IN_KERNEL_MAX_TOKENS`` tokens W4A16 SiLU experts make ``silu(gate) * up`` in the
+    down launch (rounded once to x's dtype from fp32, as inductor's fused ``F.silu(g) * u``; eager torch rounds
+    ``silu(g)`` first).
 
     Its products differ from the fallback's: exact products of x and the NVFP4 weights summed in fp32, alpha
     applied once at the end (the W4A16 kernel's bound), where the fallback rounds each weight times alpha to
@@ -247,9 +262,15 @@ def decode_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
     w, ws, alpha, x_scale = gate_up
     xg, gid, at, valid = decode_groups(x, top_k_index, e, nt, x_scale)
     g = experts_gemv(xg, gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy)
+    w, ws, alpha, x_scale = down
+    act = kernel_act(act_fn) if x_scale is None and t <= ACT_IN_KERNEL_MAX_TOKENS else None
+    if act is not None:
+        d = experts_gemv(g, gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy, act)
+        if at is not None:
+            d = d[at]
+        return combine(d, top_k_weights, valid, x.dtype)
     i = g.shape[1] // 2
     hid = act_fn(g[:, :i]) * g[:, i:]
-    w, ws, alpha, x_scale = down
     if x_scale is not None:  # (rows of groups without an expert: any scale, never read back)
         hid = quantize_dequantized_rows(hid, x_scale[gid.clamp(min=0).long().repeat_interleave(nt)])
     d = experts_gemv(hid.contiguous(), gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy)

@@ -9,8 +9,9 @@ import torch
 
 from nvfp4_gemv.experts_op import can_implement, check_args, experts_gemv
 from nvfp4_gemv.model.experts import NVFP4Experts
-from nvfp4_gemv.model.experts_forward import (DECODE_MAX_TOKENS, busy_groups, decode_forward, group_size,
-                                              experts_kernel_takes, quantize_dequantized_rows, slot_groups)
+from nvfp4_gemv.model.experts_forward import (ACT_IN_KERNEL_MAX_TOKENS, DECODE_MAX_TOKENS, busy_groups,
+                                              decode_forward, experts_kernel_takes, group_size, kernel_act,
+                                              quantize_dequantized_rows, slot_groups)
 from nvfp4_gemv.quant import dequantize
 from sync_free import no_syncs
 
@@ -196,11 +197,21 @@ def test_cuda_kernel_within_its_bound_of_float64(chunk):
 # ----------------------------------------------------------------------------------------------------
 
 
+def silu_mul_once(g):
+    """``silu(gate) * up`` of rows [gate | up] in float64, rounded once to g's dtype (the down launch's act)."""
+    i = g.shape[1] // 2
+    gate, up = g[:, :i].double(), g[:, i:].double()
+    return (gate / (1 + torch.exp(-gate)) * up).to(g.dtype)
+
+
 def per_slot(mod, x, idx, wts):
-    """Each slot alone, the stages as decode_forward defines them (each product float64, rounded once)."""
+    """Each slot alone, the stages as decode_forward defines them (each product float64, rounded once; the
+    act as torch ops, or inside the down launch up to ACT_IN_KERNEL_MAX_TOKENS tokens of W4A16 SiLU experts:
+    float64, rounded once)."""
     (w1, s1, a1, q1), (w2, s2, a2, q2) = mats(mod)
     e = w1.shape[0]
     t, k = idx.shape
+    in_kernel = q2 is None and t <= ACT_IN_KERNEL_MAX_TOKENS and kernel_act(mod.act_fn) is not None
     out = torch.zeros(t, x.shape[1], dtype=torch.float32)
     for ti in range(t):
         for j in range(k):
@@ -213,7 +224,7 @@ def per_slot(mod, x, idx, wts):
             ids = torch.tensor([ex], dtype=torch.int32)
             g = experts_gemv(xr.contiguous(), ids, w1, s1, a1, 1)
             i = g.shape[1] // 2
-            h = mod.act_fn(g[:, :i]) * g[:, i:]
+            h = silu_mul_once(g) if in_kernel else mod.act_fn(g[:, :i]) * g[:, i:]
             if q2 is not None:
                 h = quantize_dequantized_rows(h, q2[ex:ex + 1])
             d = experts_gemv(h.contiguous(), ids, w2, s2, a2, 1)
@@ -380,16 +391,17 @@ def test_a_plans_hit_path_takes_only_its_own_metadata_at_aligned_addresses():
 
     class Stub(experts_op.ExpertsPlan):
         def __init__(self):  # (no kernel: only the hit path's checks run)
-            self.n_tok, self.busy, self.variants = 1, 3, ()
+            self.n_tok, self.busy, self.act, self.variants = 1, 3, None, ()
 
         def __call__(self, *ts):
             calls.append(ts)
             return "launched"
 
     hit = Stub().hit_path(_make_guard((x, ids, w, ws, a)).check)
-    assert hit(x, ids, w, ws, a, 1, 3) == "launched" and hit(x.clone(), ids, w, ws, a, 1, 3) == "launched"
+    assert hit(x, ids, w, ws, a, 1, 3, None) == "launched" and hit(x.clone(), ids, w, ws, a, 1, 3, None) == "launched"
     buf = torch.zeros(2 * 64 + 8, dtype=torch.bfloat16)
     wbuf = torch.zeros(ws.numel() + 1, dtype=torch.uint8).view(ws.dtype)
+    assert hit(x, ids, w, ws, a, 1, 3, "silu") is None  # another act
     for args in [(x, ids, w, ws, a, 2, 3), (x, ids, w, ws, a, 1, 4),  # n_tok, busy
                  (x.half(), ids, w, ws, a, 1, 3), (x[:1], ids, w, ws, a, 1, 3), (x, ids.long(), w, ws, a, 1, 3),
                  (x, ids, w, ws, a[:3], 1, 3), (x, ids, w, ws.view(torch.uint8), a, 1, 3),
@@ -397,5 +409,5 @@ def test_a_plans_hit_path_takes_only_its_own_metadata_at_aligned_addresses():
                  (buf[1:129].view(2, 64), ids, w, ws, a, 1, 3),  # x 2 bytes off 16
                  (x, ids, w, wbuf[1:].view(ws.shape), a, 1, 3),  # w_scale at an odd address
                  (x, ids, w, ws, 1.0, 1, 3)]:  # not a tensor
-        assert hit(*args) is None
+        assert hit(*args, None) is None
     assert len(calls) == 2
