@@ -477,6 +477,13 @@ def stg_u8(addr, v, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def div_rn(a, b, *, loc=None, ip=None):
+    """``div.rn.f32`` (IEEE division, as torch's softmax and ``/=`` do)."""
+    r = asm([T.f32()], [cutlass.Float32(a), cutlass.Float32(b)], "div.rn.f32 $0, $1, $2;", "=f,f,f", loc, ip)
+    return cutlass.Float32(r[0])
+
+
+@dsl_user_op
 def fma_f32(a, b, c, *, loc=None, ip=None):
     """``fma.rn.f32``: ``a * b + c`` rounded once (an MMA block sum times its scale, into the running sum);
     the DSL's ``*`` and ``+`` are two roundings unless the compiler contracts them."""
