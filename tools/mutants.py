@@ -495,9 +495,8 @@ MUTANTS = [
     # -- the down launch's act (experts_kernel, w4a16's copy of x) --
     ("experts act: up read from the gate's chunk", W4A16, "xup = ldg_v4(xaddr + 2 * self.k)", "xup = ldg_v4(xaddr)",
      ["tests/model/test_experts_act.py"], True),
-    ("experts act: late's padding reads up past K", W4A16,
-     "xup = ldg_v4_if(xaddr + 2 * self.k, cutlass.Int32(xc < per_row))",
-     "xup = ldg_v4_if(xaddr + 2 * self.k, cutlass.Int32(1))", ["tests/model/test_experts_act.py"], True),
+    # (not a mutant: late's padding reading up past K, session 73, survived on the GPU: the padding's gate is 0,
+    # and silu(0) * up is 0 for any finite up, so the predicate on up's load changes nothing a finite row sees)
     ("experts act: a word's two values packed swapped", EXPERTS_KERNEL, "pack_x2(h[2 * i], h[2 * i + 1], self.x_bf16)",
      "pack_x2(h[2 * i + 1], h[2 * i], self.x_bf16)", ["tests/model/test_experts_act.py"], True),
     ("experts act: sigmoid's exp of +gate", EXPERTS_KERNEL, "cute.math.exp(-g[i])", "cute.math.exp(g[i])",
