@@ -11,7 +11,8 @@
 # the measurements bench (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1),
 # model16 / model4 (the same at batch 16 / 4), prefill (tools/bench_prefill.py: W4A16 from 129 tokens),
 # modellm (the same, lm_head in NVFP4 too, beside bf16), moeblock (the MoE block alone: the kernel, the
-# fallback, other launch shapes; eager and compiled), moe (the MoE block and Qwen3-30B-A3B's decode),
+# fallback, other launch shapes; eager and compiled), tuneexperts (the experts' kernel alone, a launch at a time,
+# over builds around its route: tools/tune_experts.py at 1, 4 and 16 tokens), moe (the MoE block and Qwen3-30B-A3B's decode),
 # moeprofile (that model's compiled decode step, bf16 and ours: the synced loop, events, host time and
 # torch.profiler's top kernels; 32 new tokens, `model.generate` and `nvfp4_gemv.generate(compile=True)`; TOKENS=, GENERATES=), load (from_pretrained of a Llama-3-8B-shaped export
 # onto the GPU, then 16 tokens), load70 (the same at Llama-3-70B's shapes, 43 GB: an H200's target; needs
@@ -154,6 +155,7 @@ step model4 560 python tools/bench_model.py --hf --batches 4 --tokens 64 --hf-fu
 step prefill 300 python tools/bench_prefill.py --reps 10 --out "$LOG/prefill"
 step modellm 560 python tools/bench_model.py --hf --batches 1 --tokens 64 --hf-fuse --hf-pack --hf-lm-head \
     --hf-variants bf16,w4a16 --json "$LOG/model-hf-b1-lmhead.json"
+step tuneexperts 400 python tools/tune_experts.py --tokens 1,4,16 --out "$LOG/tune-experts"
 step moeblock 400 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --fallback --busy 0.5,1,2 --profile --out '$LOG/moe-block' \
     && python tools/bench_moe.py --tokens 1,4,16,64 --compile --out '$LOG/moe-block-compiled'"
 step moe 560 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --out '$LOG/moe-block' && python tools/bench_model.py \
