@@ -476,6 +476,24 @@ def decode_timings(dec, tokens, device):
     return out
 
 
+def call_profile(fn, calls, device, top=30):
+    """cProfile of ``calls`` synced calls of ``fn``: the top functions by own time (text)."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    return s.getvalue()
+
+
 def host_profile(dec, steps, device, top=30):
     """cProfile of ``steps`` synced decode steps: the top functions by own time (text)."""
     import cProfile
@@ -494,11 +512,14 @@ def host_profile(dec, steps, device, top=30):
     return s.getvalue()
 
 
-def generate_timings(model, batch, prompt_len, tokens, device, which):
+def generate_timings(model, batch, prompt_len, tokens, device, which, prefill_profile=0):
     """ms a token of whole generations of ``tokens`` new tokens after a ``prompt_len`` prompt (prefill
     included, as a user times it), after one warm-up call: ``model.generate`` (static cache, greedy;
     transformers compiles the forward itself) and ``nvfp4_gemv.generate`` (the step in one CUDA graph,
-    eager or compiled)."""
+    eager or compiled). For ``nvfp4_gemv.generate`` also ``..._prefill_ms``: a call of one new token with the
+    same cache length (it replays nothing: the eager prefill, the token's selection, the kept step's checks,
+    the call's syncs), the part of a call that its replays do not cover; ``prefill_profile``: cProfile's top
+    functions by own time over that many such calls (``..._prefill_profile``)."""
     from nvfp4_gemv import generate
 
     g = torch.Generator().manual_seed(batch)
@@ -531,6 +552,13 @@ def generate_timings(model, batch, prompt_len, tokens, device, which):
                 if graphs is not None:  # what torch.compile's graph trees did in the timed call
                     out[key.replace("_ms", "_graph_trees")] = {
                         k: graphs[k] for k in ("record_function", "run_eager", "execute_node", "run")}
+                if key != "generate_ms":  # the same cache length: the kept step stays kept
+                    one = lambda: generate(model, prompt, 1, eos_token_id=[], compile=key.endswith("compiled_ms"),  # noqa: E731
+                                           max_cache_len=prompt_len + tokens)
+                    one()
+                    out[key.replace("_ms", "_prefill_ms")] = statistics.median(wall_ms(one, device) for _ in range(3))
+                    if prefill_profile:
+                        out[key.replace("_ms", "_prefill_profile")] = call_profile(one, prefill_profile, device)
         except Exception as e:  # noqa: BLE001 - reported in the table
             out[key + "_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     if "generate_ms" in toks:
@@ -600,7 +628,8 @@ def bench_hf(args, device):
                     del dec
                     if device.type == "cuda":
                         torch._dynamo.reset()
-                row.update(generate_timings(model, b, prompt_len, tokens, device, args.hf_generate))
+                row.update(generate_timings(model, b, prompt_len, tokens, device, args.hf_generate,
+                                            args.hf_prefill_profile))
             except Exception as e:  # noqa: BLE001 - reported in the table
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             rows.append(row)
@@ -608,12 +637,15 @@ def bench_hf(args, device):
                 print(profile_text(row), flush=True)
             if "host_profile" in row:
                 print(f"host profile of {variant}{label(row)} batch {b}:\n" + row["host_profile"], flush=True)
+            for k in [k for k in row if k.endswith("_prefill_profile")]:
+                print(f"{k} of {variant}{label(row)} batch {b}:\n" + row[k], flush=True)
             print(f"hf {variant:6s}{label(row)} batch {b:2d}: " + ", ".join(
                 f"{k} {row[k]:.3f}" if isinstance(row[k], float) else f"{k} {row[k]}"
                 for k in ("events_ms", "sync_ms", "host_ms", "generate_ms", "ours_generate_ms",
                           "ours_generate_compiled_ms", "generate_first_s", "ours_generate_first_s",
                           "ours_generate_compiled_first_s", "error", "generate_ms_error", "ours_generate_ms_error",
-                          "ours_generate_compiled_ms_error", "peer_rel_err", "generate_graph_trees") if k in row), flush=True)
+                          "ours_generate_compiled_ms_error", "peer_rel_err", "generate_graph_trees",
+                          "ours_generate_prefill_ms", "ours_generate_compiled_prefill_ms") if k in row), flush=True)
             if device.type == "cuda":
                 torch._dynamo.reset()
                 torch.cuda.empty_cache()
@@ -634,7 +666,8 @@ def bench_hf(args, device):
             "prompt_len": prompt_len, "decode_tokens": tokens, "capture": args.hf_capture, "fuse": bool(args.hf_fuse),
             "pack": bool(args.hf_pack), "lm_head": bool(args.hf_lm_head),
             "note": "random weights; greedy; static cache; embeddings bf16, lm_head too unless lm_head; generate "
-                    "timings include the prefill of the prompt and, for nvfp4_gemv.generate, the capture of its graph"}
+                    "timings include the prefill of the prompt (the first call captures nvfp4_gemv.generate's "
+                    "step, the timed one replays it); *_prefill_ms: a one-token call with the same cache length"}
     return {"meta": meta, "rows": rows}
 
 
@@ -746,6 +779,9 @@ def parse_args(argv=None):
                    help="--hf: whole generations only (no compiled step of our own: one compile fewer a row)")
     p.add_argument("--hf-host-profile", type=int, default=0, metavar="STEPS",
                    help="--hf: cProfile STEPS synced decode steps and print the top functions by own time")
+    p.add_argument("--hf-prefill-profile", type=int, default=0, metavar="CALLS",
+                   help="--hf: cProfile CALLS one-token calls of nvfp4_gemv.generate (its eager prefill) and print "
+                   "the top functions by own time")
     p.add_argument("--hf-capture", choices=("compile", "graph"), default="compile")
     p.add_argument("--hf-profile", type=int, default=0, metavar="STEPS",
                    help="--hf: after timing, profile STEPS more decode steps (torch.profiler) and print the top kernels")

@@ -161,7 +161,7 @@ step moeblock 400 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --fallba
 step moe 560 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --out '$LOG/moe-block' && python tools/bench_model.py \
     --hf --arch qwen3-moe --batches 1 --tokens 32 --hf-fuse --hf-no-step --hf-variants bf16,w4a16 --json '$LOG/moe-hf.json'"
 step moeprofile 560 python tools/bench_model.py --hf --arch qwen3-moe --batches 1 --tokens ${TOKENS:-32} --hf-fuse \
-    --hf-variants bf16,w4a16 --hf-profile 5 --hf-generate ${GENERATES:-generate_ms,ours_generate_compiled_ms} --json "$LOG/moe-profile.json"
+    --hf-variants bf16,w4a16 --hf-profile 5 --hf-prefill-profile 2 --hf-generate ${GENERATES:-generate_ms,ours_generate_compiled_ms} --json "$LOG/moe-profile.json"
 # routercheck: the routing op's GPU tests, its five GPU mutants and tools/bench_router.py
 step routercheck 300 bash -c "timeout 150 python -m pytest -q -p no:cacheprovider -m gpu -rs tests/op/test_router_kernel.py \
     > '$LOG/router-tests.txt' 2>&1 & p=\$!; timeout 150 python tools/mutants.py --jobs 4 --only 'router kernel: ties to the higher expert' \

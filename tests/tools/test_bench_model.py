@@ -141,3 +141,17 @@ def test_hf_routers_runs_our_variants_routers_as_topk_router():
     finally:
         TopKRouter.forward = real
     assert calls and [row["routers"] for row in r["rows"]] == [False, True]
+
+
+def test_hf_times_nvfp4_generate_prefill_alone_keeping_the_step(capsys):
+    """``nvfp4_gemv.generate``'s rows carry ``..._prefill_ms`` (a one-token call of the same cache length) and,
+    with ``--hf-prefill-profile``, cProfile's text of those calls."""
+    import torch
+
+    r = bench_model.bench_hf(bench_model.parse_args(["--hf", "--device", "cpu", "--tiny", "--batches", "1",
+                                                      "--tokens", "2", "--hf-no-step", "--hf-variants", "bf16",
+                                                      "--hf-generate", "ours_generate_ms",
+                                                      "--hf-prefill-profile", "1"]), torch.device("cpu"))
+    row = r["rows"][0]
+    assert row["ours_generate_prefill_ms"] > 0 and "ncalls" in row["ours_generate_prefill_profile"]
+    assert "ours_generate_prefill_profile of bf16" in capsys.readouterr().out
