@@ -2,7 +2,8 @@
 cases, stage by stage, within experts.py's bound), against transformers' own experts module holding the
 dequantized weights, whole tiny Qwen3-MoE / Mixtral / Qwen2-MoE models (logits, greedy generate),
 torch.compile without a graph break, quantize_model / save_modelopt / load_modelopt / from_pretrained
-round trips (ModelOpt's per-expert names, bit for bit), calibration, and bad inputs named."""
+round trips (ModelOpt's per-expert names, bit for bit), compressed-tensors' layout of the same experts,
+calibration, and bad inputs named."""
 
 import copy
 import json
@@ -499,6 +500,50 @@ def test_a_bad_expert_tensor_is_named_and_nothing_loads(export, tmp_path, what, 
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     with pytest.raises(CheckpointError, match=match):
         from_pretrained(bad, device="cpu")
+
+
+@pytest.mark.parametrize("targets", [("Linear",), (r"re:.*_proj$",)])
+def test_a_compressed_tensors_moe_checkpoint_loads_as_its_modelopt_twin(export, tmp_path, targets):
+    """llm-compressor's layout of the same experts (``weight_packed``, ``weight_global_scale`` = 1 /
+    ``weight_scale_2``, ``input_global_scale`` = 1 / ``input_scale``, ModelOpt's per-expert names, config
+    groups targeting them by class or by pattern) gives the ModelOpt export's model: the experts' bits, logits
+    and greedy tokens. The twin's global scales are rounded to powers of two first, so that the reciprocals
+    are exact (otherwise 1 / (1 / s) may differ from s in its last bit)."""
+    import nvfp4_checkpoints as ckpts
+
+    arch, mode, path, _ = export
+
+    def pow2(state):
+        for k, v in state.items():
+            if k.endswith(("weight_scale_2", "input_scale")):
+                state[k] = torch.exp2(torch.round(torch.log2(v.float()))).to(v.dtype)
+
+    twin_path = _edit(path, str(tmp_path / "pow2"), pow2)
+    src = load_file(os.path.join(twin_path, "model.safetensors"))
+    dense = sorted(k[:-len(".weight")] for k in src if k.endswith("_proj.weight") and k + "_scale" not in src)
+    ct = ckpts.to_compressed_tensors(twin_path, tmp_path / "ct", activations=mode == "w4a4", targets=targets,
+                                     ignore=("lm_head", *dense))  # (the linears the kernels do not take)
+    assert "model.layers.1.mlp.experts.3.gate_proj.weight_packed" in load_file(os.path.join(ct, "model.safetensors"))
+    model = from_pretrained(ct, mode=mode, device="cpu")
+    twin = from_pretrained(twin_path, mode=mode, device="cpu")
+    assert len(experts_of(model)) == 2 and all(m.mode == mode for m in experts_of(model))
+    assert state_bytes(model).keys() == state_bytes(twin).keys()
+    assert all(torch.equal(a, b) for a, b in zip(state_bytes(model).values(), state_bytes(twin).values()))
+    assert torch.equal(logits(model), logits(twin))
+    assert torch.equal(model.generate(PROMPT, **GEN), twin.generate(PROMPT, **GEN))
+
+
+def test_a_compressed_tensors_expert_with_its_own_gate_and_up_global_scales_is_named(export, tmp_path):
+    import nvfp4_checkpoints as ckpts
+
+    arch, mode, path, _ = export
+    src = load_file(os.path.join(path, "model.safetensors"))
+    dense = sorted(k[:-len(".weight")] for k in src if k.endswith("_proj.weight") and k + "_scale" not in src)
+    up = f"{P1}.2.up_proj.weight_global_scale"
+    ct = ckpts.to_compressed_tensors(path, tmp_path / "ct", activations=mode == "w4a4", ignore=("lm_head", *dense),
+                                     edit=lambda state, qc: state.__setitem__(up, state[up] * 2))
+    with pytest.raises(CheckpointError, match=f"'{P1}.2.gate_proj.weight_global_scale' and '{up}' differ"):
+        from_pretrained(ct, mode=mode, device="cpu")
 
 
 def test_mixtral_w1_w3_w2_names_load_as_gate_up_down(export, tmp_path):
