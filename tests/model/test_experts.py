@@ -1,6 +1,6 @@
 """``NVFP4Experts`` (nvfp4_gemv/model/experts.py) on the CPU: the forward against float64 (a fuzz of 300 random
 cases, stage by stage, within experts.py's bound), against transformers' own experts module holding the
-dequantized weights, whole tiny Qwen3-MoE / Mixtral / Qwen2-MoE models (logits, greedy generate),
+dequantized weights, whole tiny Qwen3-MoE / Mixtral / Qwen2-MoE / DeepSeek-V3 models (logits, greedy generate),
 torch.compile without a graph break, quantize_model / save_modelopt / load_modelopt / from_pretrained
 round trips (ModelOpt's per-expert names, bit for bit), compressed-tensors' layout of the same experts,
 calibration, and bad inputs named."""
@@ -50,6 +50,13 @@ def tiny(arch, seed=0):
     elif arch == "mixtral":
         cfg = transformers.MixtralConfig(**COMMON, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
         model = transformers.MixtralForCausalLM(cfg)
+    elif arch == "deepseek_v3":  # MLA attention, a shared expert, group-limited sigmoid routing, layer 0 dense
+        cfg = transformers.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=256,
+                                            moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2,
+                                            n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                            q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16,
+                                            qk_nope_head_dim=32, v_head_dim=32)
+        model = transformers.DeepseekV3ForCausalLM(cfg)
     else:
         cfg = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=256, moe_intermediate_size=64,
                                           shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
@@ -322,11 +329,12 @@ def twin(qmodel):
     return ref
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3", "mixtral", "deepseek_v3"])
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_model_logits_and_greedy_tokens_match_the_dequantized_model(arch, mode):
     qmodel, _ = quantized(arch, mode)
-    assert len(experts_of(qmodel)) == 2 and all(m.mode == mode for m in experts_of(qmodel))
+    moe_layers = 1 if arch == "deepseek_v3" else 2  # (DeepSeek-V3's first layer is dense: first_k_dense_replace)
+    assert len(experts_of(qmodel)) == moe_layers and all(m.mode == mode for m in experts_of(qmodel))
     ref = twin(qmodel)
     if mode == "w4a16":  # also transformers' own experts module holding the dequantized weights
         for name, m in list(ref.named_modules()):
@@ -531,6 +539,29 @@ def test_a_compressed_tensors_moe_checkpoint_loads_as_its_modelopt_twin(export, 
     assert all(torch.equal(a, b) for a, b in zip(state_bytes(model).values(), state_bytes(twin).values()))
     assert torch.equal(logits(model), logits(twin))
     assert torch.equal(model.generate(PROMPT, **GEN), twin.generate(PROMPT, **GEN))
+
+
+def test_a_deepseek_v3_export_round_trips_bit_for_bit(tmp_path):
+    """DeepSeek-V3's routed experts (``DeepseekV3Experts``, beside MLA, a shared expert and its sigmoid router)
+    through save_modelopt and from_pretrained: the model's bits, logits and greedy tokens."""
+    qmodel, _ = quantized("deepseek_v3", "w4a4")
+    save_modelopt(qmodel, str(tmp_path))
+    state = load_file(os.path.join(tmp_path, "model.safetensors"))
+    assert f"{P1}.7.down_proj.input_scale" in state and "model.layers.0.mlp.experts.0.gate_proj.weight" not in state
+    model = from_pretrained(str(tmp_path), mode="w4a4", device="cpu")
+    assert len(experts_of(model)) == 1 and experts_of(model)[0].mode == "w4a4"
+    assert all(torch.equal(a, b) for a, b in zip(state_bytes(experts_of(model)[0]).values(),
+                                                 state_bytes(experts_of(qmodel)[0]).values()))
+    # transformers keeps DeepSeek-V3's router in fp32 (its class's _keep_in_fp32_modules): as a model built
+    # from the config and loaded by load_modelopt, not as the all-bf16 model that was exported
+    fresh = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(tmp_path)),
+                                                          dtype=torch.bfloat16).eval()
+    load_modelopt(fresh, str(tmp_path), mode="w4a4")
+    assert model.model.layers[1].mlp.gate.weight.dtype == fresh.model.layers[1].mlp.gate.weight.dtype
+    want, got = state_bytes(fresh), state_bytes(model)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.equal(logits(model), logits(fresh))
+    assert torch.equal(model.generate(PROMPT, **GEN), fresh.generate(PROMPT, **GEN))
 
 
 def test_a_compressed_tensors_expert_with_its_own_gate_and_up_global_scales_is_named(export, tmp_path):
