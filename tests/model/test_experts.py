@@ -725,6 +725,25 @@ def test_gpu_forward_is_sync_free_capturable_and_the_cpu_bits(mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "mixtral", "deepseek_v3"])
+def test_gpu_whole_model_takes_the_experts_kernel_and_generate_gives_model_generates_tokens(arch, monkeypatch):
+    """A tiny quantized MoE model on the GPU (W4A16: the experts' kernel, its act at one token):
+    ``nvfp4_gemv.generate`` (the step in one CUDA graph) gives ``model.generate``'s greedy tokens, and the
+    decode steps call the experts' op (two launches a MoE layer a step), not the fallback."""
+    from nvfp4_gemv import experts_op
+
+    qmodel, _ = quantized(arch, "w4a16")
+    model = qmodel.cuda()
+    prompt = PROMPT[:1].cuda()  # (one row: the decode steps are one token each, where the act is in the kernel)
+    calls = []
+    real = experts_op._run
+    monkeypatch.setattr(experts_op, "_run", lambda *a: calls.append(a[7] if len(a) > 7 else None) or real(*a))
+    want = model.generate(prompt, **GEN)
+    assert calls and "silu" in calls, "the decode steps did not take the experts' kernel with its act"
+    assert torch.equal(nvfp4_gemv.generate(model, prompt, GEN["max_new_tokens"]), want)
+
+
+@pytest.mark.gpu
 def test_gpu_forward_warns_once_where_it_takes_the_dequantizing_fallback():
     from nvfp4_gemv import launch
 
