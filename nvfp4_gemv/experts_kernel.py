@@ -18,9 +18,10 @@ them in other roles: the activation-scale address (unused by W4A16) carries the 
 ``[gate | up]``, and takes ``h = silu(gate) * up`` as its x: the copy of x into shared memory (``x_smem``,
 which ``act`` needs) computes, for each value, ``s = gate / (1 + exp(-gate))`` (the DSL's accurate ``exp``,
 ``div.rn``) and ``s * up`` in fp32, rounded once to x's dtype. That is ``F.silu(gate) * up`` as inductor
-computes it (fp32 throughout, one rounding), within an ulp of x's dtype of the exact value where fp32's
-few-ulp error of ``exp`` meets a rounding midpoint; eager torch rounds ``silu(gate)`` to x's dtype first (a
-second rounding). The products of ``h`` and ``w`` then have the plain kernel's bound.
+computes it (fp32 throughout, one rounding): the exact value rounded once, but within an ulp of it where
+fp32's few-ulp error meets a rounding midpoint, and 0 for gates below about -88.7 (``exp(-gate)`` overflows
+fp32; the exact value is below 2^-120 of ``up`` there), as torch's fp32 silu gives; eager torch rounds
+``silu(gate)`` to x's dtype first (a second rounding). The products of ``h`` and ``w`` then have the plain kernel's bound.
 
 Layouts: ``w`` uint8 [E, M, K/2] and ``ws`` e4m3 [E, M, K/16], each expert's rows following the previous
 expert's (an expert's matrix is M row strides after the last); ``alpha`` fp32 [E]; ``x`` [G * NT, K] and

@@ -14,8 +14,8 @@ changed. The configurations are the ones the code routes to, asked of the code i
   is compiled.
 * the W4A16 kernel: the builds ``default_tuning`` routes Llama-3-8B's linears to at 1..32 tokens, plain and
   packed weights (bf16 x and out, alpha).
-* the experts' kernel: the builds Qwen3-30B-A3B's experts take at 1..64 tokens, the down launch with and
-  without ``act``.
+* the experts' kernel: the builds Qwen3-30B-A3B's experts take at 1..64 tokens and Mixtral-8x7B's at one
+  token, the down launch with and without ``act``.
 
 The hash covers ``nvdisasm -c`` of the cubin with the kernel's symbol name replaced by ``KERNEL``: the DSL
 names a kernel after its class's module (``kernel_cutlass_kernel_<module><class>_object_at_...``), so moving a
@@ -191,8 +191,9 @@ def w4a16_configs(arch):
 
 def experts_configs(arch):
     """``[(label, build)]``: the experts' kernel builds (``experts_op``) that Qwen3-30B-A3B's experts (gate/up
-    1536 x 2048, down 2048 x 768, 128 experts, top 8) take at 1..64 tokens on ``arch``'s SM count, and the
-    down launch's ``act`` builds (``experts_forward``'s groups and busy estimate, bf16)."""
+    1536 x 2048, down 2048 x 768, 128 experts, top 8) take at 1..64 tokens and Mixtral-8x7B's (28672 x 4096,
+    4096 x 14336, 8 experts, top 2) at one token on ``arch``'s SM count, and the down launch's ``act`` builds
+    (``experts_forward``'s groups and busy estimate, bf16)."""
     try:
         from nvfp4_gemv.experts_op import launch_shape
     except ImportError:  # a tree from before the experts' kernel
@@ -206,13 +207,15 @@ def experts_configs(arch):
     from nvfp4_gemv.model.experts_forward import busy_groups, group_size
 
     sms, keys = SMS[arch], set()
-    for t in (1, 2, 4, 8, 16, 32, 64):
-        nt = group_size(t, 8, 128)
-        busy = busy_groups(t, 8, 128, nt)
-        for m, k, acts in ((1536, 2048, (None,)), (2048, 768, acts_down)):
-            r, _ = launch_shape(nt, m, k, sms, busy)
-            for act in acts:
-                keys.add((k, nt, r.groups, act, act_tuning(r.tuning, act)))
+    # (experts, top k, hidden, expert intermediate, token counts): Qwen3-30B-A3B's; Mixtral-8x7B's at one token
+    for e, top, h, inter, counts in ((128, 8, 2048, 768, (1, 2, 4, 8, 16, 32, 64)), (8, 2, 4096, 14336, (1,))):
+        for t in counts:
+            nt = group_size(t, top, e)
+            busy = busy_groups(t, top, e, nt)
+            for m, k, acts in ((2 * inter, h, (None,)), (h, inter, acts_down)):
+                r, _ = launch_shape(nt, m, k, sms, busy)
+                for act in acts:
+                    keys.add((k, nt, r.groups, act, act_tuning(r.tuning, act)))
     out = []
     for k, nt, groups, act, tuning in sorted(keys, key=repr):
         label = f"experts {k} {nt} {groups} act={act} " + (",".join(f"{n}={v}" for n, v in tuning) or "default")

@@ -147,7 +147,8 @@ def grouped_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
 DECODE_MAX_TOKENS = 64  # tokens a call up to which the GPU takes the experts' kernel (prefill: the fallback)
 # tokens a call up to which W4A16 SiLU experts compute silu(gate) * up inside the down launch (experts_op's
 # ``act``: no launch of its own); 1: the one-token route already copies x into shared memory, where the act is
-# made. Past it the act needs that copy forced on a route measured without it (not yet measured: results.md)
+# made. Past it the act needs that copy forced on a route measured without it (not yet measured: results.md),
+# and x's rows must fit shared memory (Mixtral's down launch, K = 14336, does not at 8 tokens a group)
 ACT_IN_KERNEL_MAX_TOKENS = 1
 
 

@@ -1,7 +1,8 @@
 """The experts' down launch with ``act="silu"`` (``experts_op.experts_gemv``): x's rows are ``[gate | up]`` and
 the product takes ``silu(gate) * up`` rounded once to x's dtype. The CPU path against its definition, the
 kernel against float64 within the W4A16 bound plus the act's stated allowance (fuzzed: tokens a group, shared
-rows, empty groups, K % 128 == 64, gate values far into both tails), which forwards take it
+rows, empty groups, K % 128 == 64, gate values far into both tails), the act's values bit for bit through
+identity experts, which forwards take it
 (``experts_forward.decode_forward``: W4A16 SiLU experts up to ``ACT_IN_KERNEL_MAX_TOKENS`` tokens), and bad
 arguments named."""
 
@@ -172,14 +173,16 @@ def test_cuda_act_within_its_bound_of_float64(chunk):
         ref, absum = exact(h, ids, w, ws, alpha, nt)
         allow, n = act_allowance(h64, h, ids, w, ws, alpha, nt, w.shape[1])
         flagged += n
-        poison = torch.full((ids.shape[0] * nt, w.shape[1]), float("nan"), dtype=x.dtype, device="cuda")
-        del poison
         # busy: the launch's shape (any value is correct); a one-token group on 4352 or more rows takes the
         # late route (x's row padded with zeros in shared memory), the Qwen3 down launch's at one token
         busy = 40 if nt == 1 and seed % 2 == 0 else int(torch.randint(1, 9, (1,), generator=torch.Generator().manual_seed(seed)))
         late += bool(dict(launch_shape(nt, w.shape[1], 2 * w.shape[2], torch.cuda.get_device_properties(0)
                                        .multi_processor_count, busy)[0].tuning).get("late"))
-        y = experts_gemv(x.cuda(), ids.cuda(), w.cuda(), ws.cuda(), alpha.cuda(), nt, busy, act="silu").cpu()
+        args = [a.cuda() for a in (x, ids, w, ws, alpha)]
+        # the op allocates its output: NaN in the block the caching allocator will hand it (inputs placed first)
+        poison = torch.full((ids.shape[0] * nt, w.shape[1]), float("nan"), dtype=x.dtype, device="cuda")
+        del poison
+        y = experts_gemv(*args, nt, busy, act="silu").cpu()
         live = ~ref.isnan()
         assert not y[live].isnan().any(), f"case {seed}: rows of a group with an expert left unwritten"
         check_within_bound(y, ref, absum + 2.0 ** 12 * allow, x.shape[1] // 2,
@@ -187,6 +190,55 @@ def test_cuda_act_within_its_bound_of_float64(chunk):
                            f"{x.dtype}, {tuple(x.shape)})")
     print(f"act values within 2^-19 of a midpoint: {flagged}")
     assert late, "no case took the late route"
+
+
+def identity_experts(e, k):
+    """NVFP4 experts whose every expert is the [K, K] identity (e2m1 code 2 = 1.0, e4m3 scales 1.0, alpha 1):
+    the product returns the act's values themselves, exactly (one nonzero term a sum, and the act is already in
+    x's dtype)."""
+    w = torch.zeros(e, k, k // 2, dtype=torch.uint8)
+    r = torch.arange(k)
+    w[:, r, r // 2] = torch.where(r % 2 == 0, 0x02, 0x20).to(torch.uint8)  # the first code in the low nibble
+    ws = torch.full((e, k, k // 16), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    return w, ws, torch.ones(e)
+
+
+def test_identity_experts_are_the_identity():
+    w, ws, alpha = identity_experts(2, 128)
+    assert torch.equal(dequantize(w[1], ws[1]).float(), torch.eye(128)) and torch.equal(alpha, torch.ones(2))
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nt, busy", [(1, 1), (1, 40), (3, 2), (16, 4)])
+def test_cuda_act_values_are_silu_times_up_rounded_once(dtype, nt, busy):
+    """Through identity experts the output is the kernel's act itself: bit for bit float64's
+    ``silu(gate) * up`` rounded once to x's dtype, but where that value lies within 2^-19 of itself of a
+    rounding midpoint (fp32's few-ulp error may round it the other way: one ulp allowed there). Gates in
+    [-80, 80]: past -88.7 fp32's exp(-gate) overflows and the act is 0 where float64's is a tiny nonzero (as
+    torch's own fp32 silu)."""
+    k, e = 256, 3
+    gen = torch.Generator().manual_seed(nt * 100 + busy)
+    w, ws, alpha = identity_experts(e, k)
+    rows = e * nt
+    gate = torch.randn(rows, k, generator=gen) * torch.exp2(torch.randint(-8, 5, (rows, 1), generator=gen))
+    gate[:, :16] = torch.linspace(-80, 80, 16)
+    up = torch.randn(rows, k, generator=gen) * torch.exp2(torch.randint(-8, 8, (rows, 1), generator=gen))
+    x = torch.cat([gate, up], 1).to(dtype)
+    h64, h = silu_mul_once(x)
+    ids = torch.arange(e, dtype=torch.int32)
+    y = experts_gemv(x.cuda(), ids.cuda(), w.cuda(), ws.cuda(), alpha.cuda(), nt, busy, act="silu").cpu()
+    assert torch.equal(experts_gemv(x, ids, w, ws, alpha, nt, busy, act="silu"), h), "the CPU path is not h"
+    ulp = 2 * half_ulp(h)
+    near = ((h64 - h.double()).abs() - ulp / 2).abs() <= 2.0 ** -19 * h64.abs()
+    # below 2^-100 the bf16 routes' products leave fp32's normal range (w4a16.py: |x| >= 2^-109): not exact
+    tiny = h64.abs() < 2.0 ** -100
+    diff = (y.double() - h.double()).abs()
+    exact = ~near & ~tiny
+    off = diff[exact] > 0
+    assert not off.any(), (f"{int(off.sum())} act values off float64 rounded once, e.g. "
+                           f"{y[exact][off][:4].tolist()} against {h[exact][off][:4].tolist()}")
+    assert (diff[near] <= ulp[near]).all() and (diff[tiny] <= 2.0 ** -100).all()
 
 
 @CUDA
