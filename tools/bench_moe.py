@@ -98,18 +98,21 @@ def runnable(mod, x, device):
 
 def kernels_only(experts, x, idx):
     """A no-argument callable running just the experts' two kernel launches (gate/up, then down on stand-in
-    activations) for this routing, as ``decode_forward`` groups it."""
+    activations, with the act inside where ``decode_forward`` puts it there) for this routing, as
+    ``decode_forward`` groups it."""
     from nvfp4_gemv.experts_op import experts_gemv
-    from nvfp4_gemv.model.experts_forward import busy_groups, decode_groups, group_size
+    from nvfp4_gemv.model.experts_forward import (ACT_IN_KERNEL_MAX_TOKENS, busy_groups, decode_groups, group_size,
+                                                  kernel_act)
 
     t, k = idx.shape
-    (w1, s1, a1, _), (w2, s2, a2, _) = experts._mats()
+    (w1, s1, a1, q1), (w2, s2, a2, q2) = experts._mats()
     e = w1.shape[0]
     nt = group_size(t, k, e)
     busy = busy_groups(t, k, e, nt)
     xg, gid, _, _ = decode_groups(x, idx, e, nt)
-    hid = torch.randn(gid.shape[0] * nt, w2.shape[2] * 2, device=x.device).to(x.dtype)
-    return lambda: (experts_gemv(xg, gid, w1, s1, a1, nt, busy), experts_gemv(hid, gid, w2, s2, a2, nt, busy))
+    act = kernel_act(experts.act_fn) if q2 is None and t <= ACT_IN_KERNEL_MAX_TOKENS else None
+    hid = torch.randn(gid.shape[0] * nt, w2.shape[2] * 2 * (2 if act else 1), device=x.device).to(x.dtype)
+    return lambda: (experts_gemv(xg, gid, w1, s1, a1, nt, busy), experts_gemv(hid, gid, w2, s2, a2, nt, busy, act))
 
 
 def profile_top(fn, n=12):
