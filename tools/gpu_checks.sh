@@ -107,16 +107,21 @@ elif [[ -n ${ALL:-} ]]; then
 else
     step pytest 570 python -m pytest -q -rs -p no:cacheprovider -m gpu
 fi
-experts_tests() {  # the experts' kernel: its 300-case fuzz as 5 processes beside the other experts GPU tests
+experts_tests() {  # the experts' kernel: its 300-case fuzz as 5 processes beside the act's and the other experts GPU tests
     local f=tests/model/test_experts_kernel.py::test_cuda_kernel_within_its_bound_of_float64 c rc=0 pids=()
     for c in 0 1 2 3 4; do
         python -m pytest -q -p no:cacheprovider -m gpu "$f[$((2 * c))]" "$f[$((2 * c + 1))]" \
             > "$LOG/experts-fuzz$c.txt" 2>&1 &
         pids+=($!)
     done
+    # the down launch's act: its fuzz, its values bit for bit, the one-token forward (one process)
+    python -m pytest -q -rs -p no:cacheprovider -m gpu tests/model/test_experts_act.py > "$LOG/experts-act.txt" 2>&1 &
+    pids+=($!)
     python -m pytest -q -rs -p no:cacheprovider -m gpu tests/model/test_experts_kernel.py tests/model/test_experts.py \
         -k "not within_its_bound" > "$LOG/experts-tests.txt" 2>&1 || rc=1
     for c in 0 1 2 3 4; do wait "${pids[c]}" || rc=1; echo "fuzz $c: $(tail -n 1 "$LOG/experts-fuzz$c.txt")"; done
+    wait "${pids[5]}" || rc=1
+    echo "act: $(tail -n 1 "$LOG/experts-act.txt")"
     echo "tests: $(tail -n 1 "$LOG/experts-tests.txt")"
     return $rc
 }
