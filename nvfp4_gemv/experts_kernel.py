@@ -33,12 +33,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .experts_op import ACTS
 from .op_kernel import compile_op
 from .ptx import asm, div_rn
 from .quant_kernel import widen8
 from .w4a16 import Nvfp4GemvW4A16
-
-ACTS = ("silu",)  # what ``act`` takes (transformers' SiLU experts: Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3)
 
 
 @dsl_user_op

@@ -27,7 +27,7 @@ from .reference import reference_product
 from .w4a16 import MAX_TOKENS
 
 _X_DTYPES = (torch.bfloat16, torch.float16)
-ACTS = ("silu",)  # (experts_kernel.ACTS: the kernel module is imported only on CUDA)
+ACTS = ("silu",)  # what ``act`` takes (transformers' SiLU experts: Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3)
 _SCALE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 WHO = "nvfp4_gemv.experts_gemv"
 

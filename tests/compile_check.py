@@ -50,6 +50,8 @@ def main():
     p.add_argument("--w4a16", type=int, default=0, help="with --tokens: the W4A16 kernel (bf16 x), this many groups")
     p.add_argument("--f16", action="store_true", help="with --w4a16: fp16 x")
     p.add_argument("--experts", action="store_true", help="with --w4a16: the experts' grouped build")
+    p.add_argument("--act", action="store_true", help="with --experts: its down launch's silu(gate) * up build "
+                   "(--tune then names the route's tuning; experts_op.act_tuning adds the act's own)")
     p.add_argument("--quantize", action="store_true", help="the activation quantizer (bf16 x; --f16: fp16)")
     p.add_argument("--dequantized", action="store_true", help="with --quantize: its dequantized build")
     p.add_argument("--router", default=None, metavar="E,K",
@@ -86,10 +88,12 @@ def main():
 
         _, fn = quant_kernel.compile_quantize(args.k, not args.f16, options=options, dequantized=args.dequantized)
     elif args.tokens and args.w4a16 and args.experts:  # the experts' kernel (nvfp4_gemv.experts_kernel)
-        from nvfp4_gemv import experts_kernel
+        from nvfp4_gemv import experts_kernel, experts_op
 
+        act = "silu" if args.act else None
+        tuning = dict(experts_op.act_tuning(tuple(sorted(tuning.items())), act))
         _, fn = experts_kernel.compile_experts_w4a16(args.k, args.tokens, args.w4a16, not args.f16, True,
-                                                     options=options, **tuning)
+                                                     options=options, act=act, **tuning)
     elif args.tokens and args.w4a16:  # the W4A16 kernel (nvfp4_gemv.w4a16), alpha and bf16 out
         from nvfp4_gemv import w4a16
 

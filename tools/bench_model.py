@@ -496,20 +496,7 @@ def call_profile(fn, calls, device, top=30):
 
 def host_profile(dec, steps, device, top=30):
     """cProfile of ``steps`` synced decode steps: the top functions by own time (text)."""
-    import cProfile
-    import io
-    import pstats
-
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(steps):
-        dec.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    pr.disable()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
-    return s.getvalue()
+    return call_profile(dec.step, steps, device, top)
 
 
 def generate_timings(model, batch, prompt_len, tokens, device, which, prefill_profile=0):

@@ -20,6 +20,7 @@ CUDA); ``--hf-router`` keeps transformers' (the bf16 block always has transforme
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -33,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from nvfp4_gemv import NVFP4Experts  # noqa: E402
 from nvfp4_gemv.model import experts_forward as experts_mod  # noqa: E402
-from nvfp4_gemv.model.experts_forward import DECODE_MAX_TOKENS, busy_groups  # noqa: E402
+from nvfp4_gemv.model.experts_forward import busy_groups  # noqa: E402
 
 QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
 TINY = dict(hidden_size=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
@@ -59,6 +60,20 @@ def nvfp4_bytes(cfg, experts_hit):
     h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     per_expert = 3 * i * h // 2 + 3 * i * h // 16 + 4 * 4
     return experts_hit * per_expert + e * h * 2
+
+
+@contextlib.contextmanager
+def patched(module, **values):
+    """``module``'s attributes set to ``values`` for the block (a rule or a threshold timed another way), then
+    put back."""
+    saved = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
 
 
 def timer(device, reps):
@@ -185,23 +200,15 @@ def main():
         us_b = time_fn(fb)
         sweep = {}
         for f in [float(v) for v in args.busy.split(",")]:
-            experts_mod.busy_groups = lambda *a, f=f: max(1, round(f * busy_groups(*a)))
-            try:
+            with patched(experts_mod, busy_groups=lambda *a, f=f: max(1, round(f * busy_groups(*a)))):
                 fo, how_o = runnable(ours, x, device)
                 sweep[f] = time_fn(fo)
-            finally:
-                experts_mod.busy_groups = busy_groups
         best = min(sweep, key=sweep.get)
         us_o = sweep[1.0] if 1.0 in sweep else sweep[best]
         act_ops_us = None
         if t <= experts_mod.ACT_IN_KERNEL_MAX_TOKENS:  # the act inside the down launch: time it as torch ops too
-            keep = experts_mod.ACT_IN_KERNEL_MAX_TOKENS
-            experts_mod.ACT_IN_KERNEL_MAX_TOKENS = 0
-            try:
-                fa, _ = runnable(ours, x, device)
-                act_ops_us = time_fn(fa)
-            finally:
-                experts_mod.ACT_IN_KERNEL_MAX_TOKENS = keep
+            with patched(experts_mod, ACT_IN_KERNEL_MAX_TOKENS=0):
+                act_ops_us = time_fn(runnable(ours, x, device)[0])
         kernels_us = None
         if device.type == "cuda":
             fk, _ = runnable(kernels_only(ours.experts, x.reshape(t, -1), idx), None, device)
@@ -210,12 +217,8 @@ def main():
                 print(f"T={t}: kernels of the NVFP4 block (eager)\n" + profile_top(lambda: ours(x)), flush=True)
         fallback_us = None
         if args.fallback:
-            experts_mod.DECODE_MAX_TOKENS = 0
-            try:
-                ff, _ = runnable(ours, x, device)
-                fallback_us = time_fn(ff)
-            finally:
-                experts_mod.DECODE_MAX_TOKENS = DECODE_MAX_TOKENS
+            with patched(experts_mod, DECODE_MAX_TOKENS=0):
+                fallback_us = time_fn(runnable(ours, x, device)[0])
         nbytes = nvfp4_bytes(cfg, hit)
         fl = floor(nbytes) if floor else None
         rows.append(dict(tokens=t, experts_hit=hit, bf16_us=us_b, bf16_how=how_b, nvfp4_us=us_o, nvfp4_how=how_o,

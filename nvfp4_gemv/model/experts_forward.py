@@ -265,16 +265,14 @@ def decode_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
     g = experts_gemv(xg, gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy)
     w, ws, alpha, x_scale = down
     act = kernel_act(act_fn) if x_scale is None and t <= ACT_IN_KERNEL_MAX_TOKENS else None
-    if act is not None:
+    if act is not None:  # the down launch reads g's [gate | up] rows and makes the act itself
         d = experts_gemv(g, gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy, act)
-        if at is not None:
-            d = d[at]
-        return combine(d, top_k_weights, valid, x.dtype)
-    i = g.shape[1] // 2
-    hid = act_fn(g[:, :i]) * g[:, i:]
-    if x_scale is not None:  # (rows of groups without an expert: any scale, never read back)
-        hid = quantize_dequantized_rows(hid, x_scale[gid.clamp(min=0).long().repeat_interleave(nt)])
-    d = experts_gemv(hid.contiguous(), gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy)
+    else:
+        i = g.shape[1] // 2
+        hid = act_fn(g[:, :i]) * g[:, i:]
+        if x_scale is not None:  # (rows of groups without an expert: any scale, never read back)
+            hid = quantize_dequantized_rows(hid, x_scale[gid.clamp(min=0).long().repeat_interleave(nt)])
+        d = experts_gemv(hid.contiguous(), gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy)
     if at is not None:
         d = d[at]
     return combine(d, top_k_weights, valid, x.dtype)

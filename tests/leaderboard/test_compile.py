@@ -221,6 +221,17 @@ def test_dequantize_and_router_kernels_compile_without_gpu(arch, k, extra, tmp_p
     info = compile_check(arch, k, tmp_path, *extra)
     assert info["elf"] and info["launch"] == "tvm-ffi" and info["fp4_cvt"] == [] and info["frame_bytes"] == 0, info
 
+@pytest.mark.parametrize("arch, k, tune", [
+    ("sm_90a", 14336, "ctas=4,dec=1,late=1,threads=256,w_a=1,xpair=1,across=1"),  # Mixtral-8x7B's, one token
+    ("sm_90a", 768, "ctas=4,dec=1,late=1,threads=256,w_a=1,xpair=1")])  # Qwen3-30B-A3B's
+def test_the_experts_act_build_compiles_without_a_stack_frame(arch, k, tune, tmp_path):
+    """The down launch with ``silu(gate) * up`` in its copy of x, on the route one token takes: gate and up in
+    flight take twice a plain copy's registers, so ``act_tuning`` keeps 4 copies a thread in flight (at 8
+    Mixtral's build spilled 48 bytes a thread)."""
+    info = compile_check(arch, k, tmp_path, "--tokens", "1", "--w4a16", "2", "--experts", "--act", "--tune", tune)
+    assert info["elf"] and info["launch"] == "tvm-ffi" and info["fp4_cvt"] == [] and info["frame_bytes"] == 0, info
+
+
 def _nvdisasm():
     import glob
 
