@@ -337,6 +337,22 @@ def test_gpu_a_second_call_replays_the_kept_step_without_capturing():
 
 
 @gpu
+def test_gpu_compiled_prefill_in_front_of_the_graph_serves_two_prompt_lengths_with_one_entry():
+    """On the GPU, fused and packed W4A16 layers: the compiled prefill then the captured compiled step; the
+    first new token is the eager prefill's, and a second prompt length reuses the prefill's entry and the
+    kept capture (the cache's length fixed)."""
+    m = variant("w4a16-fused-packed", "cuda")
+    torch._dynamo.reset()
+    for length in (6, 11):
+        ids = prompt(1, length, "cuda", seed=length)
+        got = generate(m, ids, 8, compile=True, compile_prefill=True, max_cache_len=48)
+        want = generate(m, ids, 8, compile=True, max_cache_len=48)
+        assert got.shape == want.shape and torch.equal(got[:, :length + 1], want[:, :length + 1]), length
+    assert prefill_graphs() == 1
+    release(m)
+
+
+@gpu
 def test_gpu_a_model_changed_since_its_capture_is_captured_anew():
     m = variant("bf16", "cuda")
     ids = prompt(2, 5, "cuda")
