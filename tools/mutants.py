@@ -507,8 +507,10 @@ MUTANTS = [
      "act = kernel_act(act_fn) if t <= ACT_IN_KERNEL_MAX_TOKENS else None", ["tests/model/test_experts_act.py"], False),
     # -- generate's compiled prefill --
     ("generate: the compiled prefill's prompt length not marked dynamic", GENERATION,
-     "        torch._dynamo.maybe_mark_dynamic(ids, 1)\n        torch._dynamo.maybe_mark_dynamic(positions, 0)\n",
-     "        pass\n", ["tests/model/test_generate.py"], False),
+     "            torch._dynamo.maybe_mark_dynamic(ids, 1)\n            torch._dynamo.maybe_mark_dynamic(positions, 0)\n",
+     "            pass\n", ["tests/model/test_generate.py"], False),
+    ("generate: the compiled prefill makes a fresh cache's tensors", GENERATION,
+     "    if compiled and dec.cache_ready():", "    if compiled:", ["tests/model/test_generate.py"], False),
     # -- the ops' autograd kernel (CPU) --
     ("library: a tracked input's result without the raising backward", LIBRARY,
      "        if tracked:\n", "        if False:\n",
