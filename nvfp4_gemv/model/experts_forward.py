@@ -150,6 +150,12 @@ DECODE_MAX_TOKENS = 64  # tokens a call up to which the GPU takes the experts' k
 # made. Past it the act needs that copy forced on a route measured without it (not yet measured: results.md),
 # and x's rows must fit shared memory (Mixtral's down launch, K = 14336, does not at 8 tokens a group)
 ACT_IN_KERNEL_MAX_TOKENS = 1
+# tokens a call up to which the gate/up launch asks the L2 for the down launch's bytes of each expert it reads
+# (experts_op's ``prefetch``): at one token both launches are latency-bound (a CTA's one or two tiles, each a
+# round trip to DRAM), so the down launch then finds its bytes in the L2 and the two launches' DRAM reads
+# overlap. Past it the experts hit grow (85 at 16 tokens, Qwen3-30B-A3B: 75 MB of down weights, more than an
+# H100's L2), and the prefetch would evict what it fetched
+PREFETCH_DOWN_MAX_TOKENS = 1
 
 
 def kernel_act(act_fn):
@@ -248,7 +254,8 @@ def decode_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
     """``grouped_forward`` through the experts' kernel (``experts_op``): the slots sorted by expert into
     groups of at most ``group_size`` token rows (``decode_groups``), gate/up then ``act_fn(gate) * up`` then
     down, each one launch that reads every expert hit once a group, and the combine of ``grouped_forward``.
-    Sync-free. Up to ``ACT_IN_KERNEL_MAX_TOKENS`` tokens W4A16 SiLU experts make ``silu(gate) * up`` in the
+    Sync-free. Up to ``PREFETCH_DOWN_MAX_TOKENS`` tokens the gate/up launch asks the L2 for the down launch's
+    bytes of its experts. Up to ``ACT_IN_KERNEL_MAX_TOKENS`` tokens W4A16 SiLU experts make ``silu(gate) * up`` in the
     down launch (rounded once to x's dtype from fp32, as inductor's fused ``F.silu(g) * u``; eager torch rounds
     ``silu(g)`` first).
 
@@ -262,7 +269,8 @@ def decode_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
     busy = busy_groups(t, k, e, nt)
     w, ws, alpha, x_scale = gate_up
     xg, gid, at, valid = decode_groups(x, top_k_index, e, nt, x_scale)
-    g = experts_gemv(xg, gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy)
+    pf = (down[0], down[1]) if t <= PREFETCH_DOWN_MAX_TOKENS else None
+    g = experts_gemv(xg, gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy, prefetch=pf)
     w, ws, alpha, x_scale = down
     act = kernel_act(act_fn) if x_scale is None and t <= ACT_IN_KERNEL_MAX_TOKENS else None
     if act is not None:  # the down launch reads g's [gate | up] rows and makes the act itself

@@ -391,7 +391,7 @@ def test_a_plans_hit_path_takes_only_its_own_metadata_at_aligned_addresses():
 
     class Stub(experts_op.ExpertsPlan):
         def __init__(self):  # (no kernel: only the hit path's checks run)
-            self.n_tok, self.busy, self.act, self.variants = 1, 3, None, ()
+            self.n_tok, self.busy, self.act, self.pf, self.variants = 1, 3, None, False, ()
 
         def __call__(self, *ts):
             calls.append(ts)
