@@ -10,9 +10,11 @@ to the lower expert, and the logit's 16 bits come back from the key (-0 is keyed
 token then meet in one warp, two ways:
 
 * the cluster build (E <= 256): grid ``(8, T)`` in clusters of 8 CTAs (a token's), ``E / 8`` warps a CTA;
-  lane 0 stores its key into the shared memory of the cluster's CTA 0 (``mapa``, ``st.shared::cluster``),
-  every thread arrives at the cluster barrier and waits (release and acquire), and warp 0 of CTA 0 reads
-  the ``E`` keys from its shared memory. No scratch, no counter, no fill.
+  every thread arrives at the cluster barrier (relaxed) on entry and waits before any store into another
+  CTA's shared memory (all of the cluster's CTAs then run); lane 0 stores its key into the shared memory of
+  the cluster's CTA 0 (``mapa``, ``st.shared::cluster``), every thread arrives at the cluster barrier
+  again and waits (release and acquire: a ``MEMBAR.ALL.GPU`` before the arrive in the SASS), and warp 0 of
+  CTA 0 reads the ``E`` keys from its shared memory. No scratch, no counter, no fill, no atomics.
 * the counter build (E > 256): grid ``(E / 8, T)``, 8 warps a CTA; lane 0 stores its key to the token's
   scratch row and fences (``fence.acq_rel.gpu``), the CTA meets at a barrier, and thread 0 fences and counts
   the CTA done on its token's counter (``atom.add``). In the CTA that counts last (the counter reaches
@@ -190,6 +192,9 @@ class TopKRouter:
         if cutlass.const_expr(self.cluster):
             smem = SmemAllocator()
             s_keys = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.e), byte_alignment=16).iterator.toint()
+            # a CTA's shared memory may be written by another only once it runs: every thread arrives now and
+            # waits before its store into CTA 0's (the loads of x and W below hide the round)
+            cute.arch.cluster_arrive_relaxed()
         # -- the logit of row e: 16-byte chunks lane + 32 j of the row and of x, all in flight
         xrow = x_ptr + t64 * x_rs
         wrow = w_ptr + cutlass.Int64(e) * (self.h * 2)
@@ -207,6 +212,7 @@ class TopKRouter:
         if cutlass.const_expr(self.cluster):
             # -- the cluster build: each key into the leader CTA's (rank 0) shared memory; the cluster barrier
             # (arrive has release, wait acquire semantics) orders those stores before the leader's loads
+            cute.arch.cluster_wait()
             if lane == 0:
                 key, bits = logit_key(acc, e, self.bf16)
                 stg_b16(logits_ptr + (t64 * self.e + cutlass.Int64(e)) * 2, bits)
