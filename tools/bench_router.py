@@ -1,4 +1,4 @@
-"""A MoE router's decode on the GPU: ``topk_route`` (one kernel and the fill of its counters) against
+"""A MoE router's decode on the GPU: ``topk_route`` (one kernel; past 256 experts also its counters' fill) against
 transformers' ``Qwen3MoeTopKRouter`` (the router's GEMV, softmax, ``torch.topk``'s kernels, the renormalisation)
 on the same weight, eager ops captured in a CUDA graph and the same router under ``torch.compile`` (inductor,
 no CUDA graphs of its own) captured likewise, at Qwen3-30B-A3B's shape (128 experts, hidden 2048, top 8) by

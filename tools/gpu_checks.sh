@@ -171,7 +171,9 @@ step moeprofile 560 python tools/bench_model.py --hf --arch qwen3-moe --batches 
 step routercheck 300 bash -c "timeout 150 python -m pytest -q -p no:cacheprovider -m gpu -rs tests/op/test_router_kernel.py \
     > '$LOG/router-tests.txt' 2>&1 & p=\$!; timeout 150 python tools/mutants.py --jobs 4 --only 'router kernel: ties to the higher expert' \
     --only 'router kernel: renormalisation dropped' --only 'router kernel: the first CTA to finish takes the top k' \
-    --only 'router kernel: fp16 keys decoded as bf16' --only 'router kernel: -0 keyed below +0' > '$LOG/router-mutants.txt' 2>&1; m=\$?; wait \$p; t=\$?
+    --only 'router kernel: fp16 keys decoded as bf16' --only 'router kernel: -0 keyed below +0' \
+    --only 'router kernel cluster: CTA 1 takes the top k from its own shared memory' \
+    --only \"router kernel cluster: each key stored in the storing CTA's own shared memory\" > '$LOG/router-mutants.txt' 2>&1; m=\$?; wait \$p; t=\$?
     timeout 100 python tools/bench_router.py --tokens 1,4,16,64 --reps 30 --out '$LOG/router-bench' > '$LOG/router-bench.txt' 2>&1
     b=\$?; tail -n 2 '$LOG/router-tests.txt'; tail -n 6 '$LOG/router-mutants.txt'; grep '^{' '$LOG/router-bench.txt'
     exit \$((t | m | b))"
