@@ -45,8 +45,9 @@ def _bad(exc, name, expected, got):
     fail(exc, name, expected, got, WHO)
 
 
-def check_prefetch(w, prefetch):
-    """``prefetch``: None or (w2, w2_scale), an experts weight of as many experts as ``w`` (no sync)."""
+def check_prefetch(w, prefetch, addresses=True):
+    """``prefetch``: None or (w2, w2_scale), an experts weight of as many experts as ``w`` (no sync);
+    ``addresses``: their alignment too (not of fake tensors, which have none)."""
     if prefetch is None:
         return
     if not isinstance(prefetch, (tuple, list)) or len(prefetch) != 2:
@@ -59,11 +60,12 @@ def check_prefetch(w, prefetch):
             _bad(ValueError, name, f"a tensor on {w.device} (where w is)", f"one on {t.device}")
     e = w.shape[0]
     if w2.dtype != torch.uint8 or w2.dim() != 3 or w2.shape[0] != e or not w2.is_contiguous() or w2.shape[1] % 128 \
-            or w2.shape[2] % 32 or w2.data_ptr() % 16:
+            or w2.shape[2] % 32 or (addresses and w2.data_ptr() % 16):
         _bad(ValueError, "prefetch[0]", f"a contiguous uint8 tensor [{e}, M2, K2/2] (M2 % 128 == 0, K2 % 64 == 0) at a "
              "16-byte aligned address", f"{w2.dtype} {tuple(w2.shape)}")
     want = (e, w2.shape[1], w2.shape[2] // 8)
-    if s2.dtype not in _SCALE_DTYPES or tuple(s2.shape) != want or not s2.is_contiguous() or s2.data_ptr() % 16:
+    if s2.dtype not in _SCALE_DTYPES or tuple(s2.shape) != want or not s2.is_contiguous() \
+            or (addresses and s2.data_ptr() % 16):
         _bad(ValueError, "prefetch[1]", f"a contiguous float8_e4m3fn or uint8 tensor {list(want)} at a 16-byte "
              "aligned address", f"{s2.dtype} {tuple(s2.shape)}")
 
@@ -276,7 +278,7 @@ def _experts_gemv_op(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w_scal
 @_experts_gemv_op.register_fake
 def _experts_gemv_fake(x, ids, w, w_scale, alpha, n_tok, busy, act="", pf_w=None, pf_scale=None):
     g, m, _ = check_args(x, ids, w, w_scale, alpha, n_tok, act or None)
-    check_prefetch(w, None if pf_w is None else (pf_w, pf_scale))
+    check_prefetch(w, None if pf_w is None else (pf_w, pf_scale), addresses=False)
     return x.new_empty((g * n_tok, m))
 
 
@@ -305,7 +307,7 @@ def experts_gemv(x, ids, w, w_scale, alpha, n_tok, busy=1, act=None, prefetch=No
         return _run(x, ids, w, w_scale, alpha, n_tok, busy, act, prefetch)
     if not torch.compiler.is_compiling():  # our error naming the argument, not the dispatcher's
         check_args(x, ids, w, w_scale, alpha, n_tok, act)
-        check_prefetch(w, prefetch)
+        check_prefetch(w, prefetch, addresses=False)  # (fake tensors reach here: the op checks addresses)
     pf_w, pf_scale = (None, None) if prefetch is None else prefetch
     return torch.ops.nvfp4.experts_gemv(x, ids, w, w_scale, alpha, n_tok, busy, act or "", pf_w, pf_scale)
 

@@ -29,6 +29,8 @@ def test_bad_prefetch_tensors_are_named():
         ((w2[:, :, :16].contiguous(), s2), ValueError, "argument 'prefetch\\[0\\]'"),  # K2 % 64
         ((w2, s2[:, :, :4].contiguous()), ValueError, "argument 'prefetch\\[1\\]': expected .* \\[4, 256, 8\\]"),
         ((w2, 1.0), TypeError, "argument 'prefetch\\[1\\]': expected a torch.Tensor"),
+        ((torch.zeros(w2.numel() + 1, dtype=torch.uint8)[1:].view(w2.shape), s2), ValueError,
+         "argument 'prefetch\\[0\\]': .* at a 16-byte aligned address"),
     ]
     for pf, exc, match in cases:
         with pytest.raises(exc, match=match):
