@@ -504,6 +504,15 @@ MUTANTS = [
     ("experts act: decode_forward fuses W4A4 experts too", EXPERTS_FORWARD,
      "act = kernel_act(act_fn) if x_scale is None and t <= ACT_IN_KERNEL_MAX_TOKENS else None",
      "act = kernel_act(act_fn) if t <= ACT_IN_KERNEL_MAX_TOKENS else None", ["tests/model/test_experts_act.py"], False),
+    # -- the gate/up launch's prefetch of down's bytes (a hint: no result shows it; the PTX and the rule do) --
+    ("experts prefetch: the scales' share not asked for", EXPERTS_KERNEL,
+     "for pf_ptr, per in ((pf_w_ptr, self.prefetch[0]), (pf_ws_ptr, self.prefetch[1])):",
+     "for pf_ptr, per in ((pf_w_ptr, self.prefetch[0]),):",
+     ["tests/leaderboard/test_compile.py::test_the_experts_prefetch_build_asks_the_l2_twice_and_the_plain_build_never"],
+     False),
+    ("experts prefetch: decode_forward never prefetches", EXPERTS_FORWARD,
+     "pf = (down[0], down[1]) if t <= PREFETCH_DOWN_MAX_TOKENS else None", "pf = None",
+     ["tests/model/test_experts_prefetch.py"], False),
     # -- the ops' autograd kernel (CPU) --
     ("library: a tracked input's result without the raising backward", LIBRARY,
      "        if tracked:\n", "        if False:\n",
