@@ -35,7 +35,13 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--out", default=None)
+    p.add_argument("--counter", action="store_true", help="the counter build at every E (router_kernel.CLUSTER_MAX_E "
+                   "= 0 before any build): the cluster build's A/B, run as a process of its own")
     a = p.parse_args(argv)
+    if a.counter:
+        from nvfp4_gemv import router_kernel
+
+        router_kernel.CLUSTER_MAX_E = 0
     cfg = transformers.Qwen3MoeConfig(hidden_size=a.hidden, num_experts=a.experts, num_experts_per_tok=a.top_k,
                                       norm_topk_prob=True)
     torch.manual_seed(0)
