@@ -44,7 +44,7 @@ LLAMA3_8B = dict(hidden=4096, qkv=6144, intermediate=14336)
 TINY = dict(hidden=256, qkv=384, intermediate=512)
 VARIANTS = ("bf16", "w4a16", "w4a4", "torchao")
 MODES = ("eager", "graph", "compile")
-GENERATES = ("generate_ms", "ours_generate_ms", "ours_generate_compiled_ms")
+GENERATES = ("generate_ms", "ours_generate_ms", "ours_generate_compiled_ms", "ours_generate_all_compiled_ms")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -514,7 +514,10 @@ def generate_timings(model, batch, prompt_len, tokens, device, which, prefill_pr
     runs = {"generate_ms": lambda: model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                                                   cache_implementation="static", pad_token_id=0),
             "ours_generate_ms": lambda: generate(model, prompt, tokens, eos_token_id=[]),
-            "ours_generate_compiled_ms": lambda: generate(model, prompt, tokens, eos_token_id=[], compile=True)}
+            "ours_generate_compiled_ms": lambda: generate(model, prompt, tokens, eos_token_id=[], compile=True),
+            # the prefill compiled too (its rounding is not model.generate's eager prefill's: tokens may differ)
+            "ours_generate_all_compiled_ms": lambda: generate(model, prompt, tokens, eos_token_id=[], compile=True,
+                                                             compile_prefill=True)}
     out, toks = {}, {}
     graphs = None
     if device.type == "cuda":
@@ -540,8 +543,8 @@ def generate_timings(model, batch, prompt_len, tokens, device, which, prefill_pr
                     out[key.replace("_ms", "_graph_trees")] = {
                         k: graphs[k] for k in ("record_function", "run_eager", "execute_node", "run")}
                 if key != "generate_ms":  # the same cache length: the kept step stays kept
-                    one = lambda: generate(model, prompt, 1, eos_token_id=[], compile=key.endswith("compiled_ms"),  # noqa: E731
-                                           max_cache_len=prompt_len + tokens)
+                    one = lambda: generate(model, prompt, 1, eos_token_id=[], compile="compiled" in key,  # noqa: E731
+                                           compile_prefill="all_compiled" in key, max_cache_len=prompt_len + tokens)
                     one()
                     out[key.replace("_ms", "_prefill_ms")] = statistics.median(wall_ms(one, device) for _ in range(3))
                     if prefill_profile:
@@ -549,7 +552,7 @@ def generate_timings(model, batch, prompt_len, tokens, device, which, prefill_pr
         except Exception as e:  # noqa: BLE001 - reported in the table
             out[key + "_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     if "generate_ms" in toks:
-        for key in ("ours_generate_ms", "ours_generate_compiled_ms"):
+        for key in ("ours_generate_ms", "ours_generate_compiled_ms", "ours_generate_all_compiled_ms"):
             if key in toks:
                 out[key.replace("_ms", "_same_tokens")] = bool(torch.equal(toks[key], toks["generate_ms"]))
     return out
@@ -632,7 +635,9 @@ def bench_hf(args, device):
                           "ours_generate_compiled_ms", "generate_first_s", "ours_generate_first_s",
                           "ours_generate_compiled_first_s", "error", "generate_ms_error", "ours_generate_ms_error",
                           "ours_generate_compiled_ms_error", "peer_rel_err", "generate_graph_trees",
-                          "ours_generate_prefill_ms", "ours_generate_compiled_prefill_ms") if k in row), flush=True)
+                          "ours_generate_prefill_ms", "ours_generate_compiled_prefill_ms", "ours_generate_all_compiled_ms",
+                          "ours_generate_all_compiled_first_s", "ours_generate_all_compiled_prefill_ms",
+                          "ours_generate_all_compiled_ms_error") if k in row), flush=True)
             if device.type == "cuda":
                 torch._dynamo.reset()
                 torch.cuda.empty_cache()
@@ -645,7 +650,7 @@ def bench_hf(args, device):
         if "ms_per_token" not in r and gen:  # (--hf-no-step) the table's token figure from a generation
             r["ms_per_token"], r["tokens_per_s"] = min(gen), 1e3 * r["batch"] / min(gen)
         if b and "generate_ms" in b:
-            for k in ("generate_ms", "ours_generate_ms", "ours_generate_compiled_ms"):
+            for k in ("generate_ms", "ours_generate_ms", "ours_generate_compiled_ms", "ours_generate_all_compiled_ms"):
                 if k in r:
                     r[k.replace("_ms", "_vs_bf16_generate")] = b["generate_ms"] / r[k]
     cfg = model.config
@@ -704,8 +709,9 @@ def hf_table(result):
     lines = [f"{cls}, {name} ({m['layers']} layers, random weights), static cache, decode "
              f"of {m['decode_tokens']} tokens after a {m['prompt_len']}-token prompt; ms a token "
              f"(x: bf16's model.generate over this)", "",
-             "| variant | batch | model.generate | nvfp4_gemv.generate | same, compiled step | loop, sync each token "
-             "| events (host runs ahead) | host of a step | weights GB |", "|---|---|---|---|---|---|---|---|---|"]
+             "| variant | batch | model.generate | nvfp4_gemv.generate | same, compiled step | same, prefill compiled too "
+             "| loop, sync each token | events (host runs ahead) | host of a step | weights GB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
 
     def cell(r, k, vs=None):
         if k not in r:
@@ -714,11 +720,12 @@ def hf_table(result):
 
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['variant']}{label(r)} | {r['batch']} | n/a ({r['error'][:60]}) | | | | | | {r['weight_GB']:.3g} |")
+            lines.append(f"| {r['variant']}{label(r)} | {r['batch']} | n/a ({r['error'][:60]}) | | | | | | | {r['weight_GB']:.3g} |")
             continue
         lines.append(f"| {r['variant']}{label(r)} | {r['batch']} | {cell(r, 'generate_ms', 'generate_vs_bf16_generate')} | "
                      f"{cell(r, 'ours_generate_ms', 'ours_generate_vs_bf16_generate')} | "
                      f"{cell(r, 'ours_generate_compiled_ms', 'ours_generate_compiled_vs_bf16_generate')} | "
+                     f"{cell(r, 'ours_generate_all_compiled_ms', 'ours_generate_all_compiled_vs_bf16_generate')} | "
                      f"{cell(r, 'sync_ms')} | {cell(r, 'events_ms')} | {cell(r, 'host_ms')} | {r['weight_GB']:.3g} |")
     return "\n".join(lines)
 
@@ -760,8 +767,9 @@ def parse_args(argv=None):
     p.add_argument("--hf-variants", type=names(("bf16", "int4", "w4a16", "w4a4")),
                    default=["bf16", "int4", "w4a16", "w4a4"],
                    help="int4: torch's _weight_int4pack_mm, group 128 (the peer; CUDA only)")
-    p.add_argument("--hf-generate", type=names(GENERATES), default=list(GENERATES),
-                   help="--hf: whole generations timed (model.generate, nvfp4_gemv.generate eager step / compiled step)")
+    p.add_argument("--hf-generate", type=names(GENERATES), default=list(GENERATES[:3]),
+                   help="--hf: whole generations timed (model.generate, nvfp4_gemv.generate eager step / compiled step; "
+                   "ours_generate_all_compiled_ms: the prefill compiled too, not by default: one more compile a row)")
     p.add_argument("--hf-no-step", action="store_true",
                    help="--hf: whole generations only (no compiled step of our own: one compile fewer a row)")
     p.add_argument("--hf-host-profile", type=int, default=0, metavar="STEPS",

@@ -9,7 +9,7 @@
 # tools/repro_fault.sh blocking, each, plain with the DSL's own launch, memcheck-alone; each its own log),
 # repromc (memcheck-cached alone), inbounds (that fault's fix: below), experts (its GPU tests and 300-case fuzz, ~5 processes) and
 # the measurements bench (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1),
-# model16 / model4 (the same at batch 16 / 4), prefill (tools/bench_prefill.py: W4A16 from 129 tokens),
+# model16 / model4 (the same at batch 16 / 4), modelprefill (generate with compile_prefill=True too), prefill (tools/bench_prefill.py: W4A16 from 129 tokens),
 # modellm (the same, lm_head in NVFP4 too, beside bf16), moeblock (the MoE block alone: the kernel, the
 # fallback, other launch shapes; eager and compiled), tuneexperts (the experts' kernel alone, a launch at a time,
 # over builds around its route: tools/tune_experts.py at 1, 4 and 16 tokens), moe (the MoE block and Qwen3-30B-A3B's decode),
@@ -157,6 +157,11 @@ step model16 560 python tools/bench_model.py --hf --batches 16 --tokens 64 --hf-
     --hf-variants bf16,int4,w4a16 --hf-generate generate_ms,ours_generate_compiled_ms --json "$LOG/model-hf-b16.json"
 step model4 560 python tools/bench_model.py --hf --batches 4 --tokens 64 --hf-fuse --hf-pack --hf-no-step \
     --hf-variants bf16,int4,w4a16 --hf-generate generate_ms --json "$LOG/model-hf-b4.json"
+# modelprefill: nvfp4_gemv.generate with the prefill compiled too (compile_prefill=True) beside the compiled step
+# alone and model.generate, batch 1, bf16 and ours (whole generations only: no compiled step of the bench's own)
+step modelprefill 560 python tools/bench_model.py --hf --batches 1 --tokens 64 --hf-fuse --hf-pack --hf-no-step \
+    --hf-variants bf16,w4a16 --hf-generate generate_ms,ours_generate_compiled_ms,ours_generate_all_compiled_ms \
+    --json "$LOG/model-hf-b1-prefill.json"
 step prefill 300 python tools/bench_prefill.py --reps 10 --out "$LOG/prefill"
 step modellm 560 python tools/bench_model.py --hf --batches 1 --tokens 64 --hf-fuse --hf-pack --hf-lm-head \
     --hf-variants bf16,w4a16 --json "$LOG/model-hf-b1-lmhead.json"

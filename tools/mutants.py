@@ -54,6 +54,7 @@ PACKED = "nvfp4_gemv/packed.py"
 TP = "nvfp4_gemv/model/tp.py"
 EXPERTS = "nvfp4_gemv/model/experts.py"
 EXPERTS_FORWARD = "nvfp4_gemv/model/experts_forward.py"
+GENERATION = "nvfp4_gemv/model/generation.py"
 EXPERTS_OP = "nvfp4_gemv/experts_op.py"
 EXPERTS_KERNEL = "nvfp4_gemv/experts_kernel.py"
 LIBRARY = "nvfp4_gemv/library.py"
@@ -513,6 +514,10 @@ MUTANTS = [
     ("experts prefetch: decode_forward never prefetches", EXPERTS_FORWARD,
      "pf = (down[0], down[1]) if t <= PREFETCH_DOWN_MAX_TOKENS else None", "pf = None",
      ["tests/model/test_experts_prefetch.py"], False),
+    # -- generate's compiled prefill --
+    ("generate: the compiled prefill's prompt length not marked dynamic", GENERATION,
+     "        torch._dynamo.maybe_mark_dynamic(ids, 1)\n        torch._dynamo.maybe_mark_dynamic(positions, 0)\n",
+     "        pass\n", ["tests/model/test_generate.py"], False),
     # -- the ops' autograd kernel (CPU) --
     ("library: a tracked input's result without the raising backward", LIBRARY,
      "        if tracked:\n", "        if False:\n",

@@ -3,7 +3,8 @@ CUDA graph, so that the host costs one graph launch a token instead of a model's
 
 ``model.generate`` runs the model's Python (and, compiled, dynamo's guards and the CUDA-graph trees'
 bookkeeping) and syncs once a token to test for EOS: on a decode step whose kernels take ~3 ms, that host
-work is exposed as a ms or more a token (docs/results.md). Here the prompt is prefilled eagerly, one decode
+work is exposed as a ms or more a token (docs/results.md). Here the prompt is prefilled eagerly (as
+``model.generate`` does; ``compile_prefill=True`` compiles it), one decode
 step runs eagerly (it compiles our kernels for the decode shapes, and it is the first decoded token), then
 the step (forward, token selection, the EOS bookkeeping, the cache position) is captured once in a CUDA
 graph and replayed; the host looks at the device only every ``sync_every`` tokens, to stop once every row
@@ -25,7 +26,7 @@ syncs or allocates outside the graph's pool), it runs eagerly too, with one warn
 A capture (and the eager step before it) costs a few hundred ms on an 8B model, as much as 100 tokens'
 replays: the latest captured step of each model is kept (its static cache, its buffers, the graph and its
 memory pool) and a later call with the same batch, cache length (``max_cache_len``, by default prompt + new
-tokens) and selection options replays it after an eager prefill. A model changed since (a parameter, a
+tokens) and selection options replays it after the prefill. A model changed since (a parameter, a
 buffer or a module replaced, a mode switched) is captured anew: the kept graph would read memory the model
 no longer uses. ``release(model)`` frees what is kept.
 """
@@ -154,6 +155,11 @@ class _Decoder:
         out = model(input_ids=ids, cache_position=cache_position, use_cache=True, **kw)
         return out.logits[:, -1, :].to(torch.float32)
 
+    def prefill(self, model, ids, cache_position):
+        """``forward`` on the prompt: its own code object, so that under ``torch.compile`` its entries (the
+        prompt's length symbolic) and the decode step's (one token, static) are cached apart."""
+        return _Decoder.forward(self, model, ids, cache_position)
+
     def accept(self, nxt):
         """Records the tokens ``nxt`` [B] at column ``col`` (pad where a row has ended) and advances."""
         if self.eos is not None:
@@ -219,22 +225,27 @@ def release(model=None):
         _kept.pop(model, None)
 
 
-_compiled = []
+_compiled = {}
 
 
-def _compiled_forward():
-    """``_Decoder.forward`` under ``torch.compile``, made once (dynamo keeps an entry a model and batch
-    shape). The default mode makes no CUDA graphs of its own, so ours captures its kernels;
-    "max-autotune-no-cudagraphs" would autotune for minutes."""
-    if not _compiled:
-        _compiled.append(torch.compile(_Decoder.forward, fullgraph=True, dynamic=False))
-    return _compiled[0]
+def _compiled_forward(prefill=False):
+    """``_Decoder.forward`` (the decode step: static shapes) or ``_Decoder.prefill`` (the prompt: its length
+    marked dynamic where the model lets it be, so that one compile serves prompts of any length; a model
+    whose code specializes on it, such as the experts' groups, compiles once a length, up to dynamo's
+    ``recompile_limit``, then runs that prefill eagerly) under ``torch.compile``, each made once (dynamo keeps
+    an entry a model and batch shape). The default mode makes no CUDA graphs of its own, so ours captures the
+    step's kernels; "max-autotune-no-cudagraphs" would autotune for minutes."""
+    fn = _compiled.get(prefill)
+    if fn is None:
+        fn = _compiled[prefill] = torch.compile(_Decoder.prefill if prefill else _Decoder.forward, fullgraph=True,
+                                                dynamic=None if prefill else False)
+    return fn
 
 
 @torch.no_grad()
 def generate(model, input_ids, max_new_tokens, *, do_sample=False, temperature=1.0, top_k=None, top_p=None,
              eos_token_id=None, pad_token_id=None, sync_every=8, cuda_graph=True, compile=False,
-             max_cache_len=None):
+             max_cache_len=None, compile_prefill=False):
     """Decodes ``max_new_tokens`` tokens after ``input_ids`` [batch, prompt] (no padding) with a static
     cache, the decode step replayed from one CUDA graph (module docstring). Returns a LongTensor [batch,
     prompt + new], as ``model.generate`` does: greedy tokens are ``model.generate(input_ids,
@@ -249,11 +260,18 @@ def generate(model, input_ids, max_new_tokens, *, do_sample=False, temperature=1
     :param compile: run the decode step's forward through ``torch.compile`` (inductor, without its own CUDA
         graphs: norms, rotary embeddings and activations fused into fewer kernels) inside the graph; the
         first call compiles (tens of seconds for an 8B model), later calls with the same batch reuse it.
+    :param compile_prefill: run the prefill through ``torch.compile`` too, the prompt's length symbolic
+        where the model's code allows (one compile for every length; else one a length, up to dynamo's
+        ``recompile_limit``). Its host is then inductor's launches, not a model's worth of eager ops (most
+        of a short call's time). ``model.generate`` prefills eagerly: the compiled prefill rounds otherwise
+        (fused kernels), so its cache, and from a near-tie on the tokens, may differ from ``model.generate``'s.
     :param max_cache_len: the static cache's length (None: prompt + ``max_new_tokens``). The captured step
         is kept and replayed by later calls with the same batch, cache length and options: a fixed
         ``max_cache_len`` lets prompts and lengths that differ share one capture.
     """
     _check(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, sync_every, max_cache_len)
+    if not isinstance(compile_prefill, bool):
+        _fail(TypeError, "compile_prefill", "a bool", repr(compile_prefill))
     eos = _eos_ids(model, eos_token_id)
     if pad_token_id is None:
         pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
@@ -288,7 +306,13 @@ def generate(model, input_ids, max_new_tokens, *, do_sample=False, temperature=1
         if compile:
             dec.decode_forward = _compiled_forward()
     # the prefill: the prompt at positions 0..prompt-1 gives the first new token
-    dec.accept(sel(dec.forward(model, input_ids, torch.arange(prompt, device=device))))
+    prefill = _compiled_forward(prefill=True) if compile_prefill else _Decoder.prefill
+    ids, positions = input_ids, torch.arange(prompt, device=device)
+    if compile_prefill and prompt > 1:  # one compile for every prompt length, where the model's code allows it
+        ids = input_ids.clone()  # (the mark is an attribute of the tensor: not set on the caller's)
+        torch._dynamo.maybe_mark_dynamic(ids, 1)
+        torch._dynamo.maybe_mark_dynamic(positions, 0)
+    dec.accept(sel(prefill(dec, model, ids, positions)))
     dec.pos.fill_(prompt)
     made = 1
     if kept is None and made < max_new_tokens and use_graph:

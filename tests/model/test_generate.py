@@ -153,6 +153,7 @@ def test_top_k_and_top_p_keep_the_tokens_generate_keeps():
     (dict(do_sample="yes"), "do_sample"),
     (dict(max_cache_len=4), "max_cache_len"),  # prompt 3 + 2 new tokens need 5
     (dict(max_cache_len=True), "max_cache_len"),
+    (dict(compile_prefill="yes"), "compile_prefill"),
 ])
 def test_bad_arguments_are_named(kw, arg):
     m = variant("bf16")
@@ -172,6 +173,40 @@ def test_compiled_step_gives_the_same_tokens():
     quantize_model(m, fuse=True)
     ids = prompt(2, 5)
     assert torch.equal(generate(m, ids, 6, compile=True), hf(m, ids, 6))
+
+
+def prefill_graphs():
+    """Graphs dynamo has compiled of the prefill's code object (``_Decoder.prefill``) so far."""
+    from nvfp4_gemv.model.generation import _Decoder
+
+    code = _Decoder.prefill.__code__
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+
+
+def test_compiled_prefill_gives_model_generates_tokens_and_one_compile_serves_every_prompt_length():
+    """fp32 (no near-ties between the eager and the compiled rounding): the compiled prefill's tokens are
+    model.generate's; a second prompt length takes the same compiled entry (the length is symbolic; the
+    cache's length fixed, as a guard of its own)."""
+    m = tiny_llama(layers=2, dtype=torch.float32)
+    torch._dynamo.reset()
+    for length in (5, 9, 5):
+        ids = prompt(2, length, seed=length)
+        assert torch.equal(generate(m, ids, 6, compile_prefill=True, max_cache_len=32), hf(m, ids, 6)), length
+    assert prefill_graphs() == 1
+
+
+def test_compiled_prefill_of_quantized_layers_runs_without_a_break_for_any_prompt_length():
+    """Fused W4A16 layers (our ops under a symbolic token count): fullgraph compiles, the first token is the
+    eager prefill's, and the prompt lengths share one entry (the cache's length fixed)."""
+    m = tiny_llama(layers=1)
+    quantize_model(m, fuse=True)
+    torch._dynamo.reset()
+    for length in (4, 7):
+        ids = prompt(1, length, seed=length)
+        got = generate(m, ids, 3, compile=True, compile_prefill=True, max_cache_len=32)
+        want = generate(m, ids, 3, compile=True, max_cache_len=32)
+        assert got.shape == want.shape and torch.equal(got[:, :length + 1], want[:, :length + 1]), length
+    assert prefill_graphs() == 1
 
 
 def test_it_is_exported():
@@ -299,6 +334,22 @@ def test_gpu_a_second_call_replays_the_kept_step_without_capturing():
     assert torch.equal(d, generate(m, ids, 12, max_cache_len=32, cuda_graph=False))
     release(m)
     assert m not in _kept
+
+
+@gpu
+def test_gpu_compiled_prefill_in_front_of_the_graph_serves_two_prompt_lengths_with_one_entry():
+    """On the GPU, fused and packed W4A16 layers: the compiled prefill then the captured compiled step; the
+    first new token is the eager prefill's, and a second prompt length reuses the prefill's entry and the
+    kept capture (the cache's length fixed)."""
+    m = variant("w4a16-fused-packed", "cuda")
+    torch._dynamo.reset()
+    for length in (6, 11):
+        ids = prompt(1, length, "cuda", seed=length)
+        got = generate(m, ids, 8, compile=True, compile_prefill=True, max_cache_len=48)
+        want = generate(m, ids, 8, compile=True, max_cache_len=48)
+        assert got.shape == want.shape and torch.equal(got[:, :length + 1], want[:, :length + 1]), length
+    assert prefill_graphs() == 1
+    release(m)
 
 
 @gpu
