@@ -140,8 +140,9 @@ class Nvfp4ExpertsW4A16(Nvfp4GemvW4A16):
 
 
 class Nvfp4ExpertsW4A16Prefetch(Nvfp4ExpertsW4A16):
-    """The experts' kernel with ``prefetch`` (module docstring): the launch's 14 values and then the two
-    addresses of the weight and scales whose experts' bytes it prefetches."""
+    """The experts' kernel with ``prefetch`` (module docstring): the launch's 13 values (six addresses, M, five
+    row strides, the grid), then the two addresses of the weight and scales whose experts' bytes it
+    prefetches, then the stream."""
 
     @cute.jit
     def __call__(self, w_ptr: cutlass.Int64, x_ptr: cutlass.Int64, ws_ptr: cutlass.Int64, ids_ptr: cutlass.Int64,

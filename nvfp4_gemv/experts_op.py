@@ -59,10 +59,11 @@ def check_prefetch(w, prefetch, addresses=True):
         if t.device != w.device:
             _bad(ValueError, name, f"a tensor on {w.device} (where w is)", f"one on {t.device}")
     e = w.shape[0]
+    # (an expert's bytes: the kernel's 32-bit offsets into them)
     if w2.dtype != torch.uint8 or w2.dim() != 3 or w2.shape[0] != e or not w2.is_contiguous() or w2.shape[1] % 128 \
-            or w2.shape[2] % 32 or (addresses and w2.data_ptr() % 16):
-        _bad(ValueError, "prefetch[0]", f"a contiguous uint8 tensor [{e}, M2, K2/2] (M2 % 128 == 0, K2 % 64 == 0) at a "
-             "16-byte aligned address", f"{w2.dtype} {tuple(w2.shape)}")
+            or w2.shape[2] % 32 or not 0 < w2.shape[1] * w2.shape[2] < 2 ** 31 or (addresses and w2.data_ptr() % 16):
+        _bad(ValueError, "prefetch[0]", f"a contiguous uint8 tensor [{e}, M2, K2/2] (M2 % 128 == 0, K2 % 64 == 0, both "
+             "> 0, under 2^31 bytes an expert) at a 16-byte aligned address", f"{w2.dtype} {tuple(w2.shape)}")
     want = (e, w2.shape[1], w2.shape[2] // 8)
     if s2.dtype not in _SCALE_DTYPES or tuple(s2.shape) != want or not s2.is_contiguous() \
             or (addresses and s2.data_ptr() % 16):
@@ -157,7 +158,7 @@ class ExpertsPlan:
         self.variants = ()  # (guard, hit) pairs: RecentPlans'
         r, grid_x = launch_shape(n_tok, m, k, sm_count(self.dev), busy)
         # (an expert's bytes of the prefetched weight and of its scales)
-        pf = None if prefetch is None else (prefetch[0][0].numel(), prefetch[1][0].numel())
+        pf = None if prefetch is None else tuple(t.shape[1] * t.shape[2] for t in prefetch)
         self.kern = _kernels.get(self.dev, ("experts", k, n_tok, r.groups, x.dtype == torch.bfloat16,
                                             act_tuning(r.tuning, act), act, pf))
         shared = x.shape[0] == 1 and g > 1  # one row every group reads (n_tok 1): row stride 0
@@ -232,6 +233,8 @@ def _run(x, ids, w, w_scale, alpha, n_tok, busy, act=None, prefetch=None):
         res = hit(x, ids, w, w_scale, alpha, n_tok, busy, act, prefetch)
         if res is not None:
             return res
+    if prefetch is not None:  # (named before the key reads its tensors' metadata)
+        check_prefetch(w, prefetch, addresses=False)
     key = _key(x, ids, w, w_scale, alpha, n_tok, busy, act, prefetch)
     plan = _plans.get(key)
     if plan is None:

@@ -31,6 +31,8 @@ def test_bad_prefetch_tensors_are_named():
         ((w2, 1.0), TypeError, "argument 'prefetch\\[1\\]': expected a torch.Tensor"),
         ((torch.zeros(w2.numel() + 1, dtype=torch.uint8)[1:].view(w2.shape), s2), ValueError,
          "argument 'prefetch\\[0\\]': .* at a 16-byte aligned address"),
+        ((w2[:, :0].contiguous(), s2[:, :0].contiguous()), ValueError, "argument 'prefetch\\[0\\]'"),  # M2 = 0
+        ((w2, None), TypeError, "argument 'prefetch\\[1\\]': expected a torch.Tensor"),
     ]
     for pf, exc, match in cases:
         with pytest.raises(exc, match=match):
@@ -60,6 +62,37 @@ def test_decode_forward_prefetches_down_up_to_its_token_count(t, monkeypatch):
         assert pf_gu is None
 
 
+def test_a_prefetching_plans_hit_path_takes_only_its_own_prefetch_tensors():
+    """``ExpertsPlan.hit_path`` of a prefetching plan (the launch stubbed): its guard covers the two prefetched
+    tensors too; no prefetch, another shape, a misaligned one or a non-pair is None (the key then validates)."""
+    from nvfp4_gemv.launch import _make_guard
+
+    if _make_guard is None:
+        pytest.skip("torch's TensorGuards is not usable here")
+    gen = torch.Generator().manual_seed(0)
+    w, ws, a = random_weights(gen, 4, 128, 64)
+    w2, s2, _ = random_weights(gen, 4, 256, 128)
+    x, ids = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32)
+    calls = []
+
+    class Stub(experts_op.ExpertsPlan):
+        def __init__(self):  # (no kernel: only the hit path's checks run)
+            self.n_tok, self.busy, self.act, self.pf, self.variants = 1, 3, None, True, ()
+
+        def __call__(self, *ts):
+            calls.append(ts)
+            return "launched"
+
+    hit = Stub().hit_path(_make_guard((x, ids, w, ws, a, w2, s2)).check)
+    assert hit(x, ids, w, ws, a, 1, 3, None, (w2, s2)) == "launched"
+    assert hit(x, ids, w, ws, a, 1, 3, None, (w2.clone(), s2.clone())) == "launched"
+    wbuf = torch.zeros(w2.numel() + 16, dtype=torch.uint8)
+    for pf in [None, (w2[:, :128].contiguous(), s2[:, :128].contiguous()), (w2, s2.view(torch.uint8)),
+               (wbuf[8:8 + w2.numel()].view(w2.shape), s2), (w2,), (w2, s2, s2), "w2"]:
+        assert hit(x, ids, w, ws, a, 1, 3, None, pf) is None, pf
+    assert len(calls) == 2
+
+
 @CUDA
 @pytest.mark.parametrize("seed", range(8))
 def test_cuda_prefetch_changes_no_result(seed):
@@ -78,7 +111,8 @@ def test_cuda_prefetch_changes_no_result(seed):
     x = (torch.randn(g, k, generator=gen) * 2).bfloat16()
     got = []
     xc, idc = x.cuda(), ids.cuda()
-    for pf in (None, (w2, s2), (w, ws), None, (w2, s2)):  # (the last two: hits by w's identity, each plan's own)
+    # each twice in a row: the second call is a hit by w's identity (the plan's hit path, prefetching or not)
+    for pf in (None, None, (w2, s2), (w2, s2), (w, ws), (w, ws), None):
         poison = torch.full((g, m), float("nan"), dtype=torch.bfloat16, device="cuda")
         del poison  # (the op's output takes the freed block: rows it does not write stay NaN)
         got.append(experts_gemv(xc, idc, w, ws, a, 1, prefetch=pf).cpu())
