@@ -516,8 +516,10 @@ MUTANTS = [
      ["tests/model/test_experts_prefetch.py"], False),
     # -- generate's compiled prefill --
     ("generate: the compiled prefill's prompt length not marked dynamic", GENERATION,
-     "        torch._dynamo.maybe_mark_dynamic(ids, 1)\n        torch._dynamo.maybe_mark_dynamic(positions, 0)\n",
-     "        pass\n", ["tests/model/test_generate.py"], False),
+     "            torch._dynamo.maybe_mark_dynamic(ids, 1)\n            torch._dynamo.maybe_mark_dynamic(positions, 0)\n",
+     "            pass\n", ["tests/model/test_generate.py"], False),
+    ("generate: the compiled prefill makes a fresh cache's tensors", GENERATION,
+     "    if compiled and dec.cache_ready():", "    if compiled:", ["tests/model/test_generate.py"], False),
     # -- the ops' autograd kernel (CPU) --
     ("library: a tracked input's result without the raising backward", LIBRARY,
      "        if tracked:\n", "        if False:\n",

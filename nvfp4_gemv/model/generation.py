@@ -160,6 +160,12 @@ class _Decoder:
         prompt's length symbolic) and the decode step's (one token, static) are cached apart."""
         return _Decoder.forward(self, model, ids, cache_position)
 
+    def cache_ready(self):
+        """Whether every layer of the static cache has its tensors (transformers makes them at a layer's
+        first update, and marks their addresses static only outside a compiled region)."""
+        layers = getattr(self.cache, "layers", None)
+        return bool(layers) and all(getattr(layer, "is_initialized", False) for layer in layers)
+
     def accept(self, nxt):
         """Records the tokens ``nxt`` [B] at column ``col`` (pad where a row has ended) and advances."""
         if self.eos is not None:
@@ -229,17 +235,36 @@ _compiled = {}
 
 
 def _compiled_forward(prefill=False):
-    """``_Decoder.forward`` (the decode step: static shapes) or ``_Decoder.prefill`` (the prompt: its length
-    marked dynamic where the model lets it be, so that one compile serves prompts of any length; a model
-    whose code specializes on it, such as the experts' groups, compiles once a length, up to dynamo's
-    ``recompile_limit``, then runs that prefill eagerly) under ``torch.compile``, each made once (dynamo keeps
-    an entry a model and batch shape). The default mode makes no CUDA graphs of its own, so ours captures the
-    step's kernels; "max-autotune-no-cudagraphs" would autotune for minutes."""
+    """``_Decoder.forward`` (the decode step: static shapes, fullgraph) or ``_Decoder.prefill`` (the prompt:
+    its length marked dynamic where the model lets it be, so that one compile serves prompts of any length; a
+    model whose code specializes on it, such as the experts' groups, compiles once a length, and past dynamo's
+    ``recompile_limit`` that prefill runs eagerly, with dynamo's warning: not fullgraph, which would raise
+    there; a break costs only host time outside the graph) under ``torch.compile``, each made once (dynamo
+    keeps an entry a model and batch shape). The default mode makes no CUDA graphs of its own, so ours
+    captures the step's kernels; "max-autotune-no-cudagraphs" would autotune for minutes."""
     fn = _compiled.get(prefill)
     if fn is None:
-        fn = _compiled[prefill] = torch.compile(_Decoder.prefill if prefill else _Decoder.forward, fullgraph=True,
-                                                dynamic=None if prefill else False)
+        fn = _compiled[prefill] = (torch.compile(_Decoder.prefill, dynamic=None) if prefill
+                                   else torch.compile(_Decoder.forward, fullgraph=True, dynamic=False))
     return fn
+
+
+def _prefill(dec, model, input_ids, compiled):
+    """The prompt through the model (positions 0..prompt-1): its last logits [B, V] in float32. ``compiled``:
+    through ``torch.compile`` once the cache has its tensors (a kept decoder's later calls), so that the
+    compiled code never makes them (one entry, not one before and one after; transformers marks their
+    addresses static only outside a compiled region); a fresh cache's prefill, the call that captures, runs
+    eagerly."""
+    prompt = input_ids.shape[1]
+    ids, positions = input_ids, torch.arange(prompt, device=input_ids.device)
+    fn = _Decoder.prefill
+    if compiled and dec.cache_ready():
+        fn = _compiled_forward(prefill=True)
+        if prompt > 1:  # one compile for every prompt length, where the model's code allows it
+            ids = input_ids.clone()  # (the mark is an attribute of the tensor: not set on the caller's)
+            torch._dynamo.maybe_mark_dynamic(ids, 1)
+            torch._dynamo.maybe_mark_dynamic(positions, 0)
+    return fn(dec, model, ids, positions)
 
 
 @torch.no_grad()
@@ -260,11 +285,13 @@ def generate(model, input_ids, max_new_tokens, *, do_sample=False, temperature=1
     :param compile: run the decode step's forward through ``torch.compile`` (inductor, without its own CUDA
         graphs: norms, rotary embeddings and activations fused into fewer kernels) inside the graph; the
         first call compiles (tens of seconds for an 8B model), later calls with the same batch reuse it.
-    :param compile_prefill: run the prefill through ``torch.compile`` too, the prompt's length symbolic
-        where the model's code allows (one compile for every length; else one a length, up to dynamo's
-        ``recompile_limit``). Its host is then inductor's launches, not a model's worth of eager ops (most
-        of a short call's time). ``model.generate`` prefills eagerly: the compiled prefill rounds otherwise
-        (fused kernels), so its cache, and from a near-tie on the tokens, may differ from ``model.generate``'s.
+    :param compile_prefill: run the prefill through ``torch.compile`` too in calls that replay a kept
+        capture (the capturing call, and calls without a CUDA graph, prefill eagerly: the cache's tensors are
+        made outside compiled code), the prompt's length symbolic where the model's code allows (one compile
+        for every length; else one a length, up to dynamo's ``recompile_limit``, then eagerly). Its host is
+        then inductor's launches, not a model's worth of eager ops (most of a short call's time).
+        ``model.generate`` prefills eagerly: the compiled prefill rounds otherwise (fused kernels), so its
+        cache, and past a near-tie its tokens, may differ from ``model.generate``'s.
     :param max_cache_len: the static cache's length (None: prompt + ``max_new_tokens``). The captured step
         is kept and replayed by later calls with the same batch, cache length and options: a fixed
         ``max_cache_len`` lets prompts and lengths that differ share one capture.
@@ -306,13 +333,7 @@ def generate(model, input_ids, max_new_tokens, *, do_sample=False, temperature=1
         if compile:
             dec.decode_forward = _compiled_forward()
     # the prefill: the prompt at positions 0..prompt-1 gives the first new token
-    prefill = _compiled_forward(prefill=True) if compile_prefill else _Decoder.prefill
-    ids, positions = input_ids, torch.arange(prompt, device=device)
-    if compile_prefill and prompt > 1:  # one compile for every prompt length, where the model's code allows it
-        ids = input_ids.clone()  # (the mark is an attribute of the tensor: not set on the caller's)
-        torch._dynamo.maybe_mark_dynamic(ids, 1)
-        torch._dynamo.maybe_mark_dynamic(positions, 0)
-    dec.accept(sel(prefill(dec, model, ids, positions)))
+    dec.accept(sel(_prefill(dec, model, input_ids, compile_prefill)))
     dec.pos.fill_(prompt)
     made = 1
     if kept is None and made < max_new_tokens and use_graph:

@@ -183,30 +183,55 @@ def prefill_graphs():
     return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
 
 
-def test_compiled_prefill_gives_model_generates_tokens_and_one_compile_serves_every_prompt_length():
-    """fp32 (no near-ties between the eager and the compiled rounding): the compiled prefill's tokens are
-    model.generate's; a second prompt length takes the same compiled entry (the length is symbolic; the
-    cache's length fixed, as a guard of its own)."""
+def prefilled(m, lengths, compiled, batch=1, cap=32):
+    """The last logits of each prompt length's prefill through ``_prefill`` on one decoder whose cache already
+    has its tensors (as a kept capture's decoder has them: an eager prefill first, then ``restart``)."""
+    from nvfp4_gemv.model.generation import _Decoder, _prefill
+
+    dec = _Decoder(m, batch, cap, torch.device("cpu"), [], 0, None)
+    assert not dec.cache_ready()
+    out = []
+    with torch.no_grad():  # (as generate runs)
+        _prefill(dec, m, prompt(batch, 3), compiled)  # a fresh cache: eager, whatever ``compiled`` says
+        assert dec.cache_ready()
+        for length in lengths:
+            dec.restart()
+            out.append(_prefill(dec, m, prompt(batch, length, seed=length), compiled))
+    return out
+
+
+def test_compiled_prefill_matches_the_eager_one_and_one_entry_serves_every_prompt_length():
+    """fp32 (no near-ties between the eager and the compiled rounding): on a cache that has its tensors the
+    compiled prefill's logits are the eager one's to fp32 rounding and pick the same tokens; prompt lengths
+    share one compiled entry; a fresh cache's prefill never reaches the compiled code."""
     m = tiny_llama(layers=2, dtype=torch.float32)
     torch._dynamo.reset()
-    for length in (5, 9, 5):
-        ids = prompt(2, length, seed=length)
-        assert torch.equal(generate(m, ids, 6, compile_prefill=True, max_cache_len=32), hf(m, ids, 6)), length
+    got = prefilled(m, (5, 9, 6), True)
+    want = prefilled(m, (5, 9, 6), False)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
     assert prefill_graphs() == 1
 
 
-def test_compiled_prefill_of_quantized_layers_runs_without_a_break_for_any_prompt_length():
-    """Fused W4A16 layers (our ops under a symbolic token count): fullgraph compiles, the first token is the
-    eager prefill's, and the prompt lengths share one entry (the cache's length fixed)."""
+def test_compiled_prefill_of_quantized_layers_serves_every_prompt_length_with_one_entry():
+    """Fused W4A16 layers (our ops under a symbolic token count) on an initialized cache: two prompt lengths,
+    one entry, the eager prefill's first tokens."""
     m = tiny_llama(layers=1)
     quantize_model(m, fuse=True)
     torch._dynamo.reset()
-    for length in (4, 7):
-        ids = prompt(1, length, seed=length)
-        got = generate(m, ids, 3, compile=True, compile_prefill=True, max_cache_len=32)
-        want = generate(m, ids, 3, compile=True, max_cache_len=32)
-        assert got.shape == want.shape and torch.equal(got[:, :length + 1], want[:, :length + 1]), length
+    got = prefilled(m, (4, 7), True)
+    want = prefilled(m, (4, 7), False)
+    assert all(torch.equal(g.argmax(-1), w.argmax(-1)) for g, w in zip(got, want))
     assert prefill_graphs() == 1
+
+
+def test_compile_prefill_keeps_model_generates_tokens_where_no_capture_is_kept():
+    """Without a kept capture (the CPU; ``cuda_graph=False``) every call's cache is fresh, so its prefill is
+    eager: the tokens are model.generate's, bf16 included."""
+    m = variant("w4a16-fused")
+    ids = prompt(2, 5)
+    assert torch.equal(generate(m, ids, 6, compile=True, compile_prefill=True), hf(m, ids, 6))
 
 
 def test_it_is_exported():
@@ -337,13 +362,15 @@ def test_gpu_a_second_call_replays_the_kept_step_without_capturing():
 
 
 @gpu
-def test_gpu_compiled_prefill_in_front_of_the_graph_serves_two_prompt_lengths_with_one_entry():
-    """On the GPU, fused and packed W4A16 layers: the compiled prefill then the captured compiled step; the
-    first new token is the eager prefill's, and a second prompt length reuses the prefill's entry and the
-    kept capture (the cache's length fixed)."""
+def test_gpu_compiled_prefill_in_front_of_the_kept_graph_serves_prompt_lengths_with_one_entry():
+    """On the GPU, fused and packed W4A16 layers: the first call captures (its prefill eager); later calls
+    replay the kept capture after the compiled prefill, whose first new token is the eager prefill's, and
+    prompts of other lengths take the prefill's one entry (the cache's length fixed)."""
     m = variant("w4a16-fused-packed", "cuda")
     torch._dynamo.reset()
-    for length in (6, 11):
+    generate(m, prompt(1, 4, "cuda"), 8, compile=True, compile_prefill=True, max_cache_len=48)  # captures
+    assert prefill_graphs() == 0
+    for length in (6, 11, 9):
         ids = prompt(1, length, "cuda", seed=length)
         got = generate(m, ids, 8, compile=True, compile_prefill=True, max_cache_len=48)
         want = generate(m, ids, 8, compile=True, max_cache_len=48)
