@@ -14,6 +14,10 @@ which it finds from ``ids[g]`` before anything else. The launch takes the op's 1
 them in other roles: the activation-scale address (unused by W4A16) carries the address of ``ids`` (int32
 [G]) and its row stride carries G, the grid's second dimension.
 
+``ids64=E`` (a build for E experts) reads ``ids`` as int64 [G] instead, a router's ``top_k_index`` as it is,
+and takes an id outside [0, E) (either 32-bit half: a negative one, transformers' sentinel E, any other) as
+no expert: the one-token decode then needs no kernel to make int32 group ids (``decode_groups``).
+
 ``act="silu"`` (the down launch of a SwiGLU expert, ``x`` the gate/up launch's output) reads rows of 2K values,
 ``[gate | up]``, and takes ``h = silu(gate) * up`` as its x: the copy of x into shared memory (``x_smem``,
 which ``act`` needs) computes, for each value, ``s = gate / (1 + exp(-gate))`` (the DSL's accurate ``exp``,
@@ -66,6 +70,16 @@ def prefetch_l2(addr, nbytes, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ldg_expert64(addr, n_experts, *, loc=None, ip=None):
+    """``ld.global.nc`` of an int64 id: its low word where the id is in [0, n_experts) (high word 0, low word
+    below n_experts unsigned), else -1."""
+    r = asm([T.i32()], [cutlass.Int64(addr)],
+            "{\n.reg .pred p, q;\n.reg .b32 lo, hi;\nld.global.nc.v2.b32 {lo, hi}, [$1];\nsetp.eq.b32 p, hi, 0;\n"
+            f"setp.lt.and.u32 q, lo, {int(n_experts)}, p;\nselp.b32 $0, lo, -1, q;\n}}", "=r,l", loc, ip)
+    return cutlass.Int32(r[0])
+
+
+@dsl_user_op
 def ldg_s32(addr, *, loc=None, ip=None):
     """``ld.global.nc.s32``: a group's expert id, written by the torch ops before the launch."""
     r = asm([T.i32()], [cutlass.Int64(addr)], "ld.global.nc.s32 $0, [$1];", "=r,l", loc, ip)
@@ -77,7 +91,7 @@ class Nvfp4ExpertsW4A16(Nvfp4GemvW4A16):
     per the plain kernel's build (K, tokens a group, groups of 8 rows a CTA, dtypes, tuning). Plain scales,
     ``alpha`` always (one per expert)."""
 
-    def __init__(self, k, n_tok, groups, x_bf16, out_bf16, act=None, prefetch=None, **tuning):
+    def __init__(self, k, n_tok, groups, x_bf16, out_bf16, act=None, prefetch=None, ids64=0, **tuning):
         if tuning.get("packed") or tuning.get("bulk"):
             raise ValueError("nvfp4_gemv: the experts' kernel takes neither packed weights nor bulk")
         if act is not None and act not in ACTS:
@@ -90,6 +104,9 @@ class Nvfp4ExpertsW4A16(Nvfp4GemvW4A16):
         if prefetch is not None and (len(prefetch) != 2 or any(b <= 0 or b % 16 for b in prefetch)):
             raise ValueError(f"nvfp4_gemv: prefetch={prefetch!r}: two byte counts, positive multiples of 16")
         self.prefetch = prefetch
+        if isinstance(ids64, bool) or not isinstance(ids64, int) or not 0 <= ids64 < 2 ** 31:
+            raise ValueError(f"nvfp4_gemv: ids64={ids64!r}: 0 (int32 ids) or the count of experts (int64 ids)")
+        self.ids64 = ids64
 
     def x_act(self, gate, up):
         """``silu(gate) * up`` for 8 values of x's dtype (four words each), in fp32, rounded once (module
@@ -119,7 +136,10 @@ class Nvfp4ExpertsW4A16(Nvfp4GemvW4A16):
     def group_body(self, w_ptr, x_ptr, ws_ptr, ids_ptr, out_ptr, alpha_ptr, m, w_rs, ws_rs, x_rs, out_rs, pf_w_ptr,
                    pf_ws_ptr):
         bidx, grp, _ = cute.arch.block_idx()
-        e = ldg_s32(ids_ptr + cutlass.Int64(grp) * 4)
+        if cutlass.const_expr(self.ids64):
+            e = ldg_expert64(ids_ptr + cutlass.Int64(grp) * 8, self.ids64)
+        else:
+            e = ldg_s32(ids_ptr + cutlass.Int64(grp) * 4)
         if e >= 0:  # (the same for the whole CTA: its barriers stay uniform)
             if cutlass.const_expr(self.prefetch is not None):
                 # this CTA's share of expert e's prefetched weight and scales, 16-byte pieces, by thread 0
@@ -164,11 +184,13 @@ class Nvfp4ExpertsW4A16Prefetch(Nvfp4ExpertsW4A16):
 
 
 def compile_experts_w4a16(k, n_tok, groups, x_bf16, out_bf16, options=None, tvm_ffi=None, act=None, prefetch=None,
-                          **tuning):
+                          ids64=0, **tuning):
     """Compiles the experts' kernel (no GPU needed when ``options`` names ``--gpu-arch``); with ``prefetch`` the
     launch takes two more addresses after the grid (``Nvfp4ExpertsW4A16Prefetch``)."""
     if prefetch is None:
-        return compile_op(Nvfp4ExpertsW4A16(k, n_tok, groups, x_bf16, out_bf16, act=act, **tuning), options, tvm_ffi)
-    op = Nvfp4ExpertsW4A16Prefetch(k, n_tok, groups, x_bf16, out_bf16, act=act, prefetch=prefetch, **tuning)
+        return compile_op(Nvfp4ExpertsW4A16(k, n_tok, groups, x_bf16, out_bf16, act=act, ids64=ids64, **tuning),
+                          options, tvm_ffi)
+    op = Nvfp4ExpertsW4A16Prefetch(k, n_tok, groups, x_bf16, out_bf16, act=act, prefetch=prefetch, ids64=ids64,
+                                   **tuning)
     i64, i32 = cutlass.Int64(0), cutlass.Int32(1)
     return op, dsl_compile(op, (*[i64] * 6, i32, *[i64] * 5, i32, i64, i64, CUstream(0)), options, tvm_ffi)

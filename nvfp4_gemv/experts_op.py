@@ -13,7 +13,8 @@ asks the L2 for each group's expert's bytes of ``w2`` and ``w2_scale``, so that 
 finds them there (a hint: the results are the same with or without it).
 
 Groups with a negative id are skipped: on CUDA their rows of ``out`` are not written (whatever was in memory),
-on the CPU they are NaN (so that a caller that reads them shows it). The caller (``nvfp4_gemv.model.experts_forward``)
+on the CPU they are NaN (so that a caller that reads them shows it). ``ids`` int64 (a router's ``top_k_index``
+as it is) may hold any value: one outside [0, E) is skipped the same way. The caller (``nvfp4_gemv.model.experts_forward``)
 builds the groups on the device: no host sync here, fixed shapes, CUDA-graph capturable.
 
 Error bound (CUDA): the W4A16 kernel's (``w4a16``: half an ulp of the output plus (K / (16 W) + W + 3) * 2^-22
@@ -95,8 +96,8 @@ def check_args(x, ids, w, w_scale, alpha, n_tok, act=None):
              f"{w_scale.dtype} {tuple(w_scale.shape)}")
     if alpha.dtype != torch.float32 or tuple(alpha.shape) != (e,) or not alpha.is_contiguous():
         _bad(ValueError, "alpha", f"a contiguous float32 tensor [{e}]", f"{alpha.dtype} {tuple(alpha.shape)}")
-    if ids.dtype != torch.int32 or ids.dim() != 1 or not ids.is_contiguous():
-        _bad(ValueError, "ids", "a contiguous int32 tensor [groups]", f"{ids.dtype} {tuple(ids.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1 or not ids.is_contiguous():
+        _bad(ValueError, "ids", "a contiguous int32 or int64 tensor [groups]", f"{ids.dtype} {tuple(ids.shape)}")
     g = ids.shape[0]
     rows_ok = x.dim() == 2 and (x.shape[0] == g * n_tok or (n_tok == 1 and x.shape[0] == 1))
     kx = k if act is None else 2 * k  # act: [gate | up] rows
@@ -115,8 +116,9 @@ def check_args(x, ids, w, w_scale, alpha, n_tok, act=None):
 def _build(key):
     from .experts_kernel import compile_experts_w4a16
 
-    _, k, nt, groups, x_bf16, tuning, act, prefetch = key
-    return compile_experts_w4a16(k, nt, groups, x_bf16, x_bf16, act=act, prefetch=prefetch, **dict(tuning))
+    _, k, nt, groups, x_bf16, tuning, act, prefetch, ids64 = key
+    return compile_experts_w4a16(k, nt, groups, x_bf16, x_bf16, act=act, prefetch=prefetch, ids64=ids64,
+                                 **dict(tuning))
 
 
 _kernels = KernelCache(_build)
@@ -159,8 +161,9 @@ class ExpertsPlan:
         r, grid_x = launch_shape(n_tok, m, k, sm_count(self.dev), busy)
         # (an expert's bytes of the prefetched weight and of its scales)
         pf = None if prefetch is None else tuple(t.shape[1] * t.shape[2] for t in prefetch)
+        ids64 = w.shape[0] if ids.dtype == torch.int64 else 0  # (int64 ids: the build checks them against E)
         self.kern = _kernels.get(self.dev, ("experts", k, n_tok, r.groups, x.dtype == torch.bfloat16,
-                                            act_tuning(r.tuning, act), act, pf))
+                                            act_tuning(r.tuning, act), act, pf, ids64))
         shared = x.shape[0] == 1 and g > 1  # one row every group reads (n_tok 1): row stride 0
         self.static = (m, k // 2, k // 16, 0 if shared else x.shape[1] * 2, g, 2 * m, grid_x)
 
@@ -263,7 +266,7 @@ def _cpu(x, ids, w, w_scale, alpha, n_tok, dims, act=None):
     # rows of groups without an expert: NaN, as unknown as the kernel's unwritten rows (a caller must not read them)
     out = torch.full((g * n_tok, m), float("nan"), dtype=x.dtype, device=x.device)
     for grp, e in enumerate(ids.tolist()):
-        if e >= 0:
+        if 0 <= e < w.shape[0]:
             rows = slice(grp * n_tok, (grp + 1) * n_tok)
             xr = x if x.shape[0] == 1 else x[rows]  # (one row every group reads)
             out[rows] = reference_product((n_tok, m, k, False, False), xr, None, w[e], w_scale[e],
@@ -294,7 +297,8 @@ def experts_gemv(x, ids, w, w_scale, alpha, n_tok, busy=1, act=None, prefetch=No
     :param x: [G * n_tok, K] bf16 or fp16, contiguous: group g's rows g * n_tok ... (g + 1) * n_tok - 1;
         with ``n_tok`` 1 also [1, K]: one row every group reads (one token's experts). With ``act`` rows of
         2K values, gate then up.
-    :param ids: int32 [G]: each group's expert, or a negative number (no expert: its rows are not computed).
+    :param ids: int32 [G]: each group's expert, or a negative number (no expert: its rows are not computed);
+        or int64 [G], any value, one outside [0, E) being no expert (a router's ``top_k_index`` as it is).
     :param w, w_scale: the experts' NVFP4 weights, uint8 [E, M, K/2] and e4m3 [E, M, K/16], contiguous.
     :param alpha: fp32 [E], each expert's scale of the product.
     :param n_tok: token rows a group, 1..32.

@@ -54,6 +54,8 @@ def main():
                    "(--tune then names the route's tuning; experts_op.act_tuning adds the act's own)")
     p.add_argument("--prefetch", default=None, metavar="WB,SB",
                    help="with --experts: the build that prefetches another weight's experts (WB, SB bytes each)")
+    p.add_argument("--ids64", type=int, default=0, metavar="E",
+                   help="with --experts: the build that reads int64 ids, E experts")
     p.add_argument("--quantize", action="store_true", help="the activation quantizer (bf16 x; --f16: fp16)")
     p.add_argument("--dequantized", action="store_true", help="with --quantize: its dequantized build")
     p.add_argument("--router", default=None, metavar="E,K",
@@ -96,7 +98,8 @@ def main():
         prefetch = tuple(int(v) for v in args.prefetch.split(",")) if args.prefetch else None
         tuning = dict(experts_op.act_tuning(tuple(sorted(tuning.items())), act))
         _, fn = experts_kernel.compile_experts_w4a16(args.k, args.tokens, args.w4a16, not args.f16, True,
-                                                     options=options, act=act, prefetch=prefetch, **tuning)
+                                                     options=options, act=act, prefetch=prefetch, ids64=args.ids64,
+                                                     **tuning)
     elif args.tokens and args.w4a16:  # the W4A16 kernel (nvfp4_gemv.w4a16), alpha and bf16 out
         from nvfp4_gemv import w4a16
 

@@ -505,6 +505,14 @@ MUTANTS = [
     ("experts act: decode_forward fuses W4A4 experts too", EXPERTS_FORWARD,
      "act = kernel_act(act_fn) if x_scale is None and t <= ACT_IN_KERNEL_MAX_TOKENS else None",
      "act = kernel_act(act_fn) if t <= ACT_IN_KERNEL_MAX_TOKENS else None", ["tests/model/test_experts_act.py"], False),
+    # -- the experts' kernel on int64 ids --
+    ("experts ids64: the id's high word not checked", EXPERTS_KERNEL, "setp.eq.b32 p, hi, 0;", "setp.eq.b32 p, 0, 0;",
+     ["tests/model/test_experts_ids64.py"], True),
+    ("experts ids64: ids compared signed", EXPERTS_KERNEL, "setp.lt.and.u32 q, lo,", "setp.lt.and.s32 q, lo,",
+     ["tests/model/test_experts_ids64.py"], True),
+    ("experts ids64: decode_groups converts int64 ids at one token", EXPERTS_FORWARD,
+     "        if ids.dtype == torch.int64:\n            gid = ids.contiguous()\n        else:\n", "        if True:\n",
+     ["tests/model/test_experts_ids64.py"], False),
     # -- the gate/up launch's prefetch of down's bytes (a hint: no result shows it; the PTX and the rule do) --
     ("experts prefetch: the scales' share not asked for", EXPERTS_KERNEL,
      "for pf_ptr, per in ((pf_w_ptr, self.prefetch[0]), (pf_ws_ptr, self.prefetch[1])):",

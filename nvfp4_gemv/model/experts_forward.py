@@ -231,11 +231,15 @@ def decode_groups(x, top_k_index, e, nt, x_scale=None):
     [G] each group's expert (-1: none), ``at`` [S] each slot's row of the launches' results in slot order
     (None: row s is slot s), ``valid`` [S] whether a slot's id is in [0, E). One token skips the sort: its
     k slots are the groups in slot order (a token's experts are distinct; a repeated one is read again) and,
-    without ``x_scale``, every group reads x's one row."""
+    without ``x_scale``, every group reads x's one row; int64 ids (transformers' routers') are then ``gid``
+    as they are (the kernel takes an id outside [0, E) as no expert: no kernel makes int32 ids)."""
     ids = top_k_index.reshape(-1)
     if x.shape[0] == 1:
         valid = (ids >= 0) & (ids < e)
-        gid = torch.where(valid, ids, torch.full((), -1, dtype=ids.dtype, device=ids.device)).to(torch.int32)
+        if ids.dtype == torch.int64:
+            gid = ids.contiguous()
+        else:
+            gid = torch.where(valid, ids, torch.full((), -1, dtype=ids.dtype, device=ids.device)).to(torch.int32)
         if x_scale is not None:
             x = quantize_dequantized_rows(x.expand(ids.shape[0], -1), x_scale[ids.clamp(0, e - 1)])
         return x.contiguous(), gid, None, valid

@@ -341,7 +341,7 @@ def test_bad_arguments_are_named():
     check_args(x, ids, w, ws, a, 1)
     cases = [
         ((x.float(), ids, w, ws, a, 1), "argument 'x': expected a contiguous bfloat16 or float16 tensor \\[2, 64\\]"),
-        ((x, ids.long(), w, ws, a, 1), "argument 'ids': expected a contiguous int32"),
+        ((x, ids.short(), w, ws, a, 1), "argument 'ids': expected a contiguous int32 or int64"),
         ((x, ids, w[:, :, :16].contiguous(), ws, a, 1), "argument 'w': expected experts of M % 128"),
         ((x, ids, w, ws[:2], a, 1), "argument 'w_scale': expected a contiguous float8_e4m3fn or uint8 tensor \\[4, 128, 4\\]"),
         ((x, ids, w, ws, a[:3], 1), "argument 'alpha': expected a contiguous float32 tensor \\[4\\]"),
@@ -366,7 +366,7 @@ def test_cuda_plan_validates_metadata_it_has_not_seen():
     with pytest.raises(ValueError, match="argument 'alpha'"):
         experts_gemv(x, ids, w, ws, a[:3], 1)
     with pytest.raises(ValueError, match="argument 'ids'"):
-        experts_gemv(x, ids.long(), w, ws, a, 1)
+        experts_gemv(x, ids.short(), w, ws, a, 1)
     # after hits by w's identity: the same result, and a misaligned x is refused, not launched
     want = experts_gemv(x, ids, w, ws, a, 1)
     assert torch.equal(experts_gemv(x.clone(), ids, w, ws, a, 1), want)
