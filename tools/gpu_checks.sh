@@ -185,19 +185,23 @@ step routercheck 300 bash -c "timeout 150 python -m pytest -q -p no:cacheprovide
     > '$LOG/router-bench-counter.txt' 2>&1; c=\$?; tail -n 2 '$LOG/router-tests.txt'; tail -n 8 '$LOG/router-mutants.txt'
     grep '^{' '$LOG/router-bench.txt' '$LOG/router-bench-counter.txt'
     exit \$((t | m | b | c))"
-# prefetchcheck: the experts' gate/up launch prefetching down's bytes (session 74): its GPU tests beside the experts'
-# and act's (fuzz deselected) and the router's and experts' sanitizer cases, then bench_moe at one token alone (the
+# prefetchcheck: the experts' gate/up launch prefetching down's bytes and the kernel on int64 ids (session 74): their
+# GPU tests beside the experts' and act's (fuzz deselected), the two int64-ids GPU mutants and the router's and experts' sanitizer cases, then bench_moe at one token alone (the
 # block with and without the prefetch in one process). With routercheck: `routercheck,prefetchcheck`, one call
 step prefetchcheck 290 bash -c "P='python -m pytest -q -p no:cacheprovider -m gpu -rs'
-    timeout 180 \$P tests/model/test_experts_prefetch.py tests/model/test_experts.py tests/model/test_experts_act.py \
-        tests/model/test_experts_kernel.py -k 'not within_its_bound' > '$LOG/prefetch-tests.txt' 2>&1 & p=\$!
+    timeout 180 \$P tests/model/test_experts_prefetch.py tests/model/test_experts_ids64.py tests/model/test_experts.py \
+        tests/model/test_experts_act.py tests/model/test_experts_kernel.py -k 'not within_its_bound' \
+        > '$LOG/prefetch-tests.txt' 2>&1 & p=\$!
+    timeout 180 python tools/mutants.py --jobs 2 --only \"experts ids64: the id's high word not checked\" \
+        --only 'experts ids64: ids compared signed' > '$LOG/ids64-mutants.txt' 2>&1 & r=\$!
     (for t in memcheck racecheck synccheck; do PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 55 compute-sanitizer --tool \$t \
         python3 tools/sanitize_cases.py router > '$LOG/san-router-'\$t.txt 2>&1; done) & q=\$!
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 180 compute-sanitizer --tool memcheck python3 tools/sanitize_cases.py experts \
-        > '$LOG/san-experts-memcheck.txt' 2>&1; wait \$p; t=\$?; wait \$q
+        > '$LOG/san-experts-memcheck.txt' 2>&1; wait \$p; t=\$?; wait \$q; wait \$r; u=\$?
     timeout 90 python tools/bench_moe.py --tokens 1 --reps 30 --out '$LOG/moe-block-prefetch' > '$LOG/moe-prefetch.txt' 2>&1
-    tail -n 2 '$LOG/prefetch-tests.txt'; grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' '$LOG'/san-*.txt; grep '^T=' '$LOG/moe-prefetch.txt'
-    exit \$t"
+    tail -n 2 '$LOG/prefetch-tests.txt'; tail -n 4 '$LOG/ids64-mutants.txt'
+    grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' '$LOG'/san-*.txt; grep '^T=' '$LOG/moe-prefetch.txt'
+    exit \$((t | u))"
 step load 560 python tools/bench_load.py --device cuda --loader from_pretrained --fuse --pack --layers 32 --hidden 4096 \
     --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256 --generate 16 --json "$LOG/load-8b.json"
 step load70 560 python tools/bench_load.py --device cuda --loader from_pretrained --fuse --pack --layers 80 --hidden 8192 \
