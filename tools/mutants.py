@@ -526,6 +526,11 @@ MUTANTS = [
     ("generate: the compiled prefill's prompt length not marked dynamic", GENERATION,
      "            torch._dynamo.maybe_mark_dynamic(ids, 1)\n            torch._dynamo.maybe_mark_dynamic(positions, 0)\n",
      "            pass\n", ["tests/model/test_generate.py"], False),
+    ("generate: the compiled prefill fullgraph (raises past the recompile limit)", GENERATION,
+     "(torch.compile(_Decoder.prefill, dynamic=None) if prefill",
+     "(torch.compile(_Decoder.prefill, fullgraph=True, dynamic=None) if prefill", ["tests/model/test_generate.py"], False),
+    ("generate: the compiled prefill marks the caller's ids", GENERATION,
+     "            ids = input_ids.clone()", "            ids = input_ids", ["tests/model/test_generate.py"], False),
     ("generate: the compiled prefill makes a fresh cache's tensors", GENERATION,
      "    if compiled and dec.cache_ready():", "    if compiled:", ["tests/model/test_generate.py"], False),
     # -- the ops' autograd kernel (CPU) --

@@ -196,7 +196,9 @@ def prefilled(m, lengths, compiled, batch=1, cap=32):
         assert dec.cache_ready()
         for length in lengths:
             dec.restart()
-            out.append(_prefill(dec, m, prompt(batch, length, seed=length), compiled))
+            ids = prompt(batch, length, seed=length)
+            out.append(_prefill(dec, m, ids, compiled))
+            assert not hasattr(ids, "_dynamo_weak_dynamic_indices")  # (a copy carries the mark, not the caller's)
     return out
 
 
@@ -223,6 +225,18 @@ def test_compiled_prefill_of_quantized_layers_serves_every_prompt_length_with_on
     got = prefilled(m, (4, 7), True)
     want = prefilled(m, (4, 7), False)
     assert all(torch.equal(g.argmax(-1), w.argmax(-1)) for g, w in zip(got, want))
+    assert prefill_graphs() == 1
+
+
+def test_compiled_prefill_past_the_recompile_limit_runs_eagerly_instead_of_raising():
+    """A second cache length is a guard failure of the prefill's entry; with dynamo's recompile limit at 1 the
+    prefill then runs eagerly (the eager logits, exactly), not raising as a fullgraph compile would."""
+    m = tiny_llama(layers=1, dtype=torch.float32)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        prefilled(m, (5,), True, cap=32)
+        got = prefilled(m, (6,), True, cap=40)
+    assert torch.equal(got[0], prefilled(m, (6,), False, cap=40)[0])
     assert prefill_graphs() == 1
 
 
