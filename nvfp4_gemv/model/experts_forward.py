@@ -283,7 +283,7 @@ def decode_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
         i = g.shape[1] // 2
         hid = act_fn(g[:, :i]) * g[:, i:]
         if x_scale is not None:  # (rows of groups without an expert: any scale, never read back)
-            hid = quantize_dequantized_rows(hid, x_scale[gid.clamp(min=0).long().repeat_interleave(nt)])
+            hid = quantize_dequantized_rows(hid, x_scale[gid.clamp(0, e - 1).long().repeat_interleave(nt)])
         d = experts_gemv(hid.contiguous(), gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy)
     if at is not None:
         d = d[at]

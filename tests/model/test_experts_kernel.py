@@ -245,6 +245,23 @@ def test_cpu_forward_is_each_slot_alone_bit_for_bit(mode, t, k, e):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_cpu_one_token_forward_takes_any_id_outside_the_experts_as_none(mode, dtype):
+    """At one token the router's ids are the groups as they are (int64: no kernel makes int32 ids): every
+    kind of id outside [0, E) is no expert, in the W4A4 stages' input-scale lookups too, bit for bit each
+    valid slot alone."""
+    gen = torch.Generator().manual_seed(11)
+    e = 16
+    mod = random_module(gen, e, 128, 64, mode)
+    x = torch.randn(1, 128, generator=gen).bfloat16()
+    bad = [e, -1, e + 3] + ([2 ** 32 + 2, -(2 ** 63)] if dtype == torch.int64 else [2 ** 31 - 1, -(2 ** 31)])
+    idx = torch.tensor([[3] + bad + [12, 3]], dtype=dtype)
+    wts = torch.rand(idx.shape, generator=gen)
+    got = decode_forward(x, idx, wts, *mats(mod), mod.act_fn)
+    assert torch.equal(got, per_slot(mod, x, idx, wts))
+
+
 def test_cpu_forward_compiles_with_dynamic_token_counts_without_a_break():
     """Under torch.compile a model's second token count makes the count symbolic (automatic dynamic
     shapes): the group size and count are then SymInts the op's fake follows; the eager bits."""
