@@ -8,8 +8,13 @@ With ``act="silu"`` (the down launch of SwiGLU experts) ``x`` holds rows of 2K v
 product takes ``silu(gate) * up`` (rounded once to x's dtype) in their place: ``act(gate) * up`` made while the
 kernel copies x, not by a launch of its own.
 
+With ``prefetch=(w2, w2_scale)`` (another experts weight, the down launch's, of as many experts) the launch also
+asks the L2 for each group's expert's bytes of ``w2`` and ``w2_scale``, so that the launch that reads them next
+finds them there (a hint: the results are the same with or without it).
+
 Groups with a negative id are skipped: on CUDA their rows of ``out`` are not written (whatever was in memory),
-on the CPU they are NaN (so that a caller that reads them shows it). The caller (``nvfp4_gemv.model.experts_forward``)
+on the CPU they are NaN (so that a caller that reads them shows it). ``ids`` int64 (a router's ``top_k_index``
+as it is) may hold any value: one outside [0, E) is skipped the same way. The caller (``nvfp4_gemv.model.experts_forward``)
 builds the groups on the device: no host sync here, fixed shapes, CUDA-graph capturable.
 
 Error bound (CUDA): the W4A16 kernel's (``w4a16``: half an ulp of the output plus (K / (16 W) + W + 3) * 2^-22
@@ -41,6 +46,32 @@ def _bad(exc, name, expected, got):
     fail(exc, name, expected, got, WHO)
 
 
+def check_prefetch(w, prefetch, addresses=True):
+    """``prefetch``: None or (w2, w2_scale), an experts weight of as many experts as ``w`` (no sync);
+    ``addresses``: their alignment too (not of fake tensors, which have none)."""
+    if prefetch is None:
+        return
+    if not isinstance(prefetch, (tuple, list)) or len(prefetch) != 2:
+        _bad(TypeError, "prefetch", "None or a pair (w2, w2_scale) of tensors", type(prefetch).__name__)
+    w2, s2 = prefetch
+    for name, t in (("prefetch[0]", w2), ("prefetch[1]", s2)):
+        if not isinstance(t, torch.Tensor):
+            _bad(TypeError, name, "a torch.Tensor", type(t).__name__)
+        if t.device != w.device:
+            _bad(ValueError, name, f"a tensor on {w.device} (where w is)", f"one on {t.device}")
+    e = w.shape[0]
+    # (an expert's bytes: the kernel's 32-bit offsets into them)
+    if w2.dtype != torch.uint8 or w2.dim() != 3 or w2.shape[0] != e or not w2.is_contiguous() or w2.shape[1] % 128 \
+            or w2.shape[2] % 32 or not 0 < w2.shape[1] * w2.shape[2] < 2 ** 31 or (addresses and w2.data_ptr() % 16):
+        _bad(ValueError, "prefetch[0]", f"a contiguous uint8 tensor [{e}, M2, K2/2] (M2 % 128 == 0, K2 % 64 == 0, both "
+             "> 0, under 2^31 bytes an expert) at a 16-byte aligned address", f"{w2.dtype} {tuple(w2.shape)}")
+    want = (e, w2.shape[1], w2.shape[2] // 8)
+    if s2.dtype not in _SCALE_DTYPES or tuple(s2.shape) != want or not s2.is_contiguous() \
+            or (addresses and s2.data_ptr() % 16):
+        _bad(ValueError, "prefetch[1]", f"a contiguous float8_e4m3fn or uint8 tensor {list(want)} at a 16-byte "
+             "aligned address", f"{s2.dtype} {tuple(s2.shape)}")
+
+
 def check_args(x, ids, w, w_scale, alpha, n_tok, act=None):
     """Metadata checks (no sync); returns (groups, M, K)."""
     if act is not None and act not in ACTS:
@@ -65,8 +96,8 @@ def check_args(x, ids, w, w_scale, alpha, n_tok, act=None):
              f"{w_scale.dtype} {tuple(w_scale.shape)}")
     if alpha.dtype != torch.float32 or tuple(alpha.shape) != (e,) or not alpha.is_contiguous():
         _bad(ValueError, "alpha", f"a contiguous float32 tensor [{e}]", f"{alpha.dtype} {tuple(alpha.shape)}")
-    if ids.dtype != torch.int32 or ids.dim() != 1 or not ids.is_contiguous():
-        _bad(ValueError, "ids", "a contiguous int32 tensor [groups]", f"{ids.dtype} {tuple(ids.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1 or not ids.is_contiguous():
+        _bad(ValueError, "ids", "a contiguous int32 or int64 tensor [groups]", f"{ids.dtype} {tuple(ids.shape)}")
     g = ids.shape[0]
     rows_ok = x.dim() == 2 and (x.shape[0] == g * n_tok or (n_tok == 1 and x.shape[0] == 1))
     kx = k if act is None else 2 * k  # act: [gate | up] rows
@@ -85,8 +116,9 @@ def check_args(x, ids, w, w_scale, alpha, n_tok, act=None):
 def _build(key):
     from .experts_kernel import compile_experts_w4a16
 
-    _, k, nt, groups, x_bf16, tuning, act = key
-    return compile_experts_w4a16(k, nt, groups, x_bf16, x_bf16, act=act, **dict(tuning))
+    _, k, nt, groups, x_bf16, tuning, act, prefetch, ids64 = key
+    return compile_experts_w4a16(k, nt, groups, x_bf16, x_bf16, act=act, prefetch=prefetch, ids64=ids64,
+                                 **dict(tuning))
 
 
 _kernels = KernelCache(_build)
@@ -118,31 +150,35 @@ def act_tuning(tuning, act):
 
 
 class ExpertsPlan:
-    def __init__(self, x, ids, w, n_tok, busy, dims, act=None):
+    def __init__(self, x, ids, w, n_tok, busy, dims, act=None, prefetch=None):
         g, m, k = dims
         self.dev = w.device.index
         self.shape = (g * n_tok, m)
         self.dtype = x.dtype
         self.device = w.device
-        self.n_tok, self.busy, self.act = n_tok, busy, act
+        self.n_tok, self.busy, self.act, self.pf = n_tok, busy, act, prefetch is not None
         self.variants = ()  # (guard, hit) pairs: RecentPlans'
         r, grid_x = launch_shape(n_tok, m, k, sm_count(self.dev), busy)
+        # (an expert's bytes of the prefetched weight and of its scales)
+        pf = None if prefetch is None else tuple(t.shape[1] * t.shape[2] for t in prefetch)
+        ids64 = w.shape[0] if ids.dtype == torch.int64 else 0  # (int64 ids: the build checks them against E)
         self.kern = _kernels.get(self.dev, ("experts", k, n_tok, r.groups, x.dtype == torch.bfloat16,
-                                            act_tuning(r.tuning, act), act))
+                                            act_tuning(r.tuning, act), act, pf, ids64))
         shared = x.shape[0] == 1 and g > 1  # one row every group reads (n_tok 1): row stride 0
         self.static = (m, k // 2, k // 16, 0 if shared else x.shape[1] * 2, g, 2 * m, grid_x)
 
-    def __call__(self, x, ids, w, w_scale, alpha):
+    def __call__(self, x, ids, w, w_scale, alpha, prefetch=None):
         out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         if not self.shape[0]:  # no groups: nothing to launch
             return out
         ptrs = (w.data_ptr(), x.data_ptr(), w_scale.data_ptr(), ids.data_ptr(), out.data_ptr(), alpha.data_ptr())
+        args = self.static if prefetch is None else (*self.static, prefetch[0].data_ptr(), prefetch[1].data_ptr())
         kern = self.kern
         if kern.ffi is not None and current_device() == self.dev:
-            kern.ffi(*ptrs, *self.static, current_stream(self.dev))
+            kern.ffi(*ptrs, *args, current_stream(self.dev))
         else:
             with torch.cuda.device(self.dev):
-                kern.launch_dsl((*ptrs, *self.static), current_stream(self.dev))
+                kern.launch_dsl((*ptrs, *args), current_stream(self.dev))
         return out
 
     def hit_path(self, check):
@@ -150,30 +186,39 @@ class ExpertsPlan:
         five tensors' types, dtypes, devices, sizes and strides), ``n_tok`` and ``busy``, at aligned addresses;
         None otherwise (the call then takes ``_run``'s key, which raises for what the op cannot take). What
         the key costs in Python (about 4 us a call on a slow host), the guard checks in C++ (about 0.5)."""
-        n_tok, busy, act, plan = self.n_tok, self.busy, self.act, self
+        n_tok, busy, act, pf, plan = self.n_tok, self.busy, self.act, self.pf, self
 
-        def call(x, ids, w, w_scale, alpha, nt, b, a):
-            if nt != n_tok or b != busy or a != act:
+        def call(x, ids, w, w_scale, alpha, nt, b, a, prefetch=None):
+            if nt != n_tok or b != busy or a != act or (prefetch is not None) != pf:
                 return None
             try:
                 # a strided nested tensor aborts the guard's stride read: tested first
                 if x.is_nested or ids.is_nested or w.is_nested or w_scale.is_nested or alpha.is_nested:
                     return None
-                if not check(x, ids, w, w_scale, alpha) or (x.data_ptr() | w.data_ptr()) & 15 or w_scale.data_ptr() & 1:
+                if pf:  # the guard covers the two prefetched tensors too (the plan's variant filed with them)
+                    w2, s2 = prefetch
+                    if w2.is_nested or s2.is_nested or not check(x, ids, w, w_scale, alpha, w2, s2) \
+                            or (w2.data_ptr() | s2.data_ptr()) & 15:
+                        return None
+                elif not check(x, ids, w, w_scale, alpha):
                     return None
-            except (TypeError, AttributeError):  # not tensors
+                if (x.data_ptr() | w.data_ptr()) & 15 or w_scale.data_ptr() & 1:
+                    return None
+            except (TypeError, AttributeError, ValueError):  # not tensors, or not a pair
                 return None
-            return plan(x, ids, w, w_scale, alpha)
+            return plan(x, ids, w, w_scale, alpha, prefetch)
 
         return call
 
 
-def _key(x, ids, w, w_scale, alpha, n_tok, busy, act):
+def _key(x, ids, w, w_scale, alpha, n_tok, busy, act, prefetch=None):
     """Everything a plan depends on (addresses: their alignment is in the key, checked once a plan)."""
+    pf = None if prefetch is None else tuple((type(t), t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+                                             for t in prefetch)
     return (x.shape, x.stride(), x.dtype, ids.shape, ids.stride(), ids.dtype, w.shape, w.stride(), w.dtype, w.device,
             w_scale.shape, w_scale.stride(), w_scale.dtype, alpha.shape, alpha.stride(), alpha.dtype, n_tok, busy, act,
             (x.data_ptr() | w.data_ptr()) % 16, w_scale.data_ptr() % 2,
-            tuple(t.device for t in (x, ids, w_scale, alpha)))
+            tuple(t.device for t in (x, ids, w_scale, alpha)), pf)
 
 
 # a model's step calls the op with the same weight tensors every token: a hit by w's identity (behind the
@@ -181,24 +226,29 @@ def _key(x, ids, w, w_scale, alpha, n_tok, busy, act):
 _recent = RecentPlans()
 
 
-def _run(x, ids, w, w_scale, alpha, n_tok, busy, act=None):
+def _run(x, ids, w, w_scale, alpha, n_tok, busy, act=None, prefetch=None):
     if not w.is_cuda:
-        return _cpu(x, ids, w, w_scale, alpha, n_tok, check_args(x, ids, w, w_scale, alpha, n_tok, act), act)
+        dims = check_args(x, ids, w, w_scale, alpha, n_tok, act)
+        check_prefetch(w, prefetch)  # (a hint: nothing to do on the CPU)
+        return _cpu(x, ids, w, w_scale, alpha, n_tok, dims, act)
     hit = _recent.hits.get(id(w))
     if hit is not None:
-        res = hit(x, ids, w, w_scale, alpha, n_tok, busy, act)
+        res = hit(x, ids, w, w_scale, alpha, n_tok, busy, act, prefetch)
         if res is not None:
             return res
-    key = _key(x, ids, w, w_scale, alpha, n_tok, busy, act)
+    if prefetch is not None:  # (named before the key reads its tensors' metadata)
+        check_prefetch(w, prefetch, addresses=False)
+    key = _key(x, ids, w, w_scale, alpha, n_tok, busy, act, prefetch)
     plan = _plans.get(key)
     if plan is None:
         dims = check_args(x, ids, w, w_scale, alpha, n_tok, act)
+        check_prefetch(w, prefetch)
         if x.data_ptr() % 16 or w.data_ptr() % 16 or w_scale.data_ptr() % 2:
             _bad(ValueError, "x", "x and w at 16-byte aligned addresses, w_scale at an even one",
                  f"addresses {x.data_ptr():#x}, {w.data_ptr():#x}, {w_scale.data_ptr():#x}")
-        plan = keep_plan(_plans, key, ExpertsPlan(x, ids, w, n_tok, busy, dims, act))
-    _recent.add(w, (x, ids, w, w_scale, alpha), plan)
-    return plan(x, ids, w, w_scale, alpha)
+        plan = keep_plan(_plans, key, ExpertsPlan(x, ids, w, n_tok, busy, dims, act, prefetch))
+    _recent.add(w, (x, ids, w, w_scale, alpha) + (() if prefetch is None else tuple(prefetch)), plan)
+    return plan(x, ids, w, w_scale, alpha, prefetch)
 
 
 def silu_mul_exact(x, k):
@@ -216,7 +266,7 @@ def _cpu(x, ids, w, w_scale, alpha, n_tok, dims, act=None):
     # rows of groups without an expert: NaN, as unknown as the kernel's unwritten rows (a caller must not read them)
     out = torch.full((g * n_tok, m), float("nan"), dtype=x.dtype, device=x.device)
     for grp, e in enumerate(ids.tolist()):
-        if e >= 0:
+        if 0 <= e < w.shape[0]:
             rows = slice(grp * n_tok, (grp + 1) * n_tok)
             xr = x if x.shape[0] == 1 else x[rows]  # (one row every group reads)
             out[rows] = reference_product((n_tok, m, k, False, False), xr, None, w[e], w_scale[e],
@@ -226,37 +276,45 @@ def _cpu(x, ids, w, w_scale, alpha, n_tok, dims, act=None):
 
 @torch.library.custom_op("nvfp4::experts_gemv", mutates_args=())
 def _experts_gemv_op(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                     alpha: torch.Tensor, n_tok: int, busy: int, act: str = "") -> torch.Tensor:
-    return _run(x, ids, w, w_scale, alpha, n_tok, busy, act or None)
+                     alpha: torch.Tensor, n_tok: int, busy: int, act: str = "", pf_w: torch.Tensor | None = None,
+                     pf_scale: torch.Tensor | None = None) -> torch.Tensor:
+    return _run(x, ids, w, w_scale, alpha, n_tok, busy, act or None, None if pf_w is None else (pf_w, pf_scale))
 
 
 @_experts_gemv_op.register_fake
-def _experts_gemv_fake(x, ids, w, w_scale, alpha, n_tok, busy, act=""):
+def _experts_gemv_fake(x, ids, w, w_scale, alpha, n_tok, busy, act="", pf_w=None, pf_scale=None):
     g, m, _ = check_args(x, ids, w, w_scale, alpha, n_tok, act or None)
+    check_prefetch(w, None if pf_w is None else (pf_w, pf_scale), addresses=False)
     return x.new_empty((g * n_tok, m))
 
 
 fast_autograd(_experts_gemv_op)
 
 
-def experts_gemv(x, ids, w, w_scale, alpha, n_tok, busy=1, act=None):
+def experts_gemv(x, ids, w, w_scale, alpha, n_tok, busy=1, act=None, prefetch=None):
     """Every group's ``n_tok`` rows of ``x`` times its expert's weight (module docstring).
 
     :param x: [G * n_tok, K] bf16 or fp16, contiguous: group g's rows g * n_tok ... (g + 1) * n_tok - 1;
         with ``n_tok`` 1 also [1, K]: one row every group reads (one token's experts). With ``act`` rows of
         2K values, gate then up.
-    :param ids: int32 [G]: each group's expert, or a negative number (no expert: its rows are not computed).
+    :param ids: int32 [G]: each group's expert, or a negative number (no expert: its rows are not computed);
+        or int64 [G], any value, one outside [0, E) being no expert (a router's ``top_k_index`` as it is).
     :param w, w_scale: the experts' NVFP4 weights, uint8 [E, M, K/2] and e4m3 [E, M, K/16], contiguous.
     :param alpha: fp32 [E], each expert's scale of the product.
     :param n_tok: token rows a group, 1..32.
     :param busy: about how many groups have an expert (the launch shares the GPU among them; any value is
         correct).
     :param act: None, or "silu": the product takes ``silu(gate) * up`` of x's rows (module docstring).
+    :param prefetch: None, or (w2, w2_scale): an experts weight [E, M2, K2/2] and its scales [E, M2, K2/16]
+        (contiguous, 16-byte aligned) whose bytes of each group's expert the launch asks the L2 for, for the
+        launch that reads them next (module docstring; the results do not depend on it).
     :return: [G * n_tok, M] in x's dtype.
     """
-    if eager(x, ids, w, w_scale, alpha):
-        return _run(x, ids, w, w_scale, alpha, n_tok, busy, act)
+    if eager(x, ids, w, w_scale, alpha, *(prefetch if isinstance(prefetch, (tuple, list)) else ())):
+        return _run(x, ids, w, w_scale, alpha, n_tok, busy, act, prefetch)
     if not torch.compiler.is_compiling():  # our error naming the argument, not the dispatcher's
         check_args(x, ids, w, w_scale, alpha, n_tok, act)
-    return torch.ops.nvfp4.experts_gemv(x, ids, w, w_scale, alpha, n_tok, busy, act or "")
+        check_prefetch(w, prefetch, addresses=False)  # (fake tensors reach here: the op checks addresses)
+    pf_w, pf_scale = (None, None) if prefetch is None else prefetch
+    return torch.ops.nvfp4.experts_gemv(x, ids, w, w_scale, alpha, n_tok, busy, act or "", pf_w, pf_scale)
 

@@ -4,9 +4,9 @@ op (``torch.ops.nvfp4.topk_route``, for torch.compile):
     logits = x @ weight.T   (in x's dtype);   p = softmax(logits, fp32);   v, i = topk(p, k)
     v = v / v.sum()  (norm);                  returns (logits, v in x's dtype, i int64)
 
-On CUDA, for up to ``MAX_TOKENS`` tokens and shapes ``router_kernel.can_implement`` takes, one kernel and
-the fill of its counters (``router_kernel``: its docstring states how its rounding and tie order may differ
-from the torch ops'); else, and on the CPU, the torch ops themselves, exactly transformers' code. No host
+On CUDA, for up to ``MAX_TOKENS`` tokens and shapes ``router_kernel.can_implement`` takes, one kernel (past
+256 experts also the fill of its counters; ``router_kernel``: its docstring states how its rounding and tie
+order may differ from the torch ops'); else, and on the CPU, the torch ops themselves, exactly transformers' code. No host
 sync either way.
 """
 

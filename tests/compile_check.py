@@ -52,6 +52,10 @@ def main():
     p.add_argument("--experts", action="store_true", help="with --w4a16: the experts' grouped build")
     p.add_argument("--act", action="store_true", help="with --experts: its down launch's silu(gate) * up build "
                    "(--tune then names the route's tuning; experts_op.act_tuning adds the act's own)")
+    p.add_argument("--prefetch", default=None, metavar="WB,SB",
+                   help="with --experts: the build that prefetches another weight's experts (WB, SB bytes each)")
+    p.add_argument("--ids64", type=int, default=0, metavar="E",
+                   help="with --experts: the build that reads int64 ids, E experts")
     p.add_argument("--quantize", action="store_true", help="the activation quantizer (bf16 x; --f16: fp16)")
     p.add_argument("--dequantized", action="store_true", help="with --quantize: its dequantized build")
     p.add_argument("--router", default=None, metavar="E,K",
@@ -91,9 +95,11 @@ def main():
         from nvfp4_gemv import experts_kernel, experts_op
 
         act = "silu" if args.act else None
+        prefetch = tuple(int(v) for v in args.prefetch.split(",")) if args.prefetch else None
         tuning = dict(experts_op.act_tuning(tuple(sorted(tuning.items())), act))
         _, fn = experts_kernel.compile_experts_w4a16(args.k, args.tokens, args.w4a16, not args.f16, True,
-                                                     options=options, act=act, **tuning)
+                                                     options=options, act=act, prefetch=prefetch, ids64=args.ids64,
+                                                     **tuning)
     elif args.tokens and args.w4a16:  # the W4A16 kernel (nvfp4_gemv.w4a16), alpha and bf16 out
         from nvfp4_gemv import w4a16
 
@@ -134,8 +140,9 @@ def main():
     first_bar = next((i for i, line in enumerate(body)
                       if line.startswith(("bar.sync", "barrier.", "cp.async.wait_group"))), len(body))
     lds_before_bar = sum(line.startswith("ld.shared") for line in body[:first_bar])
+    prefetch_l2 = sum(line.startswith("cp.async.bulk.prefetch.L2") for line in body)
     print(json.dumps({"arch": args.arch, "k": args.k, "cubin": path, "bytes": len(cubin), "ptx_bytes": len(ptx),
-                      "fp4_cvt": fp4_cvt[:3], "lds_before_bar": lds_before_bar, "frame_bytes": frame_bytes(cubin),
+                      "fp4_cvt": fp4_cvt[:3], "lds_before_bar": lds_before_bar, "prefetch_l2": prefetch_l2, "frame_bytes": frame_bytes(cubin),
                       "elf": cubin[:4] == b"\x7fELF", "launch": submission.launch_kind(fn),
                       "dsl": md.version("nvidia-cutlass-dsl")}))
 

@@ -1,4 +1,4 @@
-"""A MoE router's decode on the GPU: ``topk_route`` (one kernel and the fill of its counters) against
+"""A MoE router's decode on the GPU: ``topk_route`` (one kernel; past 256 experts also its counters' fill) against
 transformers' ``Qwen3MoeTopKRouter`` (the router's GEMV, softmax, ``torch.topk``'s kernels, the renormalisation)
 on the same weight, eager ops captured in a CUDA graph and the same router under ``torch.compile`` (inductor,
 no CUDA graphs of its own) captured likewise, at Qwen3-30B-A3B's shape (128 experts, hidden 2048, top 8) by
@@ -35,7 +35,13 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--out", default=None)
+    p.add_argument("--counter", action="store_true", help="the counter build at every E (router_kernel.CLUSTER_MAX_E "
+                   "= 0 before any build): the cluster build's A/B, run as a process of its own")
     a = p.parse_args(argv)
+    if a.counter:
+        from nvfp4_gemv import router_kernel
+
+        router_kernel.CLUSTER_MAX_E = 0
     cfg = transformers.Qwen3MoeConfig(hidden_size=a.hidden, num_experts=a.experts, num_experts_per_tok=a.top_k,
                                       norm_topk_prob=True)
     torch.manual_seed(0)

@@ -172,14 +172,36 @@ step moe 560 bash -c "python tools/bench_moe.py --tokens 1,4,16,64 --out '$LOG/m
     --hf --arch qwen3-moe --batches 1 --tokens 32 --hf-fuse --hf-no-step --hf-variants bf16,w4a16 --json '$LOG/moe-hf.json'"
 step moeprofile 560 python tools/bench_model.py --hf --arch qwen3-moe --batches 1 --tokens ${TOKENS:-32} --hf-fuse \
     --hf-variants bf16,w4a16 --hf-profile 5 --hf-prefill-profile 2 --hf-generate ${GENERATES:-generate_ms,ours_generate_compiled_ms} --json "$LOG/moe-profile.json"
-# routercheck: the routing op's GPU tests, its five GPU mutants and tools/bench_router.py
+# routercheck: the routing op's GPU tests, its seven GPU mutants and tools/bench_router.py, then the same with
+# --counter (the counter build at E <= 256 too: the cluster build's A/B, a process of its own)
 step routercheck 300 bash -c "timeout 150 python -m pytest -q -p no:cacheprovider -m gpu -rs tests/op/test_router_kernel.py \
     > '$LOG/router-tests.txt' 2>&1 & p=\$!; timeout 150 python tools/mutants.py --jobs 4 --only 'router kernel: ties to the higher expert' \
     --only 'router kernel: renormalisation dropped' --only 'router kernel: the first CTA to finish takes the top k' \
-    --only 'router kernel: fp16 keys decoded as bf16' --only 'router kernel: -0 keyed below +0' > '$LOG/router-mutants.txt' 2>&1; m=\$?; wait \$p; t=\$?
-    timeout 100 python tools/bench_router.py --tokens 1,4,16,64 --reps 30 --out '$LOG/router-bench' > '$LOG/router-bench.txt' 2>&1
-    b=\$?; tail -n 2 '$LOG/router-tests.txt'; tail -n 6 '$LOG/router-mutants.txt'; grep '^{' '$LOG/router-bench.txt'
-    exit \$((t | m | b))"
+    --only 'router kernel: fp16 keys decoded as bf16' --only 'router kernel: -0 keyed below +0' \
+    --only 'router kernel cluster: CTA 1 takes the top k from its own shared memory' \
+    --only \"router kernel cluster: each key stored in the storing CTA's own shared memory\" > '$LOG/router-mutants.txt' 2>&1; m=\$?; wait \$p; t=\$?
+    timeout 70 python tools/bench_router.py --tokens 1,16 --reps 30 --out '$LOG/router-bench' > '$LOG/router-bench.txt' 2>&1
+    b=\$?; timeout 70 python tools/bench_router.py --counter --tokens 1,16 --reps 30 --out '$LOG/router-bench-counter' \
+    > '$LOG/router-bench-counter.txt' 2>&1; c=\$?; tail -n 2 '$LOG/router-tests.txt'; tail -n 8 '$LOG/router-mutants.txt'
+    grep '^{' '$LOG/router-bench.txt' '$LOG/router-bench-counter.txt'
+    exit \$((t | m | b | c))"
+# prefetchcheck: the experts' gate/up launch prefetching down's bytes and the kernel on int64 ids (session 74): their
+# GPU tests beside the experts' and act's (fuzz deselected), the two int64-ids GPU mutants and the router's and experts' sanitizer cases, then bench_moe at one token alone (the
+# block with and without the prefetch in one process). With routercheck: `routercheck,prefetchcheck`, one call
+step prefetchcheck 290 bash -c "P='python -m pytest -q -p no:cacheprovider -m gpu -rs'
+    timeout 180 \$P tests/model/test_experts_prefetch.py tests/model/test_experts_ids64.py tests/model/test_experts.py \
+        tests/model/test_experts_act.py tests/model/test_experts_kernel.py -k 'not within_its_bound' \
+        > '$LOG/prefetch-tests.txt' 2>&1 & p=\$!
+    timeout 180 python tools/mutants.py --jobs 2 --only \"experts ids64: the id's high word not checked\" \
+        --only 'experts ids64: ids compared signed' > '$LOG/ids64-mutants.txt' 2>&1 & r=\$!
+    (for t in memcheck racecheck synccheck; do PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 55 compute-sanitizer --tool \$t \
+        python3 tools/sanitize_cases.py router > '$LOG/san-router-'\$t.txt 2>&1; done) & q=\$!
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 180 compute-sanitizer --tool memcheck python3 tools/sanitize_cases.py experts \
+        > '$LOG/san-experts-memcheck.txt' 2>&1; wait \$p; t=\$?; wait \$q; wait \$r; u=\$?
+    timeout 90 python tools/bench_moe.py --tokens 1 --reps 30 --out '$LOG/moe-block-prefetch' > '$LOG/moe-prefetch.txt' 2>&1
+    tail -n 2 '$LOG/prefetch-tests.txt'; tail -n 4 '$LOG/ids64-mutants.txt'
+    grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' '$LOG'/san-*.txt; grep '^T=' '$LOG/moe-prefetch.txt'
+    exit \$((t | u))"
 step load 560 python tools/bench_load.py --device cuda --loader from_pretrained --fuse --pack --layers 32 --hidden 4096 \
     --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256 --generate 16 --json "$LOG/load-8b.json"
 step load70 560 python tools/bench_load.py --device cuda --loader from_pretrained --fuse --pack --layers 80 --hidden 8192 \

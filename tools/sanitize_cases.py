@@ -189,7 +189,7 @@ for rows, k, dtype in () if section in ("bulk", "packed", "experts", "router", "
 # 1-32 token rows a group, empty groups, repeated experts, one x row every group reads, rows that cancel),
 # each against float64 within the kernel's bound
 if section in ("all", "experts"):
-    from model.test_experts_kernel import check_within_bound, exact, fuzz_case  # noqa: E402
+    from model.test_experts_kernel import check_within_bound, exact, fuzz_case, random_weights  # noqa: E402
 
     from nvfp4_gemv.experts_op import experts_gemv  # noqa: E402
 
@@ -199,12 +199,17 @@ if section in ("all", "experts"):
         # the op allocates its output: NaN in the block the caching allocator will hand it
         poison = torch.full((ids.shape[0] * nt, w.shape[1]), float("nan"), dtype=x.dtype, device="cuda")
         del poison
-        y = experts_gemv(*[a.cuda() if isinstance(a, torch.Tensor) else a for a in (x, ids, w, ws, alpha, nt, busy)])
+        args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in (x, ids, w, ws, alpha, nt, busy)]
+        # even cases prefetch another experts weight's bytes (as the gate/up launch does down's at one token)
+        pf = None if seed % 2 else tuple(t.cuda() for t in random_weights(torch.Generator().manual_seed(seed),
+                                                                             w.shape[0], 128 * (1 + seed % 3), 192)[:2])
+        y = experts_gemv(*args, prefetch=pf)
         torch.cuda.synchronize()
         y = y.cpu()
         assert not y[~ref.isnan()].isnan().any(), f"experts case {seed}: rows of a group with an expert left unwritten"
         check_within_bound(y, ref, absum, x.shape[1], f"experts case {seed}")
-        print(f"experts case {seed}: E={w.shape[0]} {w.shape[1]}x{x.shape[1]} nt={nt} ids={ids.tolist()}: ok", flush=True)
+        print(f"experts case {seed}: E={w.shape[0]} {w.shape[1]}x{x.shape[1]} nt={nt} ids={ids.tolist()}"
+              f"{'' if pf is None else ', prefetch ' + str(tuple(pf[0].shape))}: ok", flush=True)
     # the down launch with act (x rows [gate | up], the act made while x is copied into shared memory)
     from model.test_experts_act import act_allowance, act_case, silu_mul_once  # noqa: E402
 

@@ -150,6 +150,12 @@ DECODE_MAX_TOKENS = 64  # tokens a call up to which the GPU takes the experts' k
 # made. Past it the act needs that copy forced on a route measured without it (not yet measured: results.md),
 # and x's rows must fit shared memory (Mixtral's down launch, K = 14336, does not at 8 tokens a group)
 ACT_IN_KERNEL_MAX_TOKENS = 1
+# tokens a call up to which the gate/up launch asks the L2 for the down launch's bytes of each expert it reads
+# (experts_op's ``prefetch``): at one token both launches are latency-bound (a CTA's one or two tiles, each a
+# round trip to DRAM), so the down launch then finds its bytes in the L2 and the two launches' DRAM reads
+# overlap. Past it the experts hit grow (85 at 16 tokens, Qwen3-30B-A3B: 75 MB of down weights, more than an
+# H100's L2), and the prefetch would evict what it fetched
+PREFETCH_DOWN_MAX_TOKENS = 1
 
 
 def kernel_act(act_fn):
@@ -225,11 +231,15 @@ def decode_groups(x, top_k_index, e, nt, x_scale=None):
     [G] each group's expert (-1: none), ``at`` [S] each slot's row of the launches' results in slot order
     (None: row s is slot s), ``valid`` [S] whether a slot's id is in [0, E). One token skips the sort: its
     k slots are the groups in slot order (a token's experts are distinct; a repeated one is read again) and,
-    without ``x_scale``, every group reads x's one row."""
+    without ``x_scale``, every group reads x's one row; int64 ids (transformers' routers') are then ``gid``
+    as they are (the kernel takes an id outside [0, E) as no expert: no kernel makes int32 ids)."""
     ids = top_k_index.reshape(-1)
     if x.shape[0] == 1:
         valid = (ids >= 0) & (ids < e)
-        gid = torch.where(valid, ids, torch.full((), -1, dtype=ids.dtype, device=ids.device)).to(torch.int32)
+        if ids.dtype == torch.int64:
+            gid = ids.contiguous()
+        else:
+            gid = torch.where(valid, ids, torch.full((), -1, dtype=ids.dtype, device=ids.device)).to(torch.int32)
         if x_scale is not None:
             x = quantize_dequantized_rows(x.expand(ids.shape[0], -1), x_scale[ids.clamp(0, e - 1)])
         return x.contiguous(), gid, None, valid
@@ -248,7 +258,8 @@ def decode_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
     """``grouped_forward`` through the experts' kernel (``experts_op``): the slots sorted by expert into
     groups of at most ``group_size`` token rows (``decode_groups``), gate/up then ``act_fn(gate) * up`` then
     down, each one launch that reads every expert hit once a group, and the combine of ``grouped_forward``.
-    Sync-free. Up to ``ACT_IN_KERNEL_MAX_TOKENS`` tokens W4A16 SiLU experts make ``silu(gate) * up`` in the
+    Sync-free. Up to ``PREFETCH_DOWN_MAX_TOKENS`` tokens the gate/up launch asks the L2 for the down launch's
+    bytes of its experts. Up to ``ACT_IN_KERNEL_MAX_TOKENS`` tokens W4A16 SiLU experts make ``silu(gate) * up`` in the
     down launch (rounded once to x's dtype from fp32, as inductor's fused ``F.silu(g) * u``; eager torch rounds
     ``silu(g)`` first).
 
@@ -262,7 +273,8 @@ def decode_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
     busy = busy_groups(t, k, e, nt)
     w, ws, alpha, x_scale = gate_up
     xg, gid, at, valid = decode_groups(x, top_k_index, e, nt, x_scale)
-    g = experts_gemv(xg, gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy)
+    pf = (down[0], down[1]) if t <= PREFETCH_DOWN_MAX_TOKENS else None
+    g = experts_gemv(xg, gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy, prefetch=pf)
     w, ws, alpha, x_scale = down
     act = kernel_act(act_fn) if x_scale is None and t <= ACT_IN_KERNEL_MAX_TOKENS else None
     if act is not None:  # the down launch reads g's [gate | up] rows and makes the act itself
@@ -271,7 +283,7 @@ def decode_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
         i = g.shape[1] // 2
         hid = act_fn(g[:, :i]) * g[:, i:]
         if x_scale is not None:  # (rows of groups without an expert: any scale, never read back)
-            hid = quantize_dequantized_rows(hid, x_scale[gid.clamp(min=0).long().repeat_interleave(nt)])
+            hid = quantize_dequantized_rows(hid, x_scale[gid.clamp(0, e - 1).long().repeat_interleave(nt)])
         d = experts_gemv(hid.contiguous(), gid, w, ws.view(torch.float8_e4m3fn), alpha, nt, busy)
     if at is not None:
         d = d[at]

@@ -232,6 +232,30 @@ def test_the_experts_act_build_compiles_without_a_stack_frame(arch, k, tune, tmp
     assert info["elf"] and info["launch"] == "tvm-ffi" and info["fp4_cvt"] == [] and info["frame_bytes"] == 0, info
 
 
+
+@pytest.mark.parametrize("prefetch", [None, "786432,98304"])
+def test_the_experts_prefetch_build_asks_the_l2_twice_and_the_plain_build_never(prefetch, tmp_path):
+    """The gate/up launch that prefetches the down launch's bytes (Qwen3-30B-A3B's, one token): one bulk L2
+    prefetch of the weight's share and one of its scales' (thread 0 of each CTA), no stack frame; without
+    ``prefetch`` none (that build's code is the plain experts kernel's)."""
+    extra = ("--prefetch", prefetch) if prefetch else ()
+    info = compile_check("sm_90a", 2048, tmp_path, "--tokens", "1", "--w4a16", "2", "--experts", "--tune",
+                         "across=1,ctas=8,dec=1,even=1,late=1,threads=128,w_a=1,xpair=1", *extra)
+    assert info["elf"] and info["launch"] == "tvm-ffi" and info["frame_bytes"] == 0, info
+    assert info["prefetch_l2"] == (2 if prefetch else 0), info
+
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_the_experts_int64_ids_build_compiles_without_a_stack_frame(arch, tmp_path):
+    """The one-token gate/up build reading a router's int64 ids (128 experts) with the down prefetch, as
+    ``decode_forward`` launches it at one token."""
+    info = compile_check(arch, 2048, tmp_path, "--tokens", "1", "--w4a16", "2", "--experts", "--ids64", "128",
+                         "--prefetch", "786432,98304", "--tune",
+                         "across=1,ctas=8,dec=1,even=1,late=1,threads=128,w_a=1,xpair=1")
+    assert info["elf"] and info["launch"] == "tvm-ffi" and info["frame_bytes"] == 0, info
+
+
 def _nvdisasm():
     import glob
 

@@ -245,6 +245,23 @@ def test_cpu_forward_is_each_slot_alone_bit_for_bit(mode, t, k, e):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_cpu_one_token_forward_takes_any_id_outside_the_experts_as_none(mode, dtype):
+    """At one token the router's ids are the groups as they are (int64: no kernel makes int32 ids): every
+    kind of id outside [0, E) is no expert, in the W4A4 stages' input-scale lookups too, bit for bit each
+    valid slot alone."""
+    gen = torch.Generator().manual_seed(11)
+    e = 16
+    mod = random_module(gen, e, 128, 64, mode)
+    x = torch.randn(1, 128, generator=gen).bfloat16()
+    bad = [e, -1, e + 3] + ([2 ** 32 + 2, -(2 ** 63)] if dtype == torch.int64 else [2 ** 31 - 1, -(2 ** 31)])
+    idx = torch.tensor([[3] + bad + [12, 3]], dtype=dtype)
+    wts = torch.rand(idx.shape, generator=gen)
+    got = decode_forward(x, idx, wts, *mats(mod), mod.act_fn)
+    assert torch.equal(got, per_slot(mod, x, idx, wts))
+
+
 def test_cpu_forward_compiles_with_dynamic_token_counts_without_a_break():
     """Under torch.compile a model's second token count makes the count symbolic (automatic dynamic
     shapes): the group size and count are then SymInts the op's fake follows; the eager bits."""
@@ -341,7 +358,7 @@ def test_bad_arguments_are_named():
     check_args(x, ids, w, ws, a, 1)
     cases = [
         ((x.float(), ids, w, ws, a, 1), "argument 'x': expected a contiguous bfloat16 or float16 tensor \\[2, 64\\]"),
-        ((x, ids.long(), w, ws, a, 1), "argument 'ids': expected a contiguous int32"),
+        ((x, ids.short(), w, ws, a, 1), "argument 'ids': expected a contiguous int32 or int64"),
         ((x, ids, w[:, :, :16].contiguous(), ws, a, 1), "argument 'w': expected experts of M % 128"),
         ((x, ids, w, ws[:2], a, 1), "argument 'w_scale': expected a contiguous float8_e4m3fn or uint8 tensor \\[4, 128, 4\\]"),
         ((x, ids, w, ws, a[:3], 1), "argument 'alpha': expected a contiguous float32 tensor \\[4\\]"),
@@ -366,7 +383,7 @@ def test_cuda_plan_validates_metadata_it_has_not_seen():
     with pytest.raises(ValueError, match="argument 'alpha'"):
         experts_gemv(x, ids, w, ws, a[:3], 1)
     with pytest.raises(ValueError, match="argument 'ids'"):
-        experts_gemv(x, ids.long(), w, ws, a, 1)
+        experts_gemv(x, ids.short(), w, ws, a, 1)
     # after hits by w's identity: the same result, and a misaligned x is refused, not launched
     want = experts_gemv(x, ids, w, ws, a, 1)
     assert torch.equal(experts_gemv(x.clone(), ids, w, ws, a, 1), want)
@@ -391,7 +408,7 @@ def test_a_plans_hit_path_takes_only_its_own_metadata_at_aligned_addresses():
 
     class Stub(experts_op.ExpertsPlan):
         def __init__(self):  # (no kernel: only the hit path's checks run)
-            self.n_tok, self.busy, self.act, self.variants = 1, 3, None, ()
+            self.n_tok, self.busy, self.act, self.pf, self.variants = 1, 3, None, False, ()
 
         def __call__(self, *ts):
             calls.append(ts)
