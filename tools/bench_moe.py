@@ -15,7 +15,8 @@ same bytes. On the CPU: wall-clock medians, no floor. On CUDA up to 64 tokens NV
 kernel (nvfp4_gemv/experts_kernel.py); ``--fallback`` times its dequantize fallback too, ``--busy`` the
 kernel's launch shape under other estimates of the groups with an expert. Where the down launch makes
 ``silu(gate) * up`` itself (``ACT_IN_KERNEL_MAX_TOKENS``) the block is timed with the act as torch ops too, and
-where the gate/up launch prefetches the down launch's bytes (``PREFETCH_DOWN_MAX_TOKENS``) without it too. The NVFP4 block's router is what
+at one token the block and its two kernels with the gate/up launch prefetching the down launch's bytes
+(``PREFETCH_DOWN_MAX_TOKENS``, off by default) and without. The NVFP4 block's router is what
 ``quantize_model(fuse=True)`` makes of it (``fuse_routers``: ``TopKRouter``, one kernel up to 64 tokens on
 CUDA); ``--hf-router`` keeps transformers' (the bf16 block always has transformers').
 """
@@ -112,10 +113,11 @@ def runnable(mod, x, device):
             return call, f"eager ({type(err).__name__})"
 
 
-def kernels_only(experts, x, idx, prefetch=True):
+def kernels_only(experts, x, idx, prefetch=None):
     """A no-argument callable running just the experts' two kernel launches (gate/up, then down on stand-in
     activations, with the act inside where ``decode_forward`` puts it there) for this routing, as
-    ``decode_forward`` groups it."""
+    ``decode_forward`` groups it; ``prefetch`` True / False: the gate/up launch prefetching down's bytes or not
+    (None: as ``decode_forward`` does)."""
     from nvfp4_gemv.experts_op import experts_gemv
     from nvfp4_gemv.model.experts_forward import (ACT_IN_KERNEL_MAX_TOKENS, PREFETCH_DOWN_MAX_TOKENS, busy_groups,
                                                   decode_groups, group_size, kernel_act)
@@ -128,7 +130,7 @@ def kernels_only(experts, x, idx, prefetch=True):
     xg, gid, _, _ = decode_groups(x, idx, e, nt)
     act = kernel_act(experts.act_fn) if q2 is None and t <= ACT_IN_KERNEL_MAX_TOKENS else None
     hid = torch.randn(gid.shape[0] * nt, w2.shape[2] * 2 * (2 if act else 1), device=x.device).to(x.dtype)
-    pf = (w2, s2) if prefetch and t <= PREFETCH_DOWN_MAX_TOKENS else None
+    pf = (w2, s2) if (t <= PREFETCH_DOWN_MAX_TOKENS if prefetch is None else prefetch) else None
     return lambda: (experts_gemv(xg, gid, w1, s1, a1, nt, busy, prefetch=pf),
                     experts_gemv(hid, gid, w2, s2, a2, nt, busy, act))
 
@@ -212,17 +214,20 @@ def main():
         if t <= experts_mod.ACT_IN_KERNEL_MAX_TOKENS:  # the act inside the down launch: time it as torch ops too
             with patched(experts_mod, ACT_IN_KERNEL_MAX_TOKENS=0):
                 act_ops_us = time_fn(runnable(ours, x, device)[0])
-        no_prefetch_us = None
-        if t <= experts_mod.PREFETCH_DOWN_MAX_TOKENS:  # the gate/up launch prefetching down's bytes: A/B it
+        prefetch_us = no_prefetch_us = kernels_prefetch_us = kernels_no_prefetch_us = kernels_us = None
+        if t == 1:  # the gate/up launch prefetching down's bytes (off by default): the block both ways
+            with patched(experts_mod, PREFETCH_DOWN_MAX_TOKENS=1):
+                prefetch_us = time_fn(runnable(ours, x, device)[0])
             with patched(experts_mod, PREFETCH_DOWN_MAX_TOKENS=0):
                 no_prefetch_us = time_fn(runnable(ours, x, device)[0])
-        kernels_us = kernels_no_prefetch_us = None
         if device.type == "cuda":
             fk, _ = runnable(kernels_only(ours.experts, x.reshape(t, -1), idx), None, device)
             kernels_us = time_fn(fk)
-            if no_prefetch_us is not None:
-                kernels_no_prefetch_us = time_fn(runnable(kernels_only(ours.experts, x.reshape(t, -1), idx, False),
-                                                          None, device)[0])
+            if t == 1:
+                for pf in (True, False):
+                    us = time_fn(runnable(kernels_only(ours.experts, x.reshape(t, -1), idx, pf), None, device)[0])
+                    kernels_prefetch_us, kernels_no_prefetch_us = (us, kernels_no_prefetch_us) if pf else \
+                        (kernels_prefetch_us, us)
             if args.profile:
                 print(f"T={t}: kernels of the NVFP4 block (eager)\n" + profile_top(lambda: ours(x)), flush=True)
         fallback_us = None
@@ -234,15 +239,17 @@ def main():
         rows.append(dict(tokens=t, experts_hit=hit, bf16_us=us_b, bf16_how=how_b, nvfp4_us=us_o, nvfp4_how=how_o,
                          nvfp4_bytes=nbytes, floor_us=fl, pct_of_floor=(100 * fl / us_o) if fl else None,
                          rel_err_vs_bf16=err, fallback_us=fallback_us, busy_sweep_us=sweep, act_as_ops_us=act_ops_us,
-                         no_prefetch_us=no_prefetch_us, kernels_no_prefetch_us=kernels_no_prefetch_us,
+                         prefetch_us=prefetch_us, no_prefetch_us=no_prefetch_us,
+                         kernels_prefetch_us=kernels_prefetch_us, kernels_no_prefetch_us=kernels_no_prefetch_us,
                          kernels_us=kernels_us, kernels_pct_of_floor=(100 * fl / kernels_us) if fl and kernels_us else None))
         print(f"T={t}: {hit} experts hit, bf16 {us_b:.1f} us ({how_b}), NVFP4 {args.mode} {us_o:.1f} us ({how_o}), "
               f"{nbytes / 1e6:.2f} MB" + (f", floor {fl:.1f} us ({100 * fl / us_o:.1f}%)" if fl else "")
               + f", rel. error vs bf16 {err:.3g}" + (f", the two kernels alone {kernels_us:.1f} us" if kernels_us else "")
               + (f", fallback {fallback_us:.1f} us" if fallback_us else "")
               + (f", the act as torch ops (not in the down launch) {act_ops_us:.1f} us" if act_ops_us else "")
-              + (f", without the down prefetch {no_prefetch_us:.1f} us" if no_prefetch_us else "")
-              + (f" (the two kernels {kernels_no_prefetch_us:.1f} us)" if kernels_no_prefetch_us else "")
+              + (f", with / without the down prefetch {prefetch_us:.1f} / {no_prefetch_us:.1f} us" if prefetch_us else "")
+              + (f" (the two kernels {kernels_prefetch_us:.1f} / {kernels_no_prefetch_us:.1f} us)"
+                 if kernels_prefetch_us else "")
               + (f", busy factors {sweep}" if len(sweep) > 1 else ""), flush=True)
     head = ("| tokens | experts hit | bf16 us | NVFP4 us | speed-up | NVFP4 MB read | read floor us | % of floor "
             "| the two kernels alone us (% of floor) | fallback us |")

@@ -151,11 +151,13 @@ DECODE_MAX_TOKENS = 64  # tokens a call up to which the GPU takes the experts' k
 # and x's rows must fit shared memory (Mixtral's down launch, K = 14336, does not at 8 tokens a group)
 ACT_IN_KERNEL_MAX_TOKENS = 1
 # tokens a call up to which the gate/up launch asks the L2 for the down launch's bytes of each expert it reads
-# (experts_op's ``prefetch``): at one token both launches are latency-bound (a CTA's one or two tiles, each a
-# round trip to DRAM), so the down launch then finds its bytes in the L2 and the two launches' DRAM reads
-# overlap. Past it the experts hit grow (85 at 16 tokens, Qwen3-30B-A3B: 75 MB of down weights, more than an
-# H100's L2), and the prefetch would evict what it fetched
-PREFETCH_DOWN_MAX_TOKENS = 1
+# (experts_op's ``prefetch``). 0: never. The prediction was that at one token both launches are latency-bound
+# and the down launch would find its bytes in the L2; measured 2026-12-07 on an H100 (Qwen3-30B-A3B's block,
+# one token, rounds alternating) it is slower: the two launches alone 20.3 -> 23.2 us, the compiled block
+# 28.7 -> 31.7 us (the gate/up launch then pulls down's 6 MB through DRAM beside its own 12 MB, and the down
+# launch's time is not its DRAM latency). Kept as the op's option for other parts and shapes
+# (``tools/bench_moe.py`` times the block both ways at one token); docs/results.md
+PREFETCH_DOWN_MAX_TOKENS = 0
 
 
 def kernel_act(act_fn):
@@ -258,8 +260,8 @@ def decode_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
     """``grouped_forward`` through the experts' kernel (``experts_op``): the slots sorted by expert into
     groups of at most ``group_size`` token rows (``decode_groups``), gate/up then ``act_fn(gate) * up`` then
     down, each one launch that reads every expert hit once a group, and the combine of ``grouped_forward``.
-    Sync-free. Up to ``PREFETCH_DOWN_MAX_TOKENS`` tokens the gate/up launch asks the L2 for the down launch's
-    bytes of its experts. Up to ``ACT_IN_KERNEL_MAX_TOKENS`` tokens W4A16 SiLU experts make ``silu(gate) * up`` in the
+    Sync-free. Up to ``PREFETCH_DOWN_MAX_TOKENS`` tokens (default none: measured slower) the gate/up launch asks
+    the L2 for the down launch's bytes of its experts. Up to ``ACT_IN_KERNEL_MAX_TOKENS`` tokens W4A16 SiLU experts make ``silu(gate) * up`` in the
     down launch (rounded once to x's dtype from fp32, as inductor's fused ``F.silu(g) * u``; eager torch rounds
     ``silu(g)`` first).
 

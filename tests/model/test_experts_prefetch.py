@@ -9,7 +9,7 @@ import torch
 from nvfp4_gemv import experts_op
 from nvfp4_gemv.experts_op import experts_gemv
 from nvfp4_gemv.model import experts_forward
-from nvfp4_gemv.model.experts_forward import PREFETCH_DOWN_MAX_TOKENS, decode_forward
+from nvfp4_gemv.model.experts_forward import decode_forward
 
 from test_experts_kernel import check_within_bound, exact, random_module, random_weights, routing
 
@@ -39,10 +39,12 @@ def test_bad_prefetch_tensors_are_named():
             experts_gemv(x, ids, w, ws, a, 1, prefetch=pf)
 
 
+@pytest.mark.parametrize("limit", [0, 1, 2])
 @pytest.mark.parametrize("t", [1, 2, 16])
-def test_decode_forward_prefetches_down_up_to_its_token_count(t, monkeypatch):
-    """The gate/up launch carries down's weight and scales up to PREFETCH_DOWN_MAX_TOKENS tokens, never past
-    it, and the down launch never prefetches."""
+def test_decode_forward_prefetches_down_up_to_its_token_count(t, limit, monkeypatch):
+    """The gate/up launch carries down's weight and scales up to PREFETCH_DOWN_MAX_TOKENS tokens (0 by default,
+    measured slower; others set here), never past it, and the down launch never prefetches."""
+    monkeypatch.setattr(experts_forward, "PREFETCH_DOWN_MAX_TOKENS", limit)
     gen = torch.Generator().manual_seed(t)
     mod = random_module(gen, 8, 128, 64, "w4a16")
     seen = []
@@ -56,7 +58,7 @@ def test_decode_forward_prefetches_down_up_to_its_token_count(t, monkeypatch):
     decode_forward(torch.randn(t, 128).bfloat16(), idx, wts, *mod._mats(), mod.act_fn)
     (gu, pf_gu), (down, pf_down) = seen
     assert gu and not down and pf_down is None
-    if t <= PREFETCH_DOWN_MAX_TOKENS:
+    if t <= limit:
         assert pf_gu[0] is mod.down_weight and pf_gu[1] is mod.down_weight_scale
     else:
         assert pf_gu is None
