@@ -186,8 +186,9 @@ for rows, k, dtype in () if section in ("bulk", "packed", "experts", "router", "
     assert ok
 
 # the experts' grouped kernel: the fuzz's first 16 cases (1-16 experts, 128-512 rows, K 64-2048 including K % 128 == 64,
-# 1-32 token rows a group, empty groups, repeated experts, one x row every group reads, rows that cancel),
-# each against float64 within the kernel's bound
+# 1-32 token rows a group, empty groups, repeated experts, one x row every group reads, rows that cancel; every
+# fourth from the second on int64 ids, its empty groups' ids each kind outside [0, E)), each against float64
+# within the kernel's bound
 if section in ("all", "experts"):
     from model.test_experts_kernel import check_within_bound, exact, fuzz_case, random_weights  # noqa: E402
 
@@ -196,13 +197,17 @@ if section in ("all", "experts"):
     for seed in range(16):
         (x, ids, w, ws, alpha, nt, busy), _ = fuzz_case(seed, "cuda")
         ref, absum = exact(x, ids, w, ws, alpha, nt)
-        # the op allocates its output: NaN in the block the caching allocator will hand it
-        poison = torch.full((ids.shape[0] * nt, w.shape[1]), float("nan"), dtype=x.dtype, device="cuda")
-        del poison
+        if seed % 4 == 1:  # int64 ids (a router's, as decode_groups passes them at one token): no expert as any
+            bad = torch.tensor([w.shape[0], 2 ** 32 + 1, -(2 ** 63), 2 ** 31, -1])  # id outside [0, E)
+            ids = torch.where(ids < 0, bad[torch.arange(ids.shape[0]) % 5], ids.long())
         args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in (x, ids, w, ws, alpha, nt, busy)]
-        # even cases prefetch another experts weight's bytes (as the gate/up launch does down's at one token)
+        # even cases prefetch another experts weight's bytes (the op's option; decode_forward leaves it off)
         pf = None if seed % 2 else tuple(t.cuda() for t in random_weights(torch.Generator().manual_seed(seed),
                                                                              w.shape[0], 128 * (1 + seed % 3), 192)[:2])
+        # the op allocates its output: NaN in the block the caching allocator will hand it (made after the
+        # inputs' copies, which would otherwise take the freed block)
+        poison = torch.full((ids.shape[0] * nt, w.shape[1]), float("nan"), dtype=x.dtype, device="cuda")
+        del poison
         y = experts_gemv(*args, prefetch=pf)
         torch.cuda.synchronize()
         y = y.cpu()
