@@ -27,7 +27,8 @@ fp32's few-ulp error meets a rounding midpoint, and 0 for gates below about -88.
 fp32; the exact value is below 2^-120 of ``up`` there), as torch's fp32 silu gives; eager torch rounds
 ``silu(gate)`` to x's dtype first (a second rounding). The products of ``h`` and ``w`` then have the plain kernel's bound.
 
-``prefetch`` (the gate/up launch of a SwiGLU expert at one token): the launch takes two more addresses, the
+``prefetch`` (for the gate/up launch of a SwiGLU expert at one token; measured slower there on an H100, so
+``decode_forward`` leaves it off: docs/results.md): the launch takes two more addresses, the
 down launch's ``w`` and ``ws``, and each CTA of group ``g`` first asks the L2 for its share of expert ``e_g``'s
 down weight and scales (``cp.async.bulk.prefetch.L2``: a hint, nothing waits for it, no result), so that the
 down launch's reads, which at one token are latency-bound (a CTA's few tiles, each a round trip), find their

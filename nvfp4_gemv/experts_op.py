@@ -2,7 +2,7 @@
 own expert's NVFP4 weight in one launch (``experts_kernel``), ``torch.ops.nvfp4.experts_gemv`` for
 torch.compile, with an exact CPU path.
 
-    out[g * NT + n, :] = alpha[e] * x[g * NT + n, :] @ (w[e] * ws[e]).T     for e = ids[g] >= 0, n < NT
+    out[g * NT + n, :] = alpha[e] * x[g * NT + n, :] @ (w[e] * ws[e]).T     for e = ids[g] in [0, E), n < NT
 
 With ``act="silu"`` (the down launch of SwiGLU experts) ``x`` holds rows of 2K values, ``[gate | up]``, and the
 product takes ``silu(gate) * up`` (rounded once to x's dtype) in their place: ``act(gate) * up`` made while the
@@ -10,9 +10,10 @@ kernel copies x, not by a launch of its own.
 
 With ``prefetch=(w2, w2_scale)`` (another experts weight, the down launch's, of as many experts) the launch also
 asks the L2 for each group's expert's bytes of ``w2`` and ``w2_scale``, so that the launch that reads them next
-finds them there (a hint: the results are the same with or without it).
+finds them there (a hint: the results are the same with or without it; measured slower at one token on an
+H100, so ``decode_forward`` leaves it off: docs/results.md).
 
-Groups with a negative id are skipped: on CUDA their rows of ``out`` are not written (whatever was in memory),
+Groups with a negative int32 id are skipped (an int32 id must be below E): on CUDA their rows of ``out`` are not written (whatever was in memory),
 on the CPU they are NaN (so that a caller that reads them shows it). ``ids`` int64 (a router's ``top_k_index``
 as it is) may hold any value: one outside [0, E) is skipped the same way. The caller (``nvfp4_gemv.model.experts_forward``)
 builds the groups on the device: no host sync here, fixed shapes, CUDA-graph capturable.
@@ -266,7 +267,7 @@ def _cpu(x, ids, w, w_scale, alpha, n_tok, dims, act=None):
     # rows of groups without an expert: NaN, as unknown as the kernel's unwritten rows (a caller must not read them)
     out = torch.full((g * n_tok, m), float("nan"), dtype=x.dtype, device=x.device)
     for grp, e in enumerate(ids.tolist()):
-        if 0 <= e < w.shape[0]:
+        if e >= 0 and (ids.dtype == torch.int32 or e < w.shape[0]):  # (int32 E or past: w[e] names it)
             rows = slice(grp * n_tok, (grp + 1) * n_tok)
             xr = x if x.shape[0] == 1 else x[rows]  # (one row every group reads)
             out[rows] = reference_product((n_tok, m, k, False, False), xr, None, w[e], w_scale[e],

@@ -15,8 +15,8 @@ same bytes. On the CPU: wall-clock medians, no floor. On CUDA up to 64 tokens NV
 kernel (nvfp4_gemv/experts_kernel.py); ``--fallback`` times its dequantize fallback too, ``--busy`` the
 kernel's launch shape under other estimates of the groups with an expert. Where the down launch makes
 ``silu(gate) * up`` itself (``ACT_IN_KERNEL_MAX_TOKENS``) the block is timed with the act as torch ops too, and
-at one token the block and its two kernels with the gate/up launch prefetching the down launch's bytes
-(``PREFETCH_DOWN_MAX_TOKENS``, off by default) and without. The NVFP4 block's router is what
+at one token (CUDA) the block and its two kernels with the gate/up launch prefetching the down launch's bytes
+(``PREFETCH_DOWN_MAX_TOKENS``, off by default) and without, three rounds alternating. The NVFP4 block's router is what
 ``quantize_model(fuse=True)`` makes of it (``fuse_routers``: ``TopKRouter``, one kernel up to 64 tokens on
 CUDA); ``--hf-router`` keeps transformers' (the bf16 block always has transformers').
 """
@@ -215,19 +215,24 @@ def main():
             with patched(experts_mod, ACT_IN_KERNEL_MAX_TOKENS=0):
                 act_ops_us = time_fn(runnable(ours, x, device)[0])
         prefetch_us = no_prefetch_us = kernels_prefetch_us = kernels_no_prefetch_us = kernels_us = None
-        if t == 1:  # the gate/up launch prefetching down's bytes (off by default): the block both ways
-            with patched(experts_mod, PREFETCH_DOWN_MAX_TOKENS=1):
-                prefetch_us = time_fn(runnable(ours, x, device)[0])
-            with patched(experts_mod, PREFETCH_DOWN_MAX_TOKENS=0):
-                no_prefetch_us = time_fn(runnable(ours, x, device)[0])
         if device.type == "cuda":
             fk, _ = runnable(kernels_only(ours.experts, x.reshape(t, -1), idx), None, device)
             kernels_us = time_fn(fk)
-            if t == 1:
-                for pf in (True, False):
-                    us = time_fn(runnable(kernels_only(ours.experts, x.reshape(t, -1), idx, pf), None, device)[0])
-                    kernels_prefetch_us, kernels_no_prefetch_us = (us, kernels_no_prefetch_us) if pf else \
-                        (kernels_prefetch_us, us)
+            if t == 1:  # the gate/up launch prefetching down's bytes (off by default): the block and the two
+                # launches both ways, three rounds alternating between the four (medians of the rounds)
+                ab = {}
+                for pf in (1, 0):
+                    with patched(experts_mod, PREFETCH_DOWN_MAX_TOKENS=pf):
+                        ab[("block", pf)] = runnable(ours, x, device)[0]
+                    ab[("kernels", pf)] = runnable(kernels_only(ours.experts, x.reshape(t, -1), idx, bool(pf)),
+                                                   None, device)[0]
+                runs = {key: [] for key in ab}
+                for _ in range(3):
+                    for key, fn in ab.items():
+                        runs[key].append(time_fn(fn))
+                prefetch_us, no_prefetch_us, kernels_prefetch_us, kernels_no_prefetch_us = (
+                    statistics.median(runs[key]) for key in (("block", 1), ("block", 0), ("kernels", 1),
+                                                             ("kernels", 0)))
             if args.profile:
                 print(f"T={t}: kernels of the NVFP4 block (eager)\n" + profile_top(lambda: ours(x)), flush=True)
         fallback_us = None

@@ -230,7 +230,7 @@ def busy_groups(t, k, e, nt):
 def decode_groups(x, top_k_index, e, nt, x_scale=None):
     """What the experts' first launch reads for a call: ``(xg, gid, at, valid)`` with ``xg`` [G * nt, H] the
     groups' token rows (``x_scale``: each quantized with its expert's input scale, mode w4a4), ``gid`` int32
-    [G] each group's expert (-1: none), ``at`` [S] each slot's row of the launches' results in slot order
+    [G] each group's expert (-1: none; at one token int64 ids as they are, below), ``at`` [S] each slot's row of the launches' results in slot order
     (None: row s is slot s), ``valid`` [S] whether a slot's id is in [0, E). One token skips the sort: its
     k slots are the groups in slot order (a token's experts are distinct; a repeated one is read again) and,
     without ``x_scale``, every group reads x's one row; int64 ids (transformers' routers') are then ``gid``

@@ -247,12 +247,17 @@ def test_the_experts_prefetch_build_asks_the_l2_twice_and_the_plain_build_never(
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_the_experts_int64_ids_build_compiles_without_a_stack_frame(arch, tmp_path):
-    """The one-token gate/up build reading a router's int64 ids (128 experts) with the down prefetch, as
-    ``decode_forward`` launches it at one token."""
-    info = compile_check(arch, 2048, tmp_path, "--tokens", "1", "--w4a16", "2", "--experts", "--ids64", "128",
-                         "--prefetch", "786432,98304", "--tune",
-                         "across=1,ctas=8,dec=1,even=1,late=1,threads=128,w_a=1,xpair=1")
+@pytest.mark.parametrize("launch, k, extra, tune", [
+    ("gate/up", 2048, (), "across=1,ctas=8,dec=1,even=1,late=1,threads=128,w_a=1,xpair=1"),  # as decode_forward's
+    ("gate/up, prefetching", 2048, ("--prefetch", "786432,98304"),  # (the op's option, off in decode_forward)
+     "across=1,ctas=8,dec=1,even=1,late=1,threads=128,w_a=1,xpair=1"),
+    ("down, act", 768, ("--act",), "ctas=4,dec=1,late=1,threads=256,w_a=1,xpair=1")])
+def test_the_experts_int64_ids_builds_compile_without_a_stack_frame(arch, launch, k, extra, tune, tmp_path):
+    """Qwen3-30B-A3B's one-token builds reading a router's int64 ids (128 experts): the gate/up launch (with and
+    without the down prefetch) and the down launch making ``silu(gate) * up``, as ``decode_forward`` launches
+    them at one token."""
+    info = compile_check(arch, k, tmp_path, "--tokens", "1", "--w4a16", "2", "--experts", "--ids64", "128",
+                         *extra, "--tune", tune)
     assert info["elf"] and info["launch"] == "tvm-ffi" and info["frame_bytes"] == 0, info
 
 
