@@ -13,10 +13,10 @@ asks the L2 for each group's expert's bytes of ``w2`` and ``w2_scale``, so that 
 finds them there (a hint: the results are the same with or without it; measured slower at one token on an
 H100, so ``decode_forward`` leaves it off: docs/results.md).
 
-Groups with a negative int32 id are skipped (an int32 id must be below E): on CUDA their rows of ``out`` are not written (whatever was in memory),
-on the CPU they are NaN (so that a caller that reads them shows it). ``ids`` int64 (a router's ``top_k_index``
-as it is) may hold any value: one outside [0, E) is skipped the same way. The caller (``nvfp4_gemv.model.experts_forward``)
-builds the groups on the device: no host sync here, fixed shapes, CUDA-graph capturable.
+Groups with a negative int32 id are skipped (an int32 id must be below E): on CUDA their rows of ``out`` are
+not written (whatever was in memory), on the CPU they are NaN (so that a caller that reads them shows it).
+``ids`` int64 (a router's ``top_k_index`` as it is) may hold any value: one outside [0, E) is skipped the same
+way. The caller (``nvfp4_gemv.model.experts_forward``) builds the groups on the device: no host sync here, fixed shapes, CUDA-graph capturable.
 
 Error bound (CUDA): the W4A16 kernel's (``w4a16``: half an ulp of the output plus (K / (16 W) + W + 3) * 2^-22
 of the sum of |terms|); the CPU path rounds the float64 result once. With ``act`` the CPU path rounds the

@@ -230,8 +230,8 @@ def busy_groups(t, k, e, nt):
 def decode_groups(x, top_k_index, e, nt, x_scale=None):
     """What the experts' first launch reads for a call: ``(xg, gid, at, valid)`` with ``xg`` [G * nt, H] the
     groups' token rows (``x_scale``: each quantized with its expert's input scale, mode w4a4), ``gid`` int32
-    [G] each group's expert (-1: none; at one token int64 ids as they are, below), ``at`` [S] each slot's row of the launches' results in slot order
-    (None: row s is slot s), ``valid`` [S] whether a slot's id is in [0, E). One token skips the sort: its
+    [G] each group's expert (-1: none; at one token int64 ids as they are, below), ``at`` [S] each slot's row
+    of the launches' results in slot order (None: row s is slot s), ``valid`` [S] whether a slot's id is in [0, E). One token skips the sort: its
     k slots are the groups in slot order (a token's experts are distinct; a repeated one is read again) and,
     without ``x_scale``, every group reads x's one row; int64 ids (transformers' routers') are then ``gid``
     as they are (the kernel takes an id outside [0, E) as no expert: no kernel makes int32 ids)."""
@@ -261,8 +261,8 @@ def decode_forward(x, top_k_index, top_k_weights, gate_up, down, act_fn):
     groups of at most ``group_size`` token rows (``decode_groups``), gate/up then ``act_fn(gate) * up`` then
     down, each one launch that reads every expert hit once a group, and the combine of ``grouped_forward``.
     Sync-free. Up to ``PREFETCH_DOWN_MAX_TOKENS`` tokens (default none: measured slower) the gate/up launch asks
-    the L2 for the down launch's bytes of its experts. Up to ``ACT_IN_KERNEL_MAX_TOKENS`` tokens W4A16 SiLU experts make ``silu(gate) * up`` in the
-    down launch (rounded once to x's dtype from fp32, as inductor's fused ``F.silu(g) * u``; eager torch rounds
+    the L2 for the down launch's bytes of its experts. Up to ``ACT_IN_KERNEL_MAX_TOKENS`` tokens W4A16 SiLU
+    experts make ``silu(gate) * up`` in the down launch (rounded once to x's dtype from fp32, as inductor's fused ``F.silu(g) * u``; eager torch rounds
     ``silu(g)`` first).
 
     Its products differ from the fallback's: exact products of x and the NVFP4 weights summed in fp32, alpha
