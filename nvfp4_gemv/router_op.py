@@ -6,8 +6,8 @@ op (``torch.ops.nvfp4.topk_route``, for torch.compile):
 
 On CUDA, for up to ``MAX_TOKENS`` tokens and shapes ``router_kernel.can_implement`` takes, one kernel (past
 256 experts also the fill of its counters; ``router_kernel``: its docstring states how its rounding and tie
-order may differ from the torch ops'); else, and on the CPU, the torch ops themselves, exactly transformers' code. No host
-sync either way.
+order may differ from the torch ops'); else, and on the CPU, the torch ops themselves, exactly transformers'
+code. No host sync either way.
 """
 
 import torch

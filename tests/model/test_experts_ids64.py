@@ -35,6 +35,16 @@ def test_cpu_path_takes_an_id_outside_the_experts_as_none():
     assert got[as32 < 0].isnan().all()
 
 
+def test_cpu_path_does_not_hide_an_int32_id_past_the_experts():
+    """int32 ids are -1 or an expert (the int32 CUDA build reads ids[g] < E as it is): the CPU path reads
+    w[E] and fails, rather than taking it as no expert as it does an int64 id."""
+    gen = torch.Generator().manual_seed(1)
+    w, ws, a = random_weights(gen, 4, 128, 64)
+    x = torch.randn(1, 64, generator=gen).bfloat16()
+    with pytest.raises(IndexError):
+        experts_gemv(x, torch.tensor([1, 4], dtype=torch.int32), w, ws, a, 1)
+
+
 def test_one_token_groups_are_the_routers_int64_ids_as_they_are():
     idx = torch.tensor([[3, 0, 7, 5]])
     xg, gid, at, valid = decode_groups(torch.randn(1, 64).bfloat16(), idx, 6, 1)
