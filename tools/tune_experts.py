@@ -1,6 +1,6 @@
 """Times the experts' kernel alone, one launch at a time (a MoE layer's gate/up or down), over builds around
 the one ``experts_op.launch_shape`` picks: each build knob varied alone (threads, CTAs a SM, groups of 8 rows
-a CTA, ``across``, ``x_smem``) and the grid under other estimates of the groups with an expert (``busy``
+a CTA, ``across``, ``x_smem``, ``late``, ``even``, ``depth``, ``chains``) and the grid under other estimates of the groups with an expert (``busy``
 times 0.5, 2). Each build's output is checked against float64 within the W4A16 bound first. The read floor
 is the fastest plain read of the launch's bytes (the experts hit, their scales), timed the same way.
 
@@ -32,7 +32,8 @@ from nvfp4_gemv.model.experts_forward import (ACT_IN_KERNEL_MAX_TOKENS, busy_gro
 from nvfp4_gemv.w4a16 import Nvfp4GemvW4A16  # noqa: E402
 from nvfp4_gemv.w4a16_route import W4A16Route  # noqa: E402
 
-VARY = {"threads": (128, 256, 512), "ctas": (1, 2, 4, 8), "groups": (2, 4, 8), "across": (0, 1), "x_smem": (0, 1)}
+VARY = {"threads": (128, 256, 512), "ctas": (1, 2, 4, 8), "groups": (2, 4, 8), "across": (0, 1), "x_smem": (0, 1),
+        "late": (0, 1), "even": (0, 1), "depth": (2,), "chains": (2,)}  # (depth, chains: 1 by default)
 BUSY_FACTORS = (0.5, 2.0)
 
 
