@@ -126,19 +126,35 @@ _kernels = KernelCache(_build)
 _plans = {}
 
 
+FEW_CTAS_THREADS = 128  # a group's few CTAs at 8 tokens a group: 4 warps, not the plain route's 8 (below)
+FEW_CTAS_GRID = 8
+
+
 def launch_shape(n_tok, m, k, sms, busy):
     """(route, grid_x) of a launch where about ``busy`` groups have an expert: the plain W4A16 kernel's build
     for ``n_tok`` tokens on the experts' rows stacked (``busy * m`` rows), its grid shared by the groups.
-    (A heuristic, not yet tuned on a GPU: docs/results.md.)"""
+
+    One rule of the experts' own (tools/tune_experts.py, session 76, one H100, Qwen3-30B-A3B at 16 tokens:
+    docs/results.md): at 8 tokens a group where a group gets at most ``FEW_CTAS_GRID`` CTAs, 4-warp CTAs
+    (gate/up 94 -> 74 us, down 61 -> 44 us); the plain route's 8 warps were tuned for one matrix's wide grid."""
     from .w4a16 import Nvfp4GemvW4A16
-    from .w4a16_route import route
+    from .w4a16_route import W4A16Route, route
 
     busy = max(1, busy)
     r = route(n_tok, m * busy, k, sms)
-    tune = dict(r.tuning)
-    op = Nvfp4GemvW4A16(k, n_tok, r.groups, True, False, True, True, **tune)
     tiles = -(-(m // 8) // r.groups)
-    return r, max(1, min(tiles, -(-op.grid_x(m * busy, sms) // busy)))
+
+    def grid(tune):
+        op = Nvfp4GemvW4A16(k, n_tok, r.groups, True, False, True, True, **tune)
+        return max(1, min(tiles, -(-op.grid_x(m * busy, sms) // busy)))
+
+    tune = dict(r.tuning)
+    g = grid(tune)
+    if n_tok >= 8 and g <= FEW_CTAS_GRID and tune.get("threads") != FEW_CTAS_THREADS:
+        few = {**tune, "threads": FEW_CTAS_THREADS}
+        if Nvfp4GemvW4A16.can_implement(k, n_tok, r.groups, **few):
+            return W4A16Route(r.tokens, r.groups, tuple(sorted(few.items()))), grid(few)
+    return r, g
 
 
 def act_tuning(tuning, act):

@@ -508,8 +508,8 @@ MUTANTS = [
     # -- the experts' kernel on int64 ids --
     ("experts ids64: the id's high word not checked", EXPERTS_KERNEL, "setp.eq.b32 p, hi, 0;", "setp.eq.b32 p, 0, 0;",
      ["tests/model/test_experts_ids64.py"], True),
-    ("experts ids64: ids compared signed", EXPERTS_KERNEL, "setp.lt.and.u32 q, lo,", "setp.lt.and.s32 q, lo,",
-     ["tests/model/test_experts_ids64.py"], True),
+    # (a signed compare of the low word is equivalent: a low word >= 2^31 passes it but is a negative int32,
+    # which the kernel's `e >= 0` skips as it does -1; session 76 saw it survive once the test's poison held)
     ("experts ids64: decode_groups converts int64 ids at one token", EXPERTS_FORWARD,
      "        if ids.dtype == torch.int64:\n            gid = ids.contiguous()\n        else:\n", "        if True:\n",
      ["tests/model/test_experts_ids64.py"], False),

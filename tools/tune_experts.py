@@ -6,6 +6,7 @@ is the fastest plain read of the launch's bytes (the experts hit, their scales),
 
     python tools/tune_experts.py                          # Qwen3-30B-A3B's experts at 1 token, on the GPU
     python tools/tune_experts.py --tokens 1,4 --out docs/tune-experts-h100
+    python tools/tune_experts.py --tokens 16 --set threads=128 --rounds 3   # around another base build
     python tools/tune_experts.py --list                   # the candidates (no GPU needed), nothing timed
 
 Qwen3-30B-A3B's shapes (``--experts 128 --top-k 8 --hidden 2048 --inter 768``): gate/up [2I, H] = 1536 x
@@ -44,12 +45,17 @@ def grid_for(nt, m, k, sms, groups, tuning, busy):
     return max(1, min(tiles, -(-op.grid_x(m * busy, sms) // busy)))
 
 
-def candidates(nt, m, k, sms, busy, act):
-    """``[(label, W4A16Route, grid_x)]``: the route's build first, then each knob varied alone, then the
-    grid under other busy estimates; builds the kernel cannot take are left out."""
+def candidates(nt, m, k, sms, busy, act, base_set=None):
+    """``[(label, W4A16Route, grid_x)]``: the route's build first (``base_set``: knobs overriding its tuning,
+    its grid then ``grid_for`` the result), then each knob varied alone, then the grid under other busy
+    estimates; builds the kernel cannot take are left out."""
     base, grid = experts_op.launch_shape(nt, m, k, sms, busy)
     tuning = dict(experts_op.act_tuning(base.tuning, act))
-    out, seen = [("route", W4A16Route(nt, base.groups, tuple(sorted(tuning.items()))), grid)], set()
+    if base_set:
+        tuning.update(base_set)
+        grid = grid_for(nt, m, k, sms, base.groups, tuple(sorted(tuning.items())), busy)
+    first = "route" if not base_set else "route+" + ",".join(f"{k}={v}" for k, v in sorted(base_set.items()))
+    out, seen = [(first, W4A16Route(nt, base.groups, tuple(sorted(tuning.items()))), grid)], set()
     seen.add((base.groups, tuple(sorted(tuning.items())), grid))
 
     def add(label, groups, tune, b):
@@ -113,7 +119,7 @@ def reference(x, gid, w, ws, alpha, nt, act):
     for g, e in enumerate(gid.tolist()):
         if e >= 0:
             wv = dequantize(w[e], ws[e]).double() * float(alpha[e])
-            rows = x[g * nt:(g + 1) * nt].double()
+            rows = (x if x.shape[0] == 1 else x[g * nt:(g + 1) * nt]).double()  # (one token: every group's row)
             ref[g * nt:(g + 1) * nt] = rows @ wv.T
             absum[g * nt:(g + 1) * nt] = rows.abs() @ wv.abs().T
     return ref, absum
@@ -130,7 +136,11 @@ def main():
     ap.add_argument("--sms", type=int, default=None, help="SM count for --list (default: the GPU's, else 132)")
     ap.add_argument("--list", action="store_true", help="print the candidates, time nothing")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every candidate of a launch once a round, ROUNDS rounds in turn; the median of the rounds")
+    ap.add_argument("--set", default="", help="KNOB=V,...: the base build's knobs overridden (e.g. threads=128)")
     args = ap.parse_args()
+    base_set = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.set.split(",") if kv}
     cuda = torch.cuda.is_available() and not args.list
     sms = args.sms or (torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132)
     gen = torch.Generator().manual_seed(0)
@@ -142,7 +152,7 @@ def main():
         launches = setup(t, args.experts, args.top_k, args.hidden, args.inter, "cuda" if cuda else "cpu", gen)
         for name, x, gid, w, ws, alpha, nt, busy, act in launches:
             m, k = w.shape[1], w.shape[2] * 2
-            cands = candidates(nt, m, k, sms, busy, act)
+            cands = candidates(nt, m, k, sms, busy, act, base_set)
             if not cuda:
                 for label, r, g in cands:
                     print(f"T={t} {name} {m}x{k} nt={nt} busy={busy} act={act}: {label:12s} groups={r.groups} "
@@ -154,6 +164,7 @@ def main():
             live = ~ref.isnan()
             real = experts_op.launch_shape
             try:
+                built = []  # (label, route, grid, graph, within bound): each captured once, timed in rounds
                 for label, r, g in cands:
                     experts_op.launch_shape = lambda *a, r=r, g=g: (r, g)
                     experts_op._plans.clear()
@@ -166,9 +177,15 @@ def main():
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
                         experts_op.experts_gemv(x, gid, w, ws, alpha, nt, busy, act)
-                    us = time_leaderboard(graph.replay, args.reps)
+                    built.append((label, r, g, graph, ok))
+                times = [[] for _ in built]
+                for _ in range(args.rounds):  # (rounds in turn: a drift of the card's clocks meets every build)
+                    for i, b in enumerate(built):
+                        times[i].append(time_leaderboard(b[3].replay, args.reps))
+                for (label, r, g, _, ok), ts in zip(built, times):
+                    us = sorted(ts)[len(ts) // 2]
                     row = dict(tokens=t, launch=name, m=m, k=k, nt=nt, busy=busy, act=act, label=label,
-                               groups=r.groups, grid=g, tuning=dict(r.tuning), us=us, floor_us=floor,
+                               groups=r.groups, grid=g, tuning=dict(r.tuning), us=us, rounds=ts, floor_us=floor,
                                pct_of_floor=100 * floor / us, bytes=nbytes, within_bound=ok)
                     rows.append(row)
                     print(json.dumps(row), flush=True)

@@ -1,0 +1,48 @@
+"""``experts_op.launch_shape``: the plain W4A16 route's build for the experts' rows stacked, except at 8 tokens a
+group where a group gets few CTAs, which takes 4-warp CTAs (measured: docs/results.md, session 76)."""
+
+import pytest
+
+from nvfp4_gemv import experts_op
+from nvfp4_gemv.model.experts_forward import busy_groups, group_size
+from nvfp4_gemv.w4a16 import Nvfp4GemvW4A16
+from nvfp4_gemv.w4a16_route import route
+
+QWEN3 = (128, 8, 2048, 768)  # experts, top k, hidden, expert intermediate
+MIXTRAL = (8, 2, 4096, 14336)
+
+
+def shapes(model, t):
+    e, top, h, i = model
+    nt = group_size(t, top, e)
+    busy = busy_groups(t, top, e, nt)
+    return [(nt, 2 * i, h, busy), (nt, h, i, busy)]  # gate/up, down
+
+
+@pytest.mark.parametrize("t", [16, 64])
+def test_eight_tokens_a_group_on_few_ctas_take_four_warps(t):
+    for nt, m, k, busy in shapes(QWEN3, t):
+        r, grid = experts_op.launch_shape(nt, m, k, 132, busy)
+        assert nt == 8 and grid <= experts_op.FEW_CTAS_GRID
+        assert dict(r.tuning)["threads"] == experts_op.FEW_CTAS_THREADS
+        plain = route(nt, m * busy, k, 132)
+        assert r.groups == plain.groups
+        assert {a: b for a, b in r.tuning if a != "threads"} == {a: b for a, b in plain.tuning if a != "threads"}
+        assert Nvfp4GemvW4A16.can_implement(k, nt, r.groups, **dict(r.tuning))
+
+
+@pytest.mark.parametrize("model, t", [(QWEN3, 1), (QWEN3, 4), (MIXTRAL, 1), (MIXTRAL, 16), (MIXTRAL, 64)])
+def test_other_launches_keep_the_plain_routes_build(model, t):
+    """Fewer than 8 tokens a group, or a group's grid wider than FEW_CTAS_GRID (Mixtral's few experts)."""
+    for nt, m, k, busy in shapes(model, t):
+        r, grid = experts_op.launch_shape(nt, m, k, 132, busy)
+        assert nt < 8 or grid > experts_op.FEW_CTAS_GRID
+        assert r == route(nt, m * max(1, busy), k, 132)
+
+
+@pytest.mark.parametrize("nt, busy", [(2, 30), (4, 60)])
+def test_fewer_than_eight_tokens_a_group_keep_the_plain_route_on_few_ctas_too(nt, busy):
+    """(Not measured there: the one-token and 4-token launches took other builds best.)"""
+    r, grid = experts_op.launch_shape(nt, 2048, 768, 132, busy)
+    assert grid <= experts_op.FEW_CTAS_GRID and r == route(nt, 2048 * busy, 768, 132)
+
