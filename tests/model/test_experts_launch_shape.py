@@ -2,11 +2,14 @@
 group where a group gets few CTAs, which takes 4-warp CTAs (measured: docs/results.md, session 76)."""
 
 import pytest
+import torch
 
 from nvfp4_gemv import experts_op
 from nvfp4_gemv.model.experts_forward import busy_groups, group_size
 from nvfp4_gemv.w4a16 import Nvfp4GemvW4A16
 from nvfp4_gemv.w4a16_route import route
+
+from test_experts_kernel import check_within_bound, exact, fuzz_case
 
 QWEN3 = (128, 8, 2048, 768)  # experts, top k, hidden, expert intermediate
 MIXTRAL = (8, 2, 4096, 14336)
@@ -45,4 +48,37 @@ def test_fewer_than_eight_tokens_a_group_keep_the_plain_route_on_few_ctas_too(nt
     """(Not measured there: the one-token and 4-token launches took other builds best.)"""
     r, grid = experts_op.launch_shape(nt, 2048, 768, 132, busy)
     assert grid <= experts_op.FEW_CTAS_GRID and r == route(nt, 2048 * busy, 768, 132)
+
+
+def few_cta_seeds():
+    """The experts' fuzz cases (``test_experts_kernel.fuzz_case``) whose launch takes the 4-warp rule."""
+    out = []
+    for seed in range(300):
+        (x, ids, w, ws, alpha, nt, busy), _ = fuzz_case(seed, "cpu")
+        r, _ = experts_op.launch_shape(nt, w.shape[1], x.shape[1], 132, busy)
+        plain = route(nt, w.shape[1] * max(1, busy), x.shape[1], 132)
+        if r != plain:
+            out.append(seed)
+    return out
+
+
+def test_the_fuzz_reaches_the_four_warp_rule():
+    assert len(few_cta_seeds()) >= 20
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("part", range(3))
+def test_cuda_four_warp_launches_within_their_bound_of_float64(part):
+    """The fuzz's cases the rule takes (on 132 SMs: an H100 SXM's count; another card's may route some of them
+    otherwise), a third a part: outputs poisoned first, each row within the W4A16 bound of float64."""
+    for seed in few_cta_seeds()[part::3]:
+        (x, ids, w, ws, alpha, nt, busy), _ = fuzz_case(seed, "cuda")
+        ref, absum = exact(x, ids, w, ws, alpha, nt)
+        args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in (x, ids, w, ws, alpha, nt, busy)]
+        poison = torch.full((ids.shape[0] * nt, w.shape[1]), float("nan"), dtype=x.dtype, device="cuda")
+        del poison  # (the op's output takes the freed block: a row it leaves unwritten stays NaN)
+        y = experts_op.experts_gemv(*args).cpu()
+        live = ~ref.isnan()
+        assert not y[live].isnan().any(), f"case {seed}: rows of a group with an expert left unwritten"
+        check_within_bound(y, ref, absum, x.shape[1], f"case {seed} (nt={nt}, busy={busy}, {x.dtype})")
 
