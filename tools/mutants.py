@@ -493,6 +493,15 @@ MUTANTS = [
      "        e = cutlass.max(e, 0)\n        if e >= 0:  # (the same", ["tests/model/test_experts_kernel.py"], True),
     ("experts op: the shared x row read with a row stride", EXPERTS_OP, "0 if shared else x.shape[1] * 2",
      "x.shape[1] * 2", ["tests/model/test_experts_kernel.py"], True),
+    # -- the launch shape's 4-warp rule (session 76) --
+    ("experts launch shape: the 4-warp rule never taken", EXPERTS_OP,
+     "    if n_tok >= 8 and g <= FEW_CTAS_GRID and", "    if n_tok >= 99 and g <= FEW_CTAS_GRID and",
+     ["tests/model/test_experts_launch_shape.py"], False),
+    ("experts launch shape: the 4-warp rule below 8 tokens a group", EXPERTS_OP,
+     "    if n_tok >= 8 and g <= FEW_CTAS_GRID and", "    if n_tok >= 1 and g <= FEW_CTAS_GRID and",
+     ["tests/model/test_experts_launch_shape.py"], False),
+    ("experts launch shape: the 4-warp rule on wide grids", EXPERTS_OP,
+     "and g <= FEW_CTAS_GRID and", "and g <= 10 ** 6 and", ["tests/model/test_experts_launch_shape.py"], False),
     # -- the down launch's act (experts_kernel, w4a16's copy of x) --
     ("experts act: up read from the gate's chunk", W4A16, "xup = ldg_v4(xaddr + 2 * self.k)", "xup = ldg_v4(xaddr)",
      ["tests/model/test_experts_act.py"], True),
