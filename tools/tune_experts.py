@@ -2,7 +2,8 @@
 the one ``experts_op.launch_shape`` picks: each build knob varied alone (threads, CTAs a SM, groups of 8 rows
 a CTA, ``across``, ``x_smem``, ``late``, ``even``, ``depth``, ``chains``) and the grid under other estimates
 of the groups with an expert (``busy`` times 0.5, 2). Each build's output is first checked against float64
-within a sanity bound (2^-12 of the sum of |terms| plus 2^-8 of |result|; the tests hold the exact one).
+within a sanity bound (2^-12 of the sum of |terms|, 2^-8 more with the act, plus 2^-8 of |result|; the
+tests hold the exact one).
 Every build is captured once and timed once a round, ``--rounds`` rounds in turn (median). The read floor
 is the fastest plain read of the launch's bytes (the experts hit, their scales), timed the same way.
 
