@@ -5,7 +5,7 @@
 # `tools/gpu_checks.sh $OUT fuzz,fuzzop,fuzzw4a16`. Measured 2026-12-01 on one H200: the suite as 4 shards
 # 566 s (its largest shard 545 s), as 8 shards 422 s; GPU mutants 100 s with 4 jobs, memcheck + racecheck 170 s and
 # synccheck 26 s, the W4A16 fuzz 91 s as six processes.
-# STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop,fuzzw4a16 (default all), routercheck (the MoE router kernel), repro (session 66's fault:
+# STEPS: any of pytest,mutants,sanitize,fuzz,fuzzop,fuzzw4a16 (default all), routercheck (the MoE router kernel), fewctas (the experts' 4-warp rule), repro (session 66's fault:
 # tools/repro_fault.sh blocking, each, plain with the DSL's own launch, memcheck-alone; each its own log),
 # repromc (memcheck-cached alone), inbounds (that fault's fix: below), experts (its GPU tests and 300-case fuzz, ~5 processes) and
 # the measurements bench (bench.py, the leaderboard's shapes), model (bench_model --hf, Llama-3-8B, batch 1),
@@ -202,6 +202,14 @@ step prefetchcheck 290 bash -c "P='python -m pytest -q -p no:cacheprovider -m gp
     tail -n 2 '$LOG/prefetch-tests.txt'; tail -n 4 '$LOG/ids64-mutants.txt'
     grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' '$LOG'/san-*.txt; grep '^T=' '$LOG/moe-prefetch.txt'
     exit \$((t | u))"
+# fewctas: the experts' 4-warp rule (session 76): its GPU test (the 37 fuzz cases it routes, three processes),
+# then the 16-token sweep in rounds (the rule's build against the plain route's threads=256 beside it)
+step fewctas 230 bash -c "for p in 0 1 2; do timeout 110 python -m pytest -q -p no:cacheprovider -m gpu \
+        \"tests/model/test_experts_launch_shape.py::test_cuda_four_warp_launches_within_their_bound_of_float64[\$p]\" \
+        > '$LOG/fewctas-t'\$p.txt 2>&1 & done; wait
+    timeout 110 python tools/tune_experts.py --tokens 16 --rounds 3 --out '$LOG/tune-fewctas' > '$LOG/tune-fewctas.txt' 2>&1
+    for p in 0 1 2; do tail -n 1 '$LOG/fewctas-t'\$p.txt; done; grep -v '^{' '$LOG/tune-fewctas.txt' | tail -n 36
+    ! grep -q -E 'failed|error' '$LOG'/fewctas-t*.txt"
 step load 560 python tools/bench_load.py --device cuda --loader from_pretrained --fuse --pack --layers 32 --hidden 4096 \
     --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256 --generate 16 --json "$LOG/load-8b.json"
 step load70 560 python tools/bench_load.py --device cuda --loader from_pretrained --fuse --pack --layers 80 --hidden 8192 \
