@@ -134,9 +134,11 @@ def launch_shape(n_tok, m, k, sms, busy):
     """(route, grid_x) of a launch where about ``busy`` groups have an expert: the plain W4A16 kernel's build
     for ``n_tok`` tokens on the experts' rows stacked (``busy * m`` rows), its grid shared by the groups.
 
-    One rule of the experts' own (tools/tune_experts.py, session 76, one H100, Qwen3-30B-A3B at 16 tokens:
-    docs/results.md): at 8 tokens a group where a group gets at most ``FEW_CTAS_GRID`` CTAs, 4-warp CTAs
-    (gate/up 94 -> 74 us, down 61 -> 44 us); the plain route's 8 warps were tuned for one matrix's wide grid."""
+    One rule of the experts' own (tools/tune_experts.py, session 76, one H100, Qwen3-30B-A3B at 16 tokens,
+    one timing a build: docs/results.md): where the plain route gives 8 tokens a group 8-warp CTAs with x in
+    registers and a group gets at most ``FEW_CTAS_GRID`` CTAs, 4-warp CTAs (gate/up 94 -> 74 us, down 61 -> 44
+    us). Only that case was measured: other group sizes and builds (16 warps, x in shared memory) keep the
+    plain route, whose builds were tuned for one matrix's wide grid."""
     from .w4a16 import Nvfp4GemvW4A16
     from .w4a16_route import W4A16Route, route
 
@@ -150,7 +152,7 @@ def launch_shape(n_tok, m, k, sms, busy):
 
     tune = dict(r.tuning)
     g = grid(tune)
-    if n_tok >= 8 and g <= FEW_CTAS_GRID and tune.get("threads") != FEW_CTAS_THREADS:
+    if n_tok == 8 and g <= FEW_CTAS_GRID and tune.get("threads") == 256 and not tune.get("x_smem"):
         few = {**tune, "threads": FEW_CTAS_THREADS}
         if Nvfp4GemvW4A16.can_implement(k, n_tok, r.groups, **few):
             return W4A16Route(r.tokens, r.groups, tuple(sorted(few.items()))), grid(few)

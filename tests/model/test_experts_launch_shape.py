@@ -1,5 +1,6 @@
-"""``experts_op.launch_shape``: the plain W4A16 route's build for the experts' rows stacked, except at 8 tokens a
-group where a group gets few CTAs, which takes 4-warp CTAs (measured: docs/results.md, session 76)."""
+"""``experts_op.launch_shape``: the plain W4A16 route's build for the experts' rows stacked, except where that
+build is 8-warp CTAs with x in registers for 8 tokens a group and a group gets few CTAs: 4-warp CTAs there
+(measured: docs/results.md, session 76)."""
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ import torch
 from nvfp4_gemv import experts_op
 from nvfp4_gemv.model.experts_forward import busy_groups, group_size
 from nvfp4_gemv.w4a16 import Nvfp4GemvW4A16
+from nvfp4_gemv.experts_op import sm_count
 from nvfp4_gemv.w4a16_route import route
 
 from test_experts_kernel import check_within_bound, exact, fuzz_case
@@ -43,35 +45,40 @@ def test_other_launches_keep_the_plain_routes_build(model, t):
         assert r == route(nt, m * max(1, busy), k, 132)
 
 
-@pytest.mark.parametrize("nt, busy", [(2, 30), (4, 60)])
-def test_fewer_than_eight_tokens_a_group_keep_the_plain_route_on_few_ctas_too(nt, busy):
-    """(Not measured there: the one-token and 4-token launches took other builds best.)"""
-    r, grid = experts_op.launch_shape(nt, 2048, 768, 132, busy)
-    assert grid <= experts_op.FEW_CTAS_GRID and r == route(nt, 2048 * busy, 768, 132)
+@pytest.mark.parametrize("nt, m, k, busy", [(2, 2048, 768, 30), (4, 2048, 768, 60), (16, 2048, 768, 40),
+                                           (16, 1536, 2048, 40), (8, 4096, 4096, 40)])
+def test_unmeasured_builds_keep_the_plain_route_on_few_ctas_too(nt, m, k, busy):
+    """Other group sizes than 8 (the plain route's 8 warps with x in registers, or 16 with x in shared
+    memory), and 8 tokens a group on a 16-warp build with x in shared memory (K = 4096): not measured."""
+    r, grid = experts_op.launch_shape(nt, m, k, 132, busy)
+    assert grid <= experts_op.FEW_CTAS_GRID and r == route(nt, m * busy, k, 132)
 
 
-def few_cta_seeds():
-    """The experts' fuzz cases (``test_experts_kernel.fuzz_case``) whose launch takes the 4-warp rule."""
+def few_cta_seeds(sms):
+    """The cases of the experts' fuzz generator (``test_experts_kernel.fuzz_case``, seeds 0..999: its test
+    draws 0..299) whose launch takes the 4-warp rule on ``sms`` SMs."""
     out = []
-    for seed in range(300):
+    for seed in range(1000):
         (x, ids, w, ws, alpha, nt, busy), _ = fuzz_case(seed, "cpu")
-        r, _ = experts_op.launch_shape(nt, w.shape[1], x.shape[1], 132, busy)
-        plain = route(nt, w.shape[1] * max(1, busy), x.shape[1], 132)
+        r, _ = experts_op.launch_shape(nt, w.shape[1], x.shape[1], sms, busy)
+        plain = route(nt, w.shape[1] * max(1, busy), x.shape[1], sms)
         if r != plain:
             out.append(seed)
     return out
 
 
 def test_the_fuzz_reaches_the_four_warp_rule():
-    assert len(few_cta_seeds()) >= 20
+    assert len(few_cta_seeds(132)) >= 20
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("part", range(3))
 def test_cuda_four_warp_launches_within_their_bound_of_float64(part):
-    """The fuzz's cases the rule takes (on 132 SMs: an H100 SXM's count; another card's may route some of them
-    otherwise), a third a part: outputs poisoned first, each row within the W4A16 bound of float64."""
-    for seed in few_cta_seeds()[part::3]:
+    """The fuzz's cases the rule takes on this GPU's SM count, a third a part: outputs poisoned first, each row
+    within the W4A16 bound of float64."""
+    seeds = few_cta_seeds(sm_count(0))
+    assert len(seeds) >= 20, f"only {len(seeds)} fuzz cases take the rule on {sm_count(0)} SMs"
+    for seed in seeds[part::3]:
         (x, ids, w, ws, alpha, nt, busy), _ = fuzz_case(seed, "cuda")
         ref, absum = exact(x, ids, w, ws, alpha, nt)
         args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in (x, ids, w, ws, alpha, nt, busy)]
