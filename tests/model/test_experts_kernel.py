@@ -174,22 +174,28 @@ def test_cpu_path_is_float64_rounded_once(seed):
     assert y[~live].isnan().all(), "rows of groups without an expert are NaN on the CPU"
 
 
+def check_fuzz_case_on_cuda(seed):
+    """Fuzz case ``seed`` through the kernel, its output poisoned first: every row of a group with an expert
+    written and within the bound of float64."""
+    (x, ids, w, ws, alpha, nt, busy), _ = fuzz_case(seed, "cuda")
+    ref, absum = exact(x, ids, w, ws, alpha, nt)
+    args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in (x, ids, w, ws, alpha, nt, busy)]
+    # the op allocates its output: NaN in the block the caching allocator will hand it
+    poison = torch.full((ids.shape[0] * nt, w.shape[1]), float("nan"), dtype=x.dtype, device="cuda")
+    del poison
+    y = experts_gemv(*args).cpu()
+    live = ~ref.isnan()
+    assert not y[live].isnan().any(), f"case {seed}: rows of a group with an expert left unwritten"
+    check_within_bound(y, ref, absum, x.shape[1], f"case {seed} (E={w.shape[0]}, M={w.shape[1]}, "
+                       f"K={x.shape[1]}, nt={nt}, busy={busy}, ids={ids.tolist()}, {x.dtype})")
+
+
 @CUDA
 @pytest.mark.parametrize("chunk", range(10))
 def test_cuda_kernel_within_its_bound_of_float64(chunk):
     """300 random cases (30 a chunk): outputs poisoned first; rows of groups without an expert stay poisoned."""
     for seed in range(30 * chunk, 30 * (chunk + 1)):
-        (x, ids, w, ws, alpha, nt, busy), _ = fuzz_case(seed, "cuda")
-        ref, absum = exact(x, ids, w, ws, alpha, nt)
-        args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in (x, ids, w, ws, alpha, nt, busy)]
-        # the op allocates its output: NaN in the block the caching allocator will hand it
-        poison = torch.full((ids.shape[0] * nt, w.shape[1]), float("nan"), dtype=x.dtype, device="cuda")
-        del poison
-        y = experts_gemv(*args).cpu()
-        live = ~ref.isnan()
-        assert not y[live].isnan().any(), f"case {seed}: rows of a group with an expert left unwritten"
-        check_within_bound(y, ref, absum, x.shape[1], f"case {seed} (E={w.shape[0]}, M={w.shape[1]}, "
-                           f"K={x.shape[1]}, nt={nt}, ids={ids.tolist()}, {x.dtype})")
+        check_fuzz_case_on_cuda(seed)
 
 
 # ----------------------------------------------------------------------------------------------------
